@@ -11,9 +11,10 @@ from autopar.errors import ShardingHintError as ShardingHintError
 
 # The compiler (passes/, cost_model/) imports autopar.errors, so the API is loaded on first use
 # rather than here, which keeps `import passes` and `import autopar` free of cycles.
-_LAZY = {"plan": "autopar._api", "parallelize": "autopar._api", "Plan": "autopar._plan"}
+_LAZY = {"plan": "autopar._api", "parallelize": "autopar._api", "Plan": "autopar._plan",
+         "profile": "cost_model.profiler"}
 
-__all__ = ["plan", "parallelize", "Plan", "AutoparError", "InfeasiblePlanError", "MeshError",
+__all__ = ["plan", "parallelize", "Plan", "profile", "AutoparError", "InfeasiblePlanError", "MeshError",
            "ShardingHintError"]
 
 

@@ -1,4 +1,4 @@
-"""The `autopar` command line: demo, report.
+"""The `autopar` command line: demo, report, profile.
 
 Errors print one line and exit non-zero; ``--debug`` shows the traceback.
 """
@@ -127,6 +127,28 @@ def cmd_report(args) -> int:
     return 0
 
 
+# ----- profile
+def cmd_profile(args) -> int:
+    import math
+
+    from autopar._meshspec import parse_mesh_spec
+    mesh = parse_mesh_spec(args.mesh)
+    if args.simulate_devices:
+        _simulate_devices(args.simulate_devices)
+    elif os.environ.get("JAX_PLATFORMS") == "cpu":
+        _simulate_devices(math.prod(mesh.values()))
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise CLIError(f"cannot write `{args.out}`: folder `{out_dir}` does not exist")
+    from cost_model.profiler import profile
+    prof = profile(mesh, base=args.base, min_bytes=args.min_bytes, max_bytes=args.max_bytes,
+                   repeats=args.repeats, verbose=not args.quiet)
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write(prof.to_json())
+    _say(f"wrote {args.out}: pass it as --hardware {args.out} (or hardware=\"{args.out}\")")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show Python tracebacks")
@@ -147,6 +169,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run on N simulated CPU devices")
     rep.add_argument("--quiet", action="store_true", help="no progress lines")
     rep.set_defaults(run=cmd_report)
+    prof = sub.add_parser("profile", help="measure this machine's matmuls, memory and "
+                                          "collectives and write a hardware profile JSON")
+    prof.add_argument("--mesh", required=True, help="e.g. data=2,model=4 (the axes to measure)")
+    prof.add_argument("--out", required=True, help="the profile JSON to write")
+    prof.add_argument("--base", default=None,
+                      help="built-in profile for what is not measured (default: this backend's)")
+    prof.add_argument("--min-bytes", type=int, default=2**10, help="smallest message (bytes)")
+    prof.add_argument("--max-bytes", type=int, default=2**26, help="largest message (bytes)")
+    prof.add_argument("--repeats", type=int, default=5, help="timed runs per measurement")
+    prof.add_argument("--simulate-devices", type=int, default=0, metavar="N",
+                      help="run on N simulated CPU devices")
+    prof.add_argument("--quiet", action="store_true", help="no progress lines")
+    prof.set_defaults(run=cmd_profile)
     return parser
 
 

@@ -49,12 +49,19 @@ class CommStep:
         return wire_bytes(self.kind, self.in_bytes, self.out_bytes, self.group_size)
 
     def time_s(self, levels) -> float:
-        """levels: mesh axis -> LinkLevel (bandwidth_bytes_per_s, latency_s)."""
+        """levels: mesh axis -> LinkLevel (bandwidth_bytes_per_s, latency_s, and the measured
+        per-collective fits of that axis, which win when every axis of the group has one)."""
         if self.kind is None or (self.group_size <= 1
                                  and self.kind is not CollectiveKind.COLLECTIVE_PERMUTE):
             return 0.0
-        bandwidth = min(levels[a].bandwidth_bytes_per_s for a in self.axes)
-        latency = 0.0 if self.combined else max(levels[a].latency_s for a in self.axes)
+        fits = [levels[a].fit(self.kind.value) for a in self.axes]
+        if all(f is not None for f in fits):  # measured by `autopar profile` on these axes
+            latency, bandwidth = max(f[0] for f in fits), min(f[1] for f in fits)
+        else:
+            latency = max(levels[a].latency_s for a in self.axes)
+            bandwidth = min(levels[a].bandwidth_bytes_per_s for a in self.axes)
+        if self.combined:
+            latency = 0.0
         return ring_steps(self.kind, self.group_size) * latency + self.wire_bytes / bandwidth
 
     def __str__(self) -> str:

@@ -46,6 +46,7 @@ collectives cross.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import math
@@ -82,7 +83,9 @@ __all__ = [
 ]
 
 #: Version of the JSON layout written by :meth:`HardwareProfile.to_json`.
-PROFILE_FORMAT_VERSION = 1
+PROFILE_FORMAT_VERSION = 2
+#: Older layouts this version still reads (version 1 had no measured fields).
+_READABLE_VERSIONS = (1, 2)
 
 _REGENERATE_HINT = "re-run `autopar profile` to write a current profile file"
 
@@ -153,6 +156,16 @@ class LinkLevel:
     bandwidth_bytes_per_s: float  # per device, one direction, along one mesh axis
     latency_s: float  # alpha: fixed cost of one collective step
     devices_per_group: int | None = None  # devices sharing this level; None = unbounded
+    # Measured alpha-beta per collective on one mesh axis, from `autopar profile`:
+    # ((collective kind name, latency_s, bandwidth_bytes_per_s), ...). Empty: use the above.
+    fits: tuple[tuple[str, float, float], ...] = ()
+
+    def fit(self, kind: str) -> tuple[float, float] | None:
+        """(latency_s, bandwidth_bytes_per_s) measured for collective ``kind``, or None."""
+        for name, latency_s, bandwidth in self.fits:
+            if name == kind:
+                return latency_s, bandwidth
+        return None
 
     def __post_init__(self) -> None:
         owner = "LinkLevel"
@@ -262,6 +275,16 @@ class HardwareProfile:
     # Floor on the duration of one kernel. 5 us is a generic default (see h100() for a
     # measured GPU figure); built-in factories set their own.
     launch_overhead_s: float = 5e-6
+    # Matmul dims pad to this tile on the matrix units (MXU / tensor cores), so a per-device
+    # dim of d runs at d / (ceil(d / tile) * tile) of the large-matmul rate. Each factory
+    # sets its own with a source.
+    matmul_tile: int = 128
+    # Measured (square matmul size, fraction of peak) points from `autopar profile`; when
+    # present they replace the tile model (interpolated on log2 of the smallest dim).
+    matmul_curve: tuple[tuple[int, float], ...] = ()
+    # Measured collectives: ((mesh axis name, collective kind name, latency_s,
+    # bandwidth_bytes_per_s), ...). An axis of that name in a planned mesh is priced with them.
+    collective_fits: tuple[tuple[str, str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -334,6 +357,29 @@ class HardwareProfile:
         object.__setattr__(
             self, "launch_overhead_s", _number(owner, "launch_overhead_s", self.launch_overhead_s, positive=False)
         )
+        tile = self.matmul_tile
+        if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+            raise ProfileError(f"{owner}: field 'matmul_tile' must be a positive integer, got {tile!r}")
+        curve = []
+        for i, point in enumerate(self.matmul_curve):
+            if not isinstance(point, (tuple, list)) or len(point) != 2:
+                raise ProfileError(f"{owner}: matmul_curve[{i}] must be [size, fraction], got {point!r}")
+            curve.append((int(_number(owner, f"matmul_curve[{i}] size", point[0])),
+                          _number(owner, f"matmul_curve[{i}] fraction", point[1], at_most=1.0)))
+        object.__setattr__(self, "matmul_curve", tuple(sorted(curve)))
+        fits = []
+        for i, fit in enumerate(self.collective_fits):
+            if not isinstance(fit, (tuple, list)) or len(fit) != 4 or not all(
+                    isinstance(x, str) for x in fit[:2]):
+                raise ProfileError(f"{owner}: collective_fits[{i}] must be [axis, collective, "
+                                   f"latency_s, bandwidth_bytes_per_s], got {fit!r}")
+            if fit[1] not in _COLLECTIVE_NAMES:
+                raise ProfileError(f"{owner}: collective_fits[{i}] names collective {fit[1]!r}; "
+                                   f"known ones are {', '.join(_COLLECTIVE_NAMES)}")
+            fits.append((fit[0], fit[1],
+                         _number(owner, f"collective_fits[{i}] latency_s", fit[2], positive=False),
+                         _number(owner, f"collective_fits[{i}] bandwidth_bytes_per_s", fit[3])))
+        object.__setattr__(self, "collective_fits", tuple(fits))
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -399,8 +445,15 @@ class HardwareProfile:
             ],
             "matmul_efficiency": self.matmul_efficiency,
             "launch_overhead_s": self.launch_overhead_s,
+            "matmul_tile": self.matmul_tile,
+            "matmul_curve": [list(p) for p in self.matmul_curve],
+            "collective_fits": [list(f) for f in self.collective_fits],
         }
         return json.dumps(doc, indent=2) + "\n"
+
+    def axis_fits(self, axis: str) -> tuple[tuple[str, float, float], ...]:
+        """The measured (collective, latency_s, bandwidth_bytes_per_s) of mesh axis ``axis``."""
+        return tuple((kind, lat, bw) for a, kind, lat, bw in self.collective_fits if a == axis)
 
     @classmethod
     def from_json(cls, s: str | bytes) -> HardwareProfile:
@@ -427,16 +480,20 @@ _TOP_FIELDS = (
     "matmul_efficiency",
     "launch_overhead_s",
 )
+# Fields added in format version 2, optional so that version-1 files still load.
+_OPTIONAL_TOP_FIELDS = ("matmul_tile", "matmul_curve", "collective_fits")
+_COLLECTIVE_NAMES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                     "collective-permute")
 _LEVEL_FIELDS = ("kind", "bandwidth_bytes_per_s", "latency_s", "devices_per_group")
 
 
-def _check_fields(where: str, obj: Any, fields: tuple[str, ...]) -> None:
+def _check_fields(where: str, obj: Any, fields: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
     if not isinstance(obj, dict):
         raise ProfileError(f"{where} must be a JSON object, got {type(obj).__name__}")
     missing = [f for f in fields if f not in obj]
     if missing:
         raise ProfileError(f"{where} is missing field {missing[0]!r} (expected fields: {', '.join(fields)})")
-    extra = [f for f in obj if f not in fields]
+    extra = [f for f in obj if f not in fields and f not in optional]
     if extra:
         raise ProfileError(f"{where} has unknown field {extra[0]!r} (expected fields: {', '.join(fields)})")
 
@@ -444,12 +501,12 @@ def _check_fields(where: str, obj: Any, fields: tuple[str, ...]) -> None:
 def _profile_from_doc(cls: type[HardwareProfile], doc: Any) -> HardwareProfile:
     if isinstance(doc, dict) and "format_version" in doc:
         version = doc["format_version"]
-        if version != PROFILE_FORMAT_VERSION or isinstance(version, bool):
+        if version not in _READABLE_VERSIONS or isinstance(version, bool):
             raise ProfileError(
-                f"field 'format_version' is {version!r}, but this autopar reads version "
-                f"{PROFILE_FORMAT_VERSION}"
+                f"field 'format_version' is {version!r}, but this autopar reads versions "
+                f"{', '.join(map(str, _READABLE_VERSIONS))}"
             )
-    _check_fields("the top level", doc, _TOP_FIELDS)
+    _check_fields("the top level", doc, _TOP_FIELDS, _OPTIONAL_TOP_FIELDS)
     raw_levels = doc["levels"]
     if not isinstance(raw_levels, list) or not raw_levels:
         raise ProfileError(f"field 'levels' must be a non-empty list, got {raw_levels!r}")
@@ -482,7 +539,19 @@ def _profile_from_doc(cls: type[HardwareProfile], doc: Any) -> HardwareProfile:
         levels=tuple(levels),
         matmul_efficiency=doc["matmul_efficiency"],
         launch_overhead_s=doc["launch_overhead_s"],
+        matmul_tile=doc.get("matmul_tile", 128),
+        matmul_curve=tuple(tuple(p) if isinstance(p, list) else p
+                           for p in _json_list(doc, "matmul_curve")),
+        collective_fits=tuple(tuple(f) if isinstance(f, list) else f
+                              for f in _json_list(doc, "collective_fits")),
     )
+
+
+def _json_list(doc: dict, field: str) -> list:
+    value = doc.get(field, [])
+    if not isinstance(value, list):
+        raise ProfileError(f"field {field!r} must be a list, got {value!r}")
+    return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -535,7 +604,7 @@ def _ici_axis_bandwidth(bidirectional_per_chip_bytes_per_s: float, ports_per_chi
 
 def _tpu_slice(name: str, bf16_flops: float, hbm_bytes_per_s: float, hbm_bytes: int,
                ici_axis_bytes_per_s: float, slice_chips: int,
-               dcn_bytes_per_s: float) -> HardwareProfile:
+               dcn_bytes_per_s: float, matmul_tile: int = 128) -> HardwareProfile:
     """A TPU chip (one JAX device) in a slice of ``slice_chips`` joined by ICI; slices (and
     hosts beyond a slice) joined by DCN. float32 is HIGHEST precision: 6 bf16 passes."""
     return HardwareProfile(
@@ -550,6 +619,9 @@ def _tpu_slice(name: str, bf16_flops: float, hbm_bytes_per_s: float, hbm_bytes: 
         ),
         matmul_efficiency=_TPU_MATMUL_EFFICIENCY,
         launch_overhead_s=_TPU_LAUNCH_OVERHEAD_S,
+        # v4, v5e and v5p MXUs are 128x128 systolic arrays
+        # (https://cloud.google.com/tpu/docs/system-architecture-tpu-vm#tensorcore).
+        matmul_tile=matmul_tile,
     )
 
 
@@ -624,6 +696,9 @@ def tpu_v6e() -> HardwareProfile:
         # "Per-host NIC configuration 4 x 200 Gbps NIC", "Chips per host 8"
         # (cloud.google.com/tpu/docs/v6e): 800 Gbps / 8 chips = 12.5 GB/s per direction.
         dcn_bytes_per_s=4 * 200e9 / 8 / 8,
+        # Trillium's MXU grew to 256x256 (cloud.google.com/tpu/docs/v6e: "expanded size of
+        # matrix multiply units").
+        matmul_tile=256,
     )
 
 
@@ -664,6 +739,11 @@ def _gpu_node(name: str, flops: dict, hbm_bytes_per_s: float, hbm_bytes: int,
         ),
         matmul_efficiency=matmul_efficiency,
         launch_overhead_s=_GPU_LAUNCH_OVERHEAD_S,
+        # cuBLAS/CUTLASS GEMMs run in thread-block tiles, typically 128 rows/cols on Ampere and
+        # Hopper; dims not a multiple of the tile leave part of the last tile idle ("tile
+        # quantization", NVIDIA Matrix Multiplication Background User's Guide,
+        # https://docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication/).
+        matmul_tile=128,
     )
 
 
@@ -791,6 +871,9 @@ def cpu() -> HardwareProfile:
         matmul_efficiency=0.5,
         # Per-op dispatch cost of the XLA:CPU runtime; estimate.
         launch_overhead_s=5e-6,
+        # GEMM micro-kernels work on register blocks of a few SIMD vectors (16 float32 lanes
+        # with AVX-512); estimate. `autopar profile` measures the real curve.
+        matmul_tile=16,
     )
 
 
@@ -1075,4 +1158,8 @@ def axis_levels(
         groups = np.moveaxis(devices, i, -1).reshape(-1, devices.shape[i])
         index = max(_group_level_index(profile.levels, list(row)) for row in groups)
         result[axis] = profile.levels[index]
+    for axis in names:
+        fits = profile.axis_fits(axis)
+        if fits:
+            result[axis] = dataclasses.replace(result[axis], fits=fits)
     return result

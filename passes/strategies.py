@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from cost_model.collectives import CommStep, plan_redistribute, reduce_step, ring_steps
-from cost_model.compute import op_flops, roofline_s
+from cost_model.compute import matmul_dims, op_flops, roofline_s
 from cost_model.hlo import CollectiveKind
 from autopar.errors import ShardingHintError
 from passes.ir import Graph, Node, NodeKind, Value, itemsize
@@ -234,9 +234,14 @@ def node_strategies(node: Node, graph: Graph, mesh: MeshContext,
                          for i, s in enumerate(in_specs))
         steps = _collectives(partial, finishes, pre, node, graph, mesh, combined)
         f = flops / split
+        dims = None
+        if node.prim == "dot_general":
+            dims = matmul_dims(node.prim, node.params, [
+                shape if sp is None else sp.local_shape(shape, mesh.axis_sizes)
+                for sp, shape in zip(in_specs, in_shapes)])
         out.append(Strategy(in_specs, out_specs, f,
                             roofline_s(f, moved / split, mesh.profile, dtype,
-                                       contraction=contraction) if flops else 0.0,
+                                       contraction=contraction, dims=dims) if flops else 0.0,
                             sum(s.time_s(mesh.levels) for s in steps), steps))
     assert out, f"no strategy for {node.prim}: replicate is always possible"
     return out, fallback
