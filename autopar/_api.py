@@ -84,7 +84,8 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
     levels = axis_levels(jax_mesh, profile, axis_level_overrides)
     on_cpu = jax_mesh.devices.flat[0].platform == "cpu"
     mesh_ctx = MeshContext(tuple(jax_mesh.axis_names), sizes, levels, profile,
-                           emulated_reduce_scatter=on_cpu, upcast_16bit_collectives=on_cpu)
+                           emulated_reduce_scatter=on_cpu, upcast_16bit_collectives=on_cpu,
+                           results_held=on_cpu)
 
     def pins(hints, what):
         def of(traced):

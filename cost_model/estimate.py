@@ -33,13 +33,18 @@ class ChosenComm:
 
 
 def plan_collectives(graph: Graph, strats, choice, mesh) -> list[ChosenComm]:
+    """Every collective the plan runs. A value resharded to the same spec for several
+    consumers moves once: XLA computes the identical resharding once and shares it (CSE), as
+    for a forward activation the backward pass needs in the same layout."""
     out = []
+    moved = set()
     for node in graph.nodes:
         s = strats[node.id][choice[node.id]]
         out += [ChosenComm(c, node.trip_count, node.id, "reduce") for c in s.collectives]
         for pos, vid in enumerate(node.ins):
-            if vid is None:
+            if vid is None or (vid, s.in_specs[pos]) in moved:
                 continue
+            moved.add((vid, s.in_specs[pos]))
             u, k = graph.producer[vid]
             src = strats[u][choice[u]].out_specs[k]
             v = graph.values[vid]
@@ -65,5 +70,8 @@ def estimate(graph: Graph, strats, choice, mesh, comms: list[ChosenComm]) -> Est
         flops += s.flops * node.trip_count
     comm_s = sum(c.step.time_s(mesh.levels) * c.trips for c in comms)
     comm_bytes = sum(c.step.wire_bytes * c.trips for c in comms)
-    peak = peak_memory_bytes(graph, value_specs(graph, strats, choice), mesh.axis_sizes)
+    peak = peak_memory_bytes(graph, value_specs(graph, strats, choice), mesh.axis_sizes,
+                             results_held=mesh.results_held,
+                             operand_specs={n.id: strats[n.id][choice[n.id]].in_specs
+                                            for n in graph.nodes})
     return Estimate(compute_s + comm_s, compute_s, comm_s, flops, comm_bytes, peak)

@@ -40,6 +40,9 @@ class Emitter:
         self.node_in_specs = node_in_specs    # node id -> operand specs of its strategy
         self.mesh = mesh
         self.sizes_items = tuple(zip(mesh.axis_names, mesh.devices.shape))
+        # value id -> a function rebuilding it, for recomputable values (broadcasts of a
+        # scalar): moving one means building it again in the new spec, with no collective.
+        self.rebuild: dict[int, Callable] = {}
 
     # ----- pinning and moving values
     def pin(self, x, spec: Spec | None):
@@ -60,6 +63,8 @@ class Emitter:
         src = self.value_specs.get(vid) if vid is not None else None
         if src is None or src == dst:
             return self.pin(x, dst)
+        if vid in self.rebuild:
+            return self.pin(self.rebuild[vid](), dst)
         for step in plan_redistribute(src, dst, tuple(x.shape), np.dtype(x.dtype).itemsize,
                                       self.sizes_items):
             x = self.pin(x, step.after)
@@ -109,9 +114,14 @@ class Emitter:
             invals = self.feed(invals, scope, eqn.invars, node, range(len(invals)))
         if name == "sharding_constraint":
             return self.pin_results(scope, eqn.outvars, invals)
-        with eqn.ctx.manager:
-            out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+        def bind():
+            with eqn.ctx.manager:
+                return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+        out = bind()
         outs = list(out) if eqn.primitive.multiple_results else [out]
+        if node is not None and self.graph.nodes[node].outs and \
+                self.graph.values[self.graph.nodes[node].outs[0]].recomputable:
+            self.rebuild[self.graph.nodes[node].outs[0]] = bind
         return self.pin_results(scope, eqn.outvars, outs)
 
     # ----- regions

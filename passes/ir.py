@@ -35,6 +35,9 @@ class Value:
     id: int
     shape: tuple[int, ...]
     dtype: Any
+    # Made by an op XLA recomputes wherever it is needed (an iota, a broadcast of a scalar):
+    # Rebuilt, not moved, where a consumer wants another spec (see `recomputable`).
+    recomputable: bool = False
 
     @property
     def rank(self) -> int:
@@ -115,3 +118,11 @@ class Graph:
             assert len(node.ins) == len(node.in_avals), node
             for vid in node.ins:
                 assert vid is None or vid in self.producer, (node, vid)
+
+
+def recomputable(graph: Graph, node: Node) -> bool:
+    """Whether ``node``'s result is a broadcast of a scalar: XLA fuses it into its consumers
+    instead of keeping it, and the emitter rebuilds it in whatever spec a consumer wants
+    instead of moving it."""
+    return node.kind is NodeKind.OP and node.prim == "broadcast_in_dim" and all(
+        vid is None or graph.values[vid].rank == 0 for vid in node.ins)

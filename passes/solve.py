@@ -112,7 +112,7 @@ class IlpBuilder:
         return gu, gw, src, dst, value, trip
 
     def _cost_us(self, a, b, value, trip) -> float:
-        key = (a, b, value.shape, value.itemsize)
+        key = (a, b, value.shape, value.itemsize, value.recomputable)
         if key not in self._edge_cache:
             self._edge_cache[key] = self.mesh.reshard_time_s(a, b, value) * _US
         return self._edge_cache[key] * trip
@@ -141,7 +141,7 @@ class IlpBuilder:
                 lambda p, q, axis=axis: self._axis_cost_us(axis, p, q, value, trip))
 
     def _axis_cost_us(self, axis, p, q, value, trip) -> float:
-        key = (axis, p, q, value.shape, value.itemsize)
+        key = (axis, p, q, value.shape, value.itemsize, value.recomputable)
         if key not in self._edge_cache:
             self._edge_cache[key] = self.mesh.axis_reshard_time_s(axis, p, q, value) * _US
         return self._edge_cache[key] * trip

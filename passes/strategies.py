@@ -10,6 +10,8 @@ cost; resharding between strategies is the ILP's edge cost (``cost_model.collect
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import math
 import warnings
@@ -22,7 +24,7 @@ from cost_model.collectives import CommStep, plan_redistribute, reduce_step, rin
 from cost_model.compute import matmul_dims, op_flops, roofline_s
 from cost_model.hlo import CollectiveKind
 from autopar.errors import ShardingHintError
-from passes.ir import Graph, Node, NodeKind, Value, itemsize
+from passes.ir import Graph, Node, NodeKind, Value, itemsize, recomputable
 from passes.rules import DimMap, Reduce, RuleContext, dim_maps
 from passes.spec import Spec, spec_fits
 
@@ -31,14 +33,16 @@ from passes.spec import Spec, spec_fits
 class MeshContext:
     """The mesh as the planner sees it: axes in order, their sizes and interconnect levels,
     and what the compiling backend does differently from a GPU/TPU (XLA:CPU lowers
-    reduce-scatter as all-reduce plus a slice, and moves 16-bit floats through collectives as
-    float32), so that predictions match what it compiles."""
+    reduce-scatter as all-reduce plus a slice, moves 16-bit floats through collectives as
+    float32, and holds result buffers for the whole call), so that predictions match what it
+    compiles."""
     axis_names: tuple[str, ...]
     axis_sizes: dict
     levels: dict
     profile: object
     emulated_reduce_scatter: bool = False
     upcast_16bit_collectives: bool = False
+    results_held: bool = False  # result buffers live for the whole call (cost_model/memory.py)
 
     @property
     def sizes_items(self):
@@ -52,6 +56,8 @@ class MeshContext:
         return value.itemsize
 
     def reshard(self, src: Spec, dst: Spec, value: Value) -> tuple[CommStep, ...]:
+        if value.recomputable:
+            return ()
         return plan_redistribute(src, dst, value.shape, self.wire_itemsize(value),
                                  self.sizes_items)
 
@@ -253,6 +259,9 @@ def build_strategies(graph: Graph, mesh: MeshContext) -> tuple[list[list[Strateg
     input_shapes = frozenset(graph.values[graph.nodes[n].outs[0]].shape
                              for n in graph.input_nodes if graph.values[graph.nodes[n].outs[0]].rank)
     for node in graph.nodes:
+        if recomputable(graph, node):
+            for vid in node.outs:
+                graph.values[vid] = dataclasses.replace(graph.values[vid], recomputable=True)
         strats, fallback = node_strategies(node, graph, mesh, input_shapes)
         if node.pinned is not None:
             kept = _pin(strats, node.pinned)

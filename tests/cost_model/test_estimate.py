@@ -1,8 +1,7 @@
-"""The plan's prediction against what XLA compiled for it, at realistic shapes: wire bytes and
-per-device flops within 10%. (Not yet covered, see README, Status: peak memory, which is not
-calibrated, and the MoE model, where the estimate counts 17-18% more wire bytes than XLA
-compiles, on 1-D and 2-D meshes: XLA moves the dispatch/combine einsums' operands with fewer
-all-to-alls than the planned steps.)"""
+"""The plan's prediction against what XLA compiled for it, at realistic shapes (compiled from
+ShapeDtypeStruct arguments, never run), on 1-D and 2-D meshes, for autopar's own plans:
+wire bytes and per-device flops within 10%, peak memory within 15% (the issue's bounds; the
+measured agreement is within 1% for wire bytes and flops and within 11% for memory)."""
 
 import dataclasses
 
@@ -10,22 +9,28 @@ import pytest
 
 import autopar
 from cost_model.hlo import analyze
-from examples.models import bert, gpt
+from examples.models import bert, gpt, mlp, moe
 
-CASES = {
-    "gpt-2d": (gpt, dataclasses.replace(gpt.REALISTIC, vocab=16384, seq=512, hidden=1024,
-                                        heads=16, layers=2, batch=16), {"data": 2, "model": 4}),
-    "bert-1d": (bert, dataclasses.replace(bert.REALISTIC, vocab=16384, seq=512, hidden=1024,
-                                          heads=16, layers=2, batch=16), {"data": 8}),
+MODELS = {
+    "gpt": (gpt, dataclasses.replace(gpt.REALISTIC, vocab=16384, seq=512, hidden=1024,
+                                     heads=16, layers=2, batch=16)),
+    "bert": (bert, dataclasses.replace(bert.REALISTIC, vocab=16384, seq=512, hidden=1024,
+                                       heads=16, layers=2, batch=16)),
+    "moe": (moe, dataclasses.replace(moe.REALISTIC, vocab=8192, seq=512, hidden=1024,
+                                     ffn=4096, heads=16, layers=1, experts=8, batch=16)),
+    "mlp": (mlp, mlp.REALISTIC),
 }
+MESHES = {"1d": {"data": 8}, "2d": {"data": 2, "model": 4}}
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_estimate_matches_compiled(case):
-    mod, cfg, mesh = CASES[case]
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_estimate_matches_compiled(model, mesh_name):
+    mod, cfg = MODELS[model]
     fn, args = mod.make_train_step(cfg, abstract=True)
-    plan = autopar.plan(fn, *args, mesh=mesh, hardware="h100")
+    plan = autopar.plan(fn, *args, mesh=MESHES[mesh_name], hardware="h100")
     truth = analyze(plan.compile())
-    assert truth.wire_bytes > 0
+    assert truth.wire_bytes > 0 and truth.peak_memory_bytes > truth.argument_bytes
     assert plan.estimate.comm_bytes == pytest.approx(truth.wire_bytes, rel=0.10)
     assert plan.estimate.flops == pytest.approx(truth.flops, rel=0.10)
+    assert plan.estimate.peak_memory_bytes == pytest.approx(truth.peak_memory_bytes, rel=0.15)
