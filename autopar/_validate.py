@@ -6,6 +6,9 @@ from collections import defaultdict
 
 from cost_model.hlo import analyze
 
+#: Compiled wire bytes of a kind over this multiple of the prediction are flagged.
+_EXCESS = 1.10
+
 
 def validate(plan) -> dict:
     """Compile the plan and return predicted and compiled measures side by side."""
@@ -17,7 +20,10 @@ def validate(plan) -> dict:
             predicted[c.step.kind.value][0] += c.trips
             predicted[c.step.kind.value][1] += c.step.wire_bytes * c.trips
     compiled = {k.value: v for k, v in summary.by_kind().items()}
-    unexpected = sorted(set(compiled) - set(predicted))
+    # A kind XLA runs that the plan did not predict, or moves well over the predicted bytes
+    # of: resharding the plan missed. (Counts may differ: XLA combines collectives.)
+    unexpected = sorted(k for k, (_, nbytes) in compiled.items()
+                        if k not in predicted or nbytes > _EXCESS * predicted[k][1])
     return {
         "wire_bytes": (plan.estimate.comm_bytes, summary.wire_bytes),
         "flops": (plan.estimate.flops, summary.flops),
@@ -40,6 +46,7 @@ def validation_table(plan) -> str:
         lines.append(f"  {kind + ' (count, bytes)':<24}{f'{pn}, {pb:.4g}':>16}"
                      f"{f'{cn}, {cb:.4g}':>16}")
     if v["unexpected_kinds"]:
-        lines.append("  XLA inserted collectives the plan did not predict: "
-                     + ", ".join(v["unexpected_kinds"]) + " (a rule bug: please report it)")
+        lines.append("  XLA runs collectives the plan did not predict (or >10% more bytes of "
+                     "them): " + ", ".join(v["unexpected_kinds"])
+                     + " (resharding the plan missed: please report it)")
     return "\n".join(lines)

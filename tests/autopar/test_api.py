@@ -1,12 +1,14 @@
 """The public surface: Plan fields, JSON round trip, and the parallelize decorator."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
 import autopar
-from examples.models import gpt
+from examples.models import gpt, mlp
 
 
 def _step():
@@ -97,3 +99,17 @@ def test_with_sharding_constraint_in_the_function_is_kept(mesh_2d):
     assert pinned and all(str(strats[n.id][choice[n.id]].out_specs[0]) == "RS(model)"
                           for n in pinned)
     np.testing.assert_allclose(float(plan.jit()(w, x)), float(f(w, x)), rtol=2e-3)
+
+
+def test_validate_flags_collectives_the_plan_did_not_predict(monkeypatch):
+    from autopar import _validate
+    from cost_model import hlo
+
+    fn, args = mlp.make_train_step(mlp.TINY)
+    plan = autopar.plan(fn, *args, mesh={"data": 8})
+    real = hlo.analyze(plan.compile())
+    extra = hlo.Collective(hlo.CollectiveKind.ALL_TO_ALL, 4096, 4096, 8, 1, "main", "injected")
+    fake = dataclasses.replace(real, collectives=real.collectives + (extra,))
+    monkeypatch.setattr(_validate, "analyze", lambda compiled: fake)
+    assert plan.validate()["unexpected_kinds"] == ["all-to-all"]
+    assert "did not predict" in _validate.validation_table(plan)
