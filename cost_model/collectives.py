@@ -3,7 +3,8 @@
 Every collective is priced by the alpha-beta model on the interconnect level its mesh axes
 cross: ``time = steps * alpha + wire_bytes / bandwidth``, where wire bytes are the bytes one
 device sends under ring algorithms (the contract's table, :func:`wire_bytes`). A collective over
-several mesh axes at once runs at the slowest of their levels.
+several mesh axes at once runs at the slowest of their levels, except on a TPU torus (ICI),
+where it runs as one ring per torus axis in turn (see ``CommStep._torus_time_s``).
 
 :func:`plan_redistribute` turns a pair of specs into the steps that move a tensor from one to
 the other. The ILP's edge costs come from it, and nothing else derives resharding collectives.
@@ -15,6 +16,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from cost_model.hardware import LevelKind
 from cost_model.hlo import CollectiveKind, wire_bytes
 from passes.spec import Spec
 
@@ -41,6 +43,7 @@ class CommStep:
     out_bytes: int
     after: Spec | None = None
     combined: bool = False
+    axis_sizes: tuple[int, ...] = ()  # size of each axis in ``axes``, when known
 
     @property
     def wire_bytes(self) -> float:
@@ -54,6 +57,8 @@ class CommStep:
         if self.kind is None or (self.group_size <= 1
                                  and self.kind is not CollectiveKind.COLLECTIVE_PERMUTE):
             return 0.0
+        if self._on_torus(levels):
+            return self._torus_time_s(levels)
         fits = [levels[a].fit(self.kind.value) for a in self.axes]
         if all(f is not None for f in fits):  # measured by `autopar profile` on these axes
             latency, bandwidth = max(f[0] for f in fits), min(f[1] for f in fits)
@@ -64,9 +69,44 @@ class CommStep:
             latency = 0.0
         return ring_steps(self.kind, self.group_size) * latency + self.wire_bytes / bandwidth
 
+    def _on_torus(self, levels) -> bool:
+        return (len(self.axes) > 1 and len(self.axis_sizes) == len(self.axes)
+                and self.kind in _PHASED
+                and all(levels[a].kind is LevelKind.ICI for a in self.axes))
+
+    def _torus_time_s(self, levels) -> float:
+        """A collective over several axes of a TPU torus runs as one ring per torus axis in
+        turn, each on that axis's own links, on data that shrinks (reduce-scatter) or grows
+        (all-gather) by the axis size; an all-reduce is both. The bytes sent equal the ring
+        formula's over the whole group; the latency steps are sum(n_i - 1), not N - 1."""
+        total_s = 0.0
+        n_total = self.group_size
+        phases = [CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_GATHER] \
+            if self.kind is CollectiveKind.ALL_REDUCE else [self.kind]
+        full = self.in_bytes if self.kind is not CollectiveKind.ALL_GATHER else self.out_bytes
+        for phase in phases:
+            size = full  # reduce-scatter: bytes before the phase; all-gather: after it
+            order = list(zip(self.axes, self.axis_sizes))
+            if phase is CollectiveKind.ALL_GATHER:
+                size = full // n_total
+            for axis, n in order:
+                level = levels[axis]
+                fit = level.fit(phase.value)
+                latency, bandwidth = fit if fit else (level.latency_s, level.bandwidth_bytes_per_s)
+                if phase is CollectiveKind.ALL_GATHER:
+                    size *= n
+                sent = wire_bytes(phase, size, size, n)
+                if phase is CollectiveKind.REDUCE_SCATTER:
+                    size //= n
+                total_s += (0.0 if self.combined else (n - 1) * latency) + sent / bandwidth
+        return total_s
+
     def __str__(self) -> str:
         kind = "slice" if self.kind is None else self.kind.value
         return f"{kind}({','.join(self.axes)}) {self.in_bytes}B"
+
+
+_PHASED = (CollectiveKind.ALL_REDUCE, CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER)
 
 
 def group_size(axes, axis_sizes) -> int:
@@ -78,7 +118,8 @@ def reduce_step(kind: CollectiveKind, axes: tuple[str, ...], local_bytes: int,
     """The all-reduce or reduce-scatter of a partial result of ``local_bytes`` per device."""
     n = group_size(axes, axis_sizes)
     out = local_bytes if kind is CollectiveKind.ALL_REDUCE else local_bytes // n
-    return CommStep(kind, axes, n, local_bytes, out, combined=combined)
+    return CommStep(kind, axes, n, local_bytes, out, combined=combined,
+                    axis_sizes=tuple(axis_sizes[a] for a in axes))
 
 
 def _common_prefix(a: tuple, b: tuple) -> int:
@@ -151,7 +192,8 @@ def plan_redistribute(src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: in
         if gathered:
             nxt = _with(cur, d, cur.dims[d][:k])
             steps.append(CommStep(CollectiveKind.ALL_GATHER, gathered,
-                                  group_size(gathered, sizes), local(cur), local(nxt), nxt))
+                                  group_size(gathered, sizes), local(cur), local(nxt), nxt,
+                                  axis_sizes=tuple(sizes[a] for a in gathered)))
             cur = nxt
     if cur != dst:
         extra = tuple(a for a in dst.axes if a not in cur.axes)
