@@ -7,6 +7,7 @@ import sys
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
 from autopar._mesh import as_auto_mesh, axis_sizes
@@ -126,42 +127,104 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
 
 
 class Parallelized:
-    """``fn`` planned on its first call for each input signature, then reused."""
+    """``fn`` planned on its first call for each input signature, then reused.
 
-    def __init__(self, fn: Callable, plan_kwargs: dict):
+    The signature is the tree structure, shapes and dtypes of the array arguments and the
+    values of the static ones. ``plans_made`` counts the plans made so far.
+    """
+
+    def __init__(self, fn: Callable, plan_kwargs: dict, static_argnums=(), static_argnames=(),
+                 donate_argnums=()):
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._kwargs = plan_kwargs
+        self._static_argnums = _as_tuple(static_argnums, "static_argnums")
+        self._static_argnames = _as_tuple(static_argnames, "static_argnames")
+        self._donate_argnums = _as_tuple(donate_argnums, "donate_argnums")
+        both = set(self._static_argnums) & set(self._donate_argnums)
+        if both:
+            raise ArgumentError(f"argument(s) {sorted(both)} are both static and donated; a "
+                                "static argument is a Python value, not a buffer to donate")
         self._cache: dict[Any, tuple[Plan, Callable]] = {}
         self.plan: Plan | None = None
         self.plans_made = 0
 
-    @staticmethod
-    def _signature(args):
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        return tree, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+    def _split(self, args, kwargs):
+        unknown = sorted(set(kwargs) - set(self._static_argnames))
+        if unknown:
+            raise ArgumentError(f"keyword argument(s) {unknown} of `{self.__name__}` are not "
+                                "static: pass arrays positionally, or name them in "
+                                "static_argnames")
+        static = tuple((i, args[i]) for i in self._static_argnums if i < len(args))
+        dynamic_pos = [i for i in range(len(args)) if i not in self._static_argnums]
+        static_kw = tuple(sorted(kwargs.items()))
+        try:
+            hash((static, static_kw))
+        except TypeError as e:
+            raise ArgumentError(f"static arguments of `{self.__name__}` must be hashable: {e}"
+                                ) from None
+        return static, static_kw, dynamic_pos
 
-    def __call__(self, *args):
-        key = self._signature(args)
+    def __call__(self, *args, **kwargs):
+        static, static_kw, dynamic_pos = self._split(args, kwargs)
+        # Python scalars among the array arguments (TrainState.step, say) become arrays.
+        dynamic = jax.tree_util.tree_map(lambda x: x if hasattr(x, "shape") else np.asarray(x),
+                                         tuple(args[i] for i in dynamic_pos))
+        key = (static, static_kw, _signature(dynamic))
         if key not in self._cache:
-            p = plan(self._fn, *args, **self._kwargs)
+            fn, n_args = self._fn, len(args)
+
+            def bound(*dyn):
+                full = dict(static)
+                full.update(zip(dynamic_pos, dyn))
+                return fn(*(full[i] for i in range(n_args)), **dict(static_kw))
+
+            p = plan(bound, *dynamic, **self._kwargs)
             self.plans_made += 1
-            self._cache[key] = (p, p.jit())
+            donate = tuple(dynamic_pos.index(i) for i in self._donate_argnums
+                           if i in dynamic_pos)
+            self._cache[key] = (p, p.jit(donate_argnums=donate))
         self.plan, run = self._cache[key]
-        args = jax.device_put(args, self.plan.in_shardings)
-        return run(*args)
+        return run(*jax.device_put(dynamic, self.plan.in_shardings))
 
 
-def parallelize(fn: Callable | None = None, *, mesh, **plan_kwargs):
+def _signature(args):
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return tree, tuple((tuple(np.shape(x)), str(jax.dtypes.result_type(x))) for x in leaves)
+
+
+def _as_tuple(value, name: str) -> tuple:
+    if isinstance(value, (int, str)):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        raise ArgumentError(f"`{name}` must be an int/str or a sequence of them, got "
+                            f"{value!r}") from None
+
+
+def parallelize(fn: Callable | None = None, *, mesh, static_argnums=(), static_argnames=(),
+                donate_argnums=(), **plan_kwargs):
     """Wrap ``fn`` so that it is planned on its first call for each input signature.
 
     Usable as ``parallelize(fn, mesh=...)`` or as ``@parallelize(mesh=...)``. Arguments are
     moved to the planned shardings on every call, so plain host arrays work on the first step.
-    The wrapper's ``.plan`` is the Plan of the last call. ``plan_kwargs`` are those of
-    :func:`plan`.
+    The wrapper's ``.plan`` is the Plan of the last call.
+
+    Args:
+      static_argnums / static_argnames: arguments that are Python values (hashable), not
+        arrays: part of the signature, as in ``jax.jit``. Keyword arguments must be static.
+      donate_argnums: positional arguments whose buffers the program may reuse for its
+        results (e.g. params and optimizer state in a train step), as in ``jax.jit``.
+      plan_kwargs: those of :func:`plan` (``hardware``, ``in_shardings``, ...), applied to the
+        non-static arguments.
+
+    Example::
+
+      @autopar.parallelize(mesh={"data": 2, "model": 4}, donate_argnums=(0, 1))
+      def train_step(params, opt_state, batch): ...
     """
-    if fn is None:
-        return lambda f: Parallelized(f, dict(plan_kwargs, mesh=mesh))
-    return Parallelized(fn, dict(plan_kwargs, mesh=mesh))
-
-
+    def wrap(f):
+        return Parallelized(f, dict(plan_kwargs, mesh=mesh), static_argnums, static_argnames,
+                            donate_argnums)
+    return wrap if fn is None else wrap(fn)

@@ -1,0 +1,96 @@
+"""autopar.parallelize: static arguments, donation, flax TrainState and nnx state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax.training import train_state
+
+import autopar
+from autopar.errors import ArgumentError
+from examples.models import llama_nnx
+
+MESH = {"data": 2, "model": 4}
+
+
+def _close(got, want):
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-5)
+
+
+def test_static_arguments_are_part_of_the_signature():
+    calls = []
+
+    @autopar.parallelize(mesh={"data": 8}, static_argnums=1, static_argnames="scale")
+    def f(x, power, *, scale):
+        calls.append(power)
+        return jnp.sum(x ** power) * scale
+
+    x = jnp.arange(32.0).reshape(8, 4)
+    assert float(f(x, 2, scale=3.0)) == pytest.approx(float(jnp.sum(x ** 2) * 3.0))
+    f(x, 2, scale=3.0)
+    assert f.plans_made == 1
+    assert float(f(x, 3, scale=1.0)) == pytest.approx(float(jnp.sum(x ** 3)))
+    assert f.plans_made == 2
+    with pytest.raises(ArgumentError, match="static_argnames"):
+        f(x, 2, scale=3.0, other=1)
+    with pytest.raises(ArgumentError, match="hashable"):
+        f(x, [2], scale=3.0)
+
+
+def test_donated_arguments_are_consumed():
+    @autopar.parallelize(mesh={"data": 8}, donate_argnums=0)
+    def update(w, g):
+        return w - 0.1 * g
+
+    w = jnp.ones((8, 16))
+    g = jnp.full((8, 16), 2.0)
+    out = update(w, g)
+    np.testing.assert_allclose(np.asarray(out), 0.8)
+    w2 = jax.device_put(out, update.plan.in_shardings[0])  # already where the plan wants it
+    update(w2, g)
+    assert w2.is_deleted()  # its buffer was reused for the result
+    with pytest.raises(ArgumentError, match="both static and donated"):
+        autopar.parallelize(lambda a: a, mesh={"data": 8}, static_argnums=0, donate_argnums=0)
+
+
+class _Tiny(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8)(nn.relu(nn.Dense(32)(x)))
+
+
+def test_flax_train_state():
+    model = _Tiny()
+    x = jax.random.normal(jax.random.key(0), (16, 12))
+    y = jax.random.normal(jax.random.key(1), (16, 8))
+    state = train_state.TrainState.create(apply_fn=model.apply,
+                                          params=model.init(jax.random.key(2), x),
+                                          tx=optax.adamw(1e-2))
+
+    def step(state, x, y):
+        def loss_fn(params):
+            return jnp.mean((state.apply_fn(params, x) - y) ** 2)
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    run = autopar.parallelize(step, mesh=MESH, donate_argnums=0)
+    ref = state
+    losses = []
+    for _ in range(3):
+        ref, ref_loss = jax.jit(step)(ref, x, y)
+        state, loss = run(state, x, y)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-3)
+        losses.append(float(loss))
+    _close(state.params, ref.params)
+    assert losses[-1] < losses[0] and run.plans_made == 1
+
+
+def test_flax_nnx_split_state():
+    step, (state, opt_state, batch) = llama_nnx.make_train_step(llama_nnx.TINY)
+    run = autopar.parallelize(step, mesh=MESH)
+    got = run(state, opt_state, batch)
+    _close(got, jax.jit(step)(state, opt_state, batch))
+    assert run.plans_made == 1
