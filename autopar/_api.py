@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 
 from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar._plan import Plan
+from autopar._cache import PlanCache, graph_fingerprint
 from autopar.errors import ArgumentError
 from cost_model.estimate import estimate, plan_collectives
 from cost_model.hardware import axis_levels, get_profile
@@ -45,7 +46,7 @@ def _progress(enabled: bool):
 def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
          in_shardings=None, out_shardings=None, search: bool = True,
          time_limit_s: float = 60.0, tie_state: bool = True, axis_level_overrides=None,
-         verbose: bool = False) -> Plan:
+         verbose: bool = False, _choice=None) -> Plan:
     """Plan how to run ``fn`` on ``mesh``.
 
     Args:
@@ -101,7 +102,8 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                           in_specs_of=pins(in_shardings, "in_shardings"),
                           out_specs_of=pins(out_shardings, "out_shardings"),
                           ties_of=_state_ties if tie_state else None,
-                          time_limit_s=time_limit_s, progress=_progress(verbose))
+                          time_limit_s=time_limit_s, progress=_progress(verbose),
+                          choice=_choice)
     graph, strats, choice = result.graph, result.strats, result.solution.choice
     comms = plan_collectives(graph, strats, choice, mesh_ctx)
     est = estimate(graph, strats, choice, mesh_ctx, comms)
@@ -117,6 +119,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
 
     sol = result.solution
     stats = {"nodes": len(graph.nodes), "ilp_groups": result.ilp_groups,
+             "fingerprint": graph_fingerprint(graph),
              "ilp_variables": sol.num_variables, "ilp_constraints": sol.num_constraints,
              "solver_status": sol.status, "timings_s": result.timings_s}
     return Plan(jax_mesh, shardings(graph.input_nodes, traced.in_tree, "in"),
@@ -134,7 +137,7 @@ class Parallelized:
     """
 
     def __init__(self, fn: Callable, plan_kwargs: dict, static_argnums=(), static_argnames=(),
-                 donate_argnums=()):
+                 donate_argnums=(), cache_dir=None):
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._kwargs = plan_kwargs
@@ -147,7 +150,9 @@ class Parallelized:
                                 "static argument is a Python value, not a buffer to donate")
         self._cache: dict[Any, tuple[Plan, Callable]] = {}
         self.plan: Plan | None = None
-        self.plans_made = 0
+        self.plans_made = 0      # plans solved
+        self.plans_loaded = 0    # plans taken from the disk cache
+        self._disk = PlanCache(cache_dir) if cache_dir is not None else None
 
     def _split(self, args, kwargs):
         unknown = sorted(set(kwargs) - set(self._static_argnames))
@@ -179,13 +184,34 @@ class Parallelized:
                 full.update(zip(dynamic_pos, dyn))
                 return fn(*(full[i] for i in range(n_args)), **dict(static_kw))
 
-            p = plan(bound, *dynamic, **self._kwargs)
-            self.plans_made += 1
+            p = self._plan(bound, dynamic, (static, static_kw), key[2])
             donate = tuple(dynamic_pos.index(i) for i in self._donate_argnums
                            if i in dynamic_pos)
             self._cache[key] = (p, p.jit(donate_argnums=donate))
         self.plan, run = self._cache[key]
         return run(*jax.device_put(dynamic, self.plan.in_shardings))
+
+    def _plan(self, bound, dynamic, static, signature) -> Plan:
+        disk_key = None
+        if self._disk is not None:
+            options = {k: v for k, v in self._kwargs.items() if k not in ("mesh", "verbose")}
+            disk_key = self._disk.key(self._fn, as_auto_mesh(self._kwargs["mesh"]),
+                                      self._kwargs.get("hardware"), signature, static, options)
+            entry = self._disk.load(disk_key)
+            if entry is not None:
+                try:
+                    p = plan(bound, *dynamic, **self._kwargs, _choice=entry["choice"])
+                except ValueError:
+                    p = None
+                if p is not None and p.stats["fingerprint"] == entry["fingerprint"]:
+                    self.plans_loaded += 1
+                    return p
+                PlanCache.stale(f"for `{self.__name__}`")
+        p = plan(bound, *dynamic, **self._kwargs)
+        self.plans_made += 1
+        if disk_key is not None:
+            self._disk.store(disk_key, p)
+        return p
 
 
 def _signature(args):
@@ -204,7 +230,7 @@ def _as_tuple(value, name: str) -> tuple:
 
 
 def parallelize(fn: Callable | None = None, *, mesh, static_argnums=(), static_argnames=(),
-                donate_argnums=(), **plan_kwargs):
+                donate_argnums=(), cache_dir=None, **plan_kwargs):
     """Wrap ``fn`` so that it is planned on its first call for each input signature.
 
     Usable as ``parallelize(fn, mesh=...)`` or as ``@parallelize(mesh=...)``. Arguments are
@@ -216,6 +242,9 @@ def parallelize(fn: Callable | None = None, *, mesh, static_argnums=(), static_a
         arrays: part of the signature, as in ``jax.jit``. Keyword arguments must be static.
       donate_argnums: positional arguments whose buffers the program may reuse for its
         results (e.g. params and optimizer state in a train step), as in ``jax.jit``.
+      cache_dir: a folder for an on-disk plan cache, so that a restarted program does not
+        solve again (see ``autopar/_cache.py``); a corrupted or stale entry is ignored with a
+        ``StalePlanCacheWarning``.
       plan_kwargs: those of :func:`plan` (``hardware``, ``in_shardings``, ...), applied to the
         non-static arguments.
 
@@ -226,5 +255,5 @@ def parallelize(fn: Callable | None = None, *, mesh, static_argnums=(), static_a
     """
     def wrap(f):
         return Parallelized(f, dict(plan_kwargs, mesh=mesh), static_argnums, static_argnames,
-                            donate_argnums)
+                            donate_argnums, cache_dir)
     return wrap if fn is None else wrap(fn)

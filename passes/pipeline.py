@@ -37,9 +37,11 @@ class PipelineResult:
 
 def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
                  out_specs_of=None, ties_of=None, time_limit_s: float = 60.0,
-                 progress=lambda msg: None) -> PipelineResult:
+                 progress=lambda msg: None, choice=None) -> PipelineResult:
     """in_specs_of(traced) / out_specs_of(traced) give the pinned Spec (or None) per flat leaf;
-    ties_of(traced) gives (output leaf, input leaf) pairs that must share a sharding."""
+    ties_of(traced) gives (output leaf, input leaf) pairs that must share a sharding.
+    ``choice``: a strategy index per node from an earlier solve of the same program (a plan
+    cache); the solve is skipped. ValueError if it does not fit this graph's strategies."""
     timings = {}
     t0 = time.perf_counter()
     progress("tracing")
@@ -61,9 +63,14 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
     groups = cluster(graph, strats, mesh_ctx, ties)
     timings["cluster"] = time.perf_counter() - t
 
-    progress(f"solving the ILP over {len(groups.members)} groups")
     t = time.perf_counter()
-    solution = solve(graph, strats, groups, mesh_ctx, time_limit_s=time_limit_s)
+    if choice is not None:
+        if len(choice) != len(strats) or any(not 0 <= c < len(s) for c, s in zip(choice, strats)):
+            raise ValueError("the cached choice does not fit this program's strategies")
+        solution = Solution(list(choice), 0.0, "cached", 0, 0, 0.0)
+    else:
+        progress(f"solving the ILP over {len(groups.members)} groups")
+        solution = solve(graph, strats, groups, mesh_ctx, time_limit_s=time_limit_s)
     timings["solve"] = time.perf_counter() - t
 
     specs = value_specs(graph, strats, solution.choice)

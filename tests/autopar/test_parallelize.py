@@ -1,5 +1,7 @@
 """autopar.parallelize: static arguments, donation, flax TrainState and nnx state."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,3 +96,40 @@ def test_flax_nnx_split_state():
     got = run(state, opt_state, batch)
     _close(got, jax.jit(step)(state, opt_state, batch))
     assert run.plans_made == 1
+
+
+def _cached_step(cache_dir):
+    def update(w, x):
+        return w - 0.1 * (x.T @ jnp.tanh(x @ w))
+    return autopar.parallelize(update, mesh=MESH, cache_dir=cache_dir)
+
+
+def test_disk_cache_skips_the_solve_and_survives_corruption(tmp_path):
+    from autopar._cache import StalePlanCacheWarning
+
+    w, x = jnp.ones((16, 16)) * 0.1, jnp.arange(32 * 16.0).reshape(32, 16) / 100
+    first = _cached_step(tmp_path)
+    want = first(w, x)
+    assert first.plans_made == 1 and first.plans_loaded == 0
+    [entry] = list(tmp_path.glob("plan-*.json"))
+
+    second = _cached_step(tmp_path)  # a restart: a new wrapper, the same folder
+    np.testing.assert_allclose(np.asarray(second(w, x)), np.asarray(want), rtol=1e-6)
+    assert second.plans_made == 0 and second.plans_loaded == 1
+    assert second.plan.stats["solver_status"] == "cached"
+    assert [s.spec for s in jax.tree_util.tree_leaves(second.plan.in_shardings)] == \
+        [s.spec for s in jax.tree_util.tree_leaves(first.plan.in_shardings)]
+
+    entry.write_text("{not json")
+    third = _cached_step(tmp_path)
+    with pytest.warns(StalePlanCacheWarning, match="corrupted"):
+        np.testing.assert_allclose(np.asarray(third(w, x)), np.asarray(want), rtol=1e-6)
+    assert third.plans_made == 1
+
+    doc = json.loads(entry.read_text())  # rewritten by the third call
+    doc["fingerprint"] = "0" * 64
+    entry.write_text(json.dumps(doc))
+    fourth = _cached_step(tmp_path)
+    with pytest.warns(StalePlanCacheWarning, match="no longer matches"):
+        fourth(w, x)
+    assert fourth.plans_made == 1
