@@ -86,10 +86,13 @@ class Plan:
         return self.jit().lower(*jax.tree_util.tree_unflatten(self._in_tree, abstract)).compile()
 
     # ----- explaining
-    def report(self) -> str:
-        """A human-readable account of the plan."""
+    def report(self, baselines: dict | None = None) -> str:
+        """A human-readable account of the plan: the estimate, per-layer parameter shardings
+        with time and memory, the collectives chosen and why, fallbacks, planner statistics.
+        ``baselines``: {name: Plan} shown beside it (see ``autopar.compare.predict_baselines``).
+        """
         from autopar._report import render_text
-        return render_text(self)
+        return render_text(self, baselines)
 
     def validate(self) -> dict:
         """Compile the plan and put its prediction beside the compiled HLO: wire bytes, flops

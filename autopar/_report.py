@@ -23,7 +23,8 @@ def _spec_str(pspec) -> str:
     return "P(" + ", ".join(repr(e) for e in pspec) + ")"
 
 
-def render_text(plan) -> str:
+def render_text(plan, baselines: dict | None = None) -> str:
+    """The report. ``baselines``: {name: Plan} of baseline shardings to show beside it."""
     mesh = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
     e = plan.estimate
     lines = [f"autopar plan on mesh {mesh}, hardware profile `{plan.hardware}`",
@@ -33,14 +34,36 @@ def render_text(plan) -> str:
              f"communication {_fmt_s(e.comm_time_s)})",
              f"  flops        {e.flops:.4g}",
              f"  wire bytes   {_fmt_bytes(e.comm_bytes)}",
-             f"  peak memory  {_fmt_bytes(e.peak_memory_bytes)}",
-             "", "Input shardings:"]
-    width = max([len(p) for p in plan.in_paths] + [4])
-    for path, s in zip(plan.in_paths, jax.tree_util.tree_leaves(plan.in_shardings)):
-        lines.append(f"  {path:<{width}}  {_spec_str(s.spec)}")
-    lines += ["", "Output shardings:"]
-    for path, s in zip(plan.out_paths, jax.tree_util.tree_leaves(plan.out_shardings)):
-        lines.append(f"  {path:<{width}}  {_spec_str(s.spec)}")
+             f"  peak memory  {_fmt_bytes(e.peak_memory_bytes)}"]
+    if baselines:
+        lines += ["", "Beside hand-written baselines (autopar's estimate for their shardings):",
+                  f"  {'plan':<16}{'step time':>12}{'compute':>12}{'comm':>12}{'peak memory':>14}"]
+        for name, p in [("autopar", plan)] + list(baselines.items()):
+            b = p.estimate
+            lines.append(f"  {name:<16}{_fmt_s(b.step_time_s):>12}{_fmt_s(b.compute_time_s):>12}"
+                         f"{_fmt_s(b.comm_time_s):>12}{_fmt_bytes(b.peak_memory_bytes):>14}")
+    layered = set()
+    if plan._details is not None:
+        from autopar._layers import layer_rows
+        rows = layer_rows(plan)
+        layered = {path for r in rows for path, _ in r.params}
+        lines += ["", "Per layer (per device; optimizer state follows its parameter):",
+                  f"  {'layer':<20}{'state':>12}{'compute':>12}{'comm':>12}{'collectives':>24}"]
+        for r in rows:
+            lines.append(f"  {r.name:<20}{_fmt_bytes(r.state_bytes):>12}{_fmt_s(r.compute_s):>12}"
+                         f"{_fmt_s(r.comm_s):>12}{f'{r.collectives} ({_fmt_bytes(r.comm_bytes)})':>24}")
+            width = max([len(p) for p, _ in r.params] + [4])
+            lines += [f"      {p:<{width}}  {_spec_str(spec)}" for p, spec in r.params]
+    in_leaves = jax.tree_util.tree_leaves(plan.in_shardings)
+    rest = [(p, s) for p, s in zip(plan.in_paths, in_leaves) if p not in layered
+            and not _mirrors_layer(p, layered)]
+    width = max([len(p) for p, _ in rest] + [4])
+    lines += ["", "Input shardings (other than parameters and their optimizer state):"]
+    lines += [f"  {path:<{width}}  {_spec_str(s.spec)}" for path, s in rest] or ["  none"]
+    out_leaves = jax.tree_util.tree_leaves(plan.out_shardings)
+    outs = [(p, s) for p, s in zip(plan.out_paths, out_leaves) if not _mirrors_layer(p, layered)]
+    lines += ["", "Output shardings (new parameters and optimizer state keep their inputs'):"]
+    lines += [f"  {path:<{width}}  {_spec_str(s.spec)}" for path, s in outs] or ["  none"]
     if plan._details is not None:
         lines += ["", "Collectives chosen (grouped by where they come from):"]
         lines += _collective_lines(plan)
@@ -53,6 +76,13 @@ def render_text(plan) -> str:
                       f"constraints; solver {st.get('solver_status')}; times "
                       + ", ".join(f"{k} {v:.2f}s" for k, v in st.get("timings_s", {}).items())]
     return "\n".join(lines)
+
+
+def _mirrors_layer(path: str, layered: set[str]) -> bool:
+    """A path inside a layer's parameters: optimizer state or new parameters."""
+    from autopar._layers import _past_arg_index, layer_of_path
+    names = {layer_of_path(_past_arg_index(p)) for p in layered}
+    return layer_of_path(_past_arg_index(path)) in names
 
 
 def _collective_lines(plan) -> list[str]:

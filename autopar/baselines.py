@@ -313,6 +313,12 @@ def jit_baseline(fn: Callable, args, mesh, kind: Baseline | str, **kw) -> Any:
     and shape, such as new params and optimizer state) get that input's sharding; the rest
     (the loss, metrics) are replicated. ``kw`` goes to :func:`baseline_shardings`.
     """
+    in_shardings, out_shardings = baseline_io_shardings(fn, args, mesh, kind, **kw)
+    return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings)
+
+
+def baseline_io_shardings(fn: Callable, args, mesh, kind: Baseline | str, **kw):
+    """(in_shardings, out_shardings) of :func:`jit_baseline`, as NamedSharding pytrees."""
     specs = baseline_shardings(kind, args, mesh, **kw)
     in_shardings = tuple(_to_named(mesh, s) for s in specs)
 
@@ -332,7 +338,7 @@ def jit_baseline(fn: Callable, args, mesh, kind: Baseline | str, **kw) -> Any:
         else:
             out_specs.append(PartitionSpec())
     out_shardings = jax.tree_util.tree_unflatten(out_tree, _to_named(mesh, out_specs))
-    return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings)
+    return in_shardings, out_shardings
 
 
 def _flatten_pairs(args, specs):

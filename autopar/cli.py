@@ -117,13 +117,25 @@ def cmd_report(args) -> int:
     fn, example_args = _load_target(args.target)
     plan = autopar.plan(fn, *example_args, mesh=mesh, hardware=args.hardware,
                         verbose=not args.quiet)
-    _say(plan.report())
+    baselines = None
+    if not args.no_baselines:
+        from autopar.compare import predict_baselines
+        if not args.quiet:
+            print("[autopar] estimating the data-parallel and FSDP baselines", file=sys.stderr,
+                  flush=True)
+        baselines = predict_baselines(fn, example_args, plan.mesh, hardware=args.hardware)
+    _say(plan.report(baselines))
     if args.validate:
         from autopar._validate import validation_table
         _say("\n" + validation_table(plan))
     if args.json:
         plan.save(args.json)
         _say(f"\nwrote {args.json}")
+    if args.html:
+        from autopar._html import render_html
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(render_html(plan, baselines))
+        _say(f"wrote {args.html}")
     return 0
 
 
@@ -163,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--mesh", required=True, help="e.g. data=2,model=4")
     rep.add_argument("--hardware", default="h100", help="profile name or profile JSON path")
     rep.add_argument("--json", help="write the plan as JSON to this path")
+    rep.add_argument("--html", help="write a self-contained HTML report to this path")
+    rep.add_argument("--no-baselines", action="store_true",
+                     help="skip estimating the data-parallel and FSDP baselines")
     rep.add_argument("--validate", action="store_true",
                      help="compile the plan and compare the prediction with the compiled HLO")
     rep.add_argument("--simulate-devices", type=int, default=0, metavar="N",

@@ -52,7 +52,7 @@ def baseline_kinds(mesh, args) -> list[str]:
     return kinds
 
 
-def compile_baseline(fn, args, mesh, kind: str):
+def _baseline_kwargs(mesh, kind: str) -> dict:
     if kind.startswith("megatron"):
         batch_axes = tuple(a for a in mesh.axis_names if a != "model")
     else:
@@ -61,7 +61,26 @@ def compile_baseline(fn, args, mesh, kind: str):
     if kind == "expert":
         kw["expert_axis"] = "expert" if "expert" in mesh.axis_names else mesh.axis_names[-1]
         kw["batch_axes"] = tuple(mesh.axis_names)
-    return baselines.jit_baseline(fn, args, mesh, kind, **kw).lower(*args).compile()
+    return kw
+
+
+def compile_baseline(fn, args, mesh, kind: str):
+    return baselines.jit_baseline(fn, args, mesh, kind,
+                                  **_baseline_kwargs(mesh, kind)).lower(*args).compile()
+
+
+def predict_baselines(fn, args, mesh, *, hardware="h100", kinds=("dp", "fsdp"), **plan_kwargs):
+    """autopar's estimate for each baseline's shardings: a plan whose inputs and outputs are
+    pinned to the baseline's (nothing is compiled). Returns {kind: Plan}."""
+    import autopar
+    jax_mesh = as_auto_mesh(mesh)
+    out = {}
+    for kind in kinds:
+        ins, outs = baselines.baseline_io_shardings(fn, args, jax_mesh, kind,
+                                                    **_baseline_kwargs(jax_mesh, kind))
+        out[kind] = autopar.plan(fn, *args, mesh=jax_mesh, hardware=hardware,
+                                 in_shardings=ins, out_shardings=outs, **plan_kwargs)
+    return out
 
 
 def compare(fn, args, mesh, *, hardware="h100", kinds=None, plan=None,

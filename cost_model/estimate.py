@@ -30,6 +30,7 @@ class ChosenComm:
     trips: int
     node: int
     reason: str   # "reduce" (a partial result) or "reshard" (an operand in another spec)
+    time_s: float = 0.0  # one execution, on the plan's mesh and profile
 
 
 def plan_collectives(graph: Graph, strats, choice, mesh) -> list[ChosenComm]:
@@ -40,7 +41,8 @@ def plan_collectives(graph: Graph, strats, choice, mesh) -> list[ChosenComm]:
     moved = set()
     for node in graph.nodes:
         s = strats[node.id][choice[node.id]]
-        out += [ChosenComm(c, node.trip_count, node.id, "reduce") for c in s.collectives]
+        out += [ChosenComm(c, node.trip_count, node.id, "reduce", c.time_s(mesh.levels))
+                for c in s.collectives]
         for pos, vid in enumerate(node.ins):
             if vid is None or (vid, s.in_specs[pos]) in moved:
                 continue
@@ -49,7 +51,8 @@ def plan_collectives(graph: Graph, strats, choice, mesh) -> list[ChosenComm]:
             src = strats[u][choice[u]].out_specs[k]
             v = graph.values[vid]
             for step in mesh.reshard(src, s.in_specs[pos], v):
-                out.append(ChosenComm(step, node.edge_trip(pos), node.id, "reshard"))
+                out.append(ChosenComm(step, node.edge_trip(pos), node.id, "reshard",
+                                      step.time_s(mesh.levels)))
     return out
 
 
@@ -68,7 +71,7 @@ def estimate(graph: Graph, strats, choice, mesh, comms: list[ChosenComm]) -> Est
         s = strats[node.id][choice[node.id]]
         compute_s += s.compute_s * node.trip_count
         flops += s.flops * node.trip_count
-    comm_s = sum(c.step.time_s(mesh.levels) * c.trips for c in comms)
+    comm_s = sum(c.time_s * c.trips for c in comms)
     comm_bytes = sum(c.step.wire_bytes * c.trips for c in comms)
     peak = peak_memory_bytes(graph, value_specs(graph, strats, choice), mesh.axis_sizes,
                              results_held=mesh.results_held,

@@ -69,6 +69,15 @@ def peak_memory_bytes(graph: Graph, value_specs: dict, axis_sizes, donated=froze
     the specs its operands are resharded to; a resharded copy is a temporary live while the
     node runs.
     """
+    held, live = memory_timeline(graph, value_specs, axis_sizes, donated, results_held,
+                                 operand_specs)
+    return held + max(live, default=0)
+
+
+def memory_timeline(graph: Graph, value_specs: dict, axis_sizes, donated=frozenset(),
+                    results_held: bool = False, operand_specs: dict | None = None
+                    ) -> tuple[int, list[int]]:
+    """(bytes held for the whole call, bytes of the other live buffers at each node)."""
     users = _consumers(graph)
     results = {graph.nodes[n].ins[0] for n in graph.output_nodes
                if graph.nodes[n].ins and graph.nodes[n].ins[0] is not None}
@@ -85,22 +94,22 @@ def peak_memory_bytes(graph: Graph, value_specs: dict, axis_sizes, donated=froze
     else:
         held = kept_args + donated_args
     end = len(graph.nodes)
-    live = peak = 0
+    live = 0
+    timeline = []
     frees: dict[int, int] = {}
     for node in graph.nodes:
-        if node.kind is NodeKind.INPUT:
-            continue
-        for vid in _materialized(graph, node, users):
-            if results_held and vid in results:
-                continue
-            b = size(vid)
-            live += b
-            die = end if vid in results else last_use.get(vid, node.id)
-            frees[die] = frees.get(die, 0) + b
-        peak = max(peak, live + _resharded_copies_bytes(graph, node, value_specs,
-                                                        operand_specs, axis_sizes))
+        if node.kind is not NodeKind.INPUT:
+            for vid in _materialized(graph, node, users):
+                if results_held and vid in results:
+                    continue
+                b = size(vid)
+                live += b
+                die = end if vid in results else last_use.get(vid, node.id)
+                frees[die] = frees.get(die, 0) + b
+        timeline.append(live + _resharded_copies_bytes(graph, node, value_specs, operand_specs,
+                                                       axis_sizes))
         live -= frees.pop(node.id, 0)
-    return held + peak
+    return held, timeline
 
 
 def _resharded_copies_bytes(graph: Graph, node, value_specs, operand_specs, axis_sizes) -> int:

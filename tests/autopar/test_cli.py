@@ -19,12 +19,16 @@ def _run(*argv, env_extra=None):
                           text=True, cwd=ROOT, env=env, timeout=600)
 
 
-def test_report_writes_json(tmp_path):
-    out = tmp_path / "plan.json"
+def test_report_writes_json_and_html(tmp_path):
+    out, page = tmp_path / "plan.json", tmp_path / "plan.html"
     r = _run("report", f"{TARGETS}:gpt_tiny", "--mesh", "data=2,model=4", "--json", str(out),
-             "--simulate-devices", "8", "--quiet", "--validate")
+             "--html", str(page), "--simulate-devices", "8", "--quiet", "--validate")
     assert r.returncode == 0, r.stderr
-    assert "Input shardings" in r.stdout and "Validation" in r.stdout
+    for section in ("Input shardings", "Validation", "Per layer", "block_1", "fsdp"):
+        assert section in r.stdout, section
+    text = page.read_text()
+    assert text.startswith("<!DOCTYPE html>") and text.count("<svg") == 2
+    assert "block_0" in text and "PartitionSpec" in text
     d = json.loads(out.read_text())
     assert {"mesh", "estimate", "in_shardings", "out_shardings"} <= set(d)
     assert d["mesh"] == {"axis_names": ["data", "model"], "axis_sizes": [2, 4]}

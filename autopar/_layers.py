@@ -1,0 +1,96 @@
+"""The plan seen layer by layer, for the report: parameters, time and memory per layer.
+
+A layer is a top-level module of the parameters (``block_0``, ``embed``, ...), named by the
+first dict key of a parameter's pytree path. An operation belongs to the layer whose name
+appears first in its source path (``transpose(jvp(GPT))/block_0/mlp_in`` -> ``block_0``);
+operations outside every layer (the loss, the optimizer's global steps) are ``other``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import jax
+
+from cost_model.estimate import value_specs
+from cost_model.memory import memory_timeline, value_bytes
+
+_FIRST_KEY = re.compile(r"\['([^']+)'\]")
+OTHER = "other"
+
+
+@dataclass
+class LayerRow:
+    """One layer's share of the plan, per device."""
+    name: str
+    state_bytes: int = 0          # its parameters and optimizer state
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    comm_bytes: float = 0.0
+    collectives: int = 0
+    params: list[tuple[str, object]] = field(default_factory=list)  # (path, PartitionSpec)
+
+
+def layer_of_path(path: str) -> str | None:
+    m = _FIRST_KEY.search(path)
+    return m.group(1) if m else None
+
+
+def _past_arg_index(path: str) -> str:
+    """``[1][0].mu['block_0']`` -> ``[0].mu['block_0']``: the path inside one argument."""
+    return path[path.index("]") + 1:] if path.startswith("[") else path
+
+
+def _layer_of_node(where: str, names: set[str]) -> str:
+    for part in re.split(r"[/()]", where or ""):
+        if part in names:
+            return part
+    return OTHER
+
+
+def layer_rows(plan) -> list[LayerRow]:
+    """Rows in order of first appearance among the parameters, ``other`` last."""
+    graph, strats, choice, comms = plan._details
+    sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
+    specs = value_specs(graph, strats, choice)
+    rows: dict[str, LayerRow] = {}
+    shardings = jax.tree_util.tree_leaves(plan.in_shardings)
+    children = plan._in_tree.children()
+    n_params = children[0].num_leaves if len(children) > 1 else 0
+    leaves = list(zip(plan.in_paths, graph.input_nodes, shardings))
+    for path, _, sharding in leaves[:n_params]:  # the first argument: the parameters
+        name = layer_of_path(_past_arg_index(path))
+        if name is not None:
+            rows.setdefault(name, LayerRow(name)).params.append((path, sharding.spec))
+    for path, node_id, _ in leaves:  # parameters and their optimizer state
+        row = rows.get(layer_of_path(_past_arg_index(path)))
+        if row is not None:
+            vid = graph.nodes[node_id].outs[0]
+            row.state_bytes += value_bytes(graph, vid, specs[vid], sizes)
+    other = LayerRow(OTHER)
+    names = set(rows)
+
+    def row_of(node) -> LayerRow:
+        return rows.get(_layer_of_node(node.where, names), other)
+
+    for node in graph.nodes:
+        row_of(node).compute_s += strats[node.id][choice[node.id]].compute_s * node.trip_count
+    for c in comms:
+        if c.step.wire_bytes:
+            row = row_of(graph.nodes[c.node])
+            row.comm_s += c.time_s * c.trips
+            row.comm_bytes += c.step.wire_bytes * c.trips
+            row.collectives += c.trips
+    return list(rows.values()) + [other]
+
+
+def memory_over_program(plan) -> tuple[int, list[int]]:
+    """(bytes held for the whole call, other live bytes at each node), per device."""
+    graph, strats, choice, _ = plan._details
+    sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
+    on_cpu = plan.mesh.devices.flat[0].platform == "cpu"
+    return memory_timeline(graph, value_specs(graph, strats, choice), sizes,
+                           results_held=on_cpu,
+                           operand_specs={n.id: strats[n.id][choice[n.id]].in_specs
+                                          for n in graph.nodes})
