@@ -54,14 +54,14 @@ def render_text(plan, baselines: dict | None = None) -> str:
                          f"{_fmt_s(r.comm_s):>12}{f'{r.collectives} ({_fmt_bytes(r.comm_bytes)})':>24}")
             width = max([len(p) for p, _ in r.params] + [4])
             lines += [f"      {p:<{width}}  {_spec_str(spec)}" for p, spec in r.params]
+    names = _layer_names(layered)
     in_leaves = jax.tree_util.tree_leaves(plan.in_shardings)
-    rest = [(p, s) for p, s in zip(plan.in_paths, in_leaves) if p not in layered
-            and not _mirrors_layer(p, layered)]
+    rest = [(p, s) for p, s in zip(plan.in_paths, in_leaves) if not _in_layer(p, names)]
     width = max([len(p) for p, _ in rest] + [4])
     lines += ["", "Input shardings (other than parameters and their optimizer state):"]
     lines += [f"  {path:<{width}}  {_spec_str(s.spec)}" for path, s in rest] or ["  none"]
     out_leaves = jax.tree_util.tree_leaves(plan.out_shardings)
-    outs = [(p, s) for p, s in zip(plan.out_paths, out_leaves) if not _mirrors_layer(p, layered)]
+    outs = [(p, s) for p, s in zip(plan.out_paths, out_leaves) if not _in_layer(p, names)]
     lines += ["", "Output shardings (new parameters and optimizer state keep their inputs'):"]
     lines += [f"  {path:<{width}}  {_spec_str(s.spec)}" for path, s in outs] or ["  none"]
     if plan._details is not None:
@@ -78,10 +78,14 @@ def render_text(plan, baselines: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-def _mirrors_layer(path: str, layered: set[str]) -> bool:
-    """A path inside a layer's parameters: optimizer state or new parameters."""
+def _layer_names(param_paths: set[str]) -> set[str]:
     from autopar._layers import _past_arg_index, layer_of_path
-    names = {layer_of_path(_past_arg_index(p)) for p in layered}
+    return {layer_of_path(_past_arg_index(p)) for p in param_paths} - {None}
+
+
+def _in_layer(path: str, names: set[str]) -> bool:
+    """A path inside a layer: a parameter, its optimizer state, or its new value."""
+    from autopar._layers import _past_arg_index, layer_of_path
     return layer_of_path(_past_arg_index(path)) in names
 
 

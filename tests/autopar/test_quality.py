@@ -8,18 +8,11 @@ import pytest
 
 from autopar.compare import compare
 from cost_model.hardware import get_profile
-from examples.models import bert, gpt, mlp, moe
+from examples.models import gpt, mlp
+from examples.models.workloads import WORKLOADS as ALL_WORKLOADS
 
 H100 = get_profile("h100")
-# Realistic widths, few layers (quality per layer does not depend on depth).
-WORKLOADS = {
-    "gpt": (gpt, dataclasses.replace(gpt.REALISTIC, vocab=16384, seq=512, hidden=1024,
-                                     heads=16, layers=2, batch=16)),
-    "bert": (bert, dataclasses.replace(bert.REALISTIC, vocab=16384, seq=512, hidden=1024,
-                                       heads=16, layers=2, batch=16)),
-    "moe": (moe, dataclasses.replace(moe.REALISTIC, vocab=8192, seq=512, hidden=1024,
-                                     ffn=4096, heads=16, layers=1, experts=8, batch=16)),
-}
+WORKLOADS = {k: v for k, v in ALL_WORKLOADS.items() if k != "mlp"}
 MESHES = {"1d": {"data": 8}, "2d": {"data": 2, "model": 4}}
 
 

@@ -3,31 +3,19 @@ ShapeDtypeStruct arguments, never run), on 1-D and 2-D meshes, for autopar's own
 wire bytes and per-device flops within 10%, peak memory within 15% (the issue's bounds; the
 measured agreement is within 1% for wire bytes and flops and within 11% for memory)."""
 
-import dataclasses
-
 import pytest
 
 import autopar
 from cost_model.hlo import analyze
-from examples.models import bert, gpt, mlp, moe
+from examples.models.workloads import WORKLOADS, abstract_train_step
 
-MODELS = {
-    "gpt": (gpt, dataclasses.replace(gpt.REALISTIC, vocab=16384, seq=512, hidden=1024,
-                                     heads=16, layers=2, batch=16)),
-    "bert": (bert, dataclasses.replace(bert.REALISTIC, vocab=16384, seq=512, hidden=1024,
-                                       heads=16, layers=2, batch=16)),
-    "moe": (moe, dataclasses.replace(moe.REALISTIC, vocab=8192, seq=512, hidden=1024,
-                                     ffn=4096, heads=16, layers=1, experts=8, batch=16)),
-    "mlp": (mlp, mlp.REALISTIC),
-}
 MESHES = {"1d": {"data": 8}, "2d": {"data": 2, "model": 4}}
 
 
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", sorted(WORKLOADS))
 def test_estimate_matches_compiled(model, mesh_name):
-    mod, cfg = MODELS[model]
-    fn, args = mod.make_train_step(cfg, abstract=True)
+    fn, args = abstract_train_step(model)
     plan = autopar.plan(fn, *args, mesh=MESHES[mesh_name], hardware="h100")
     truth = analyze(plan.compile())
     assert truth.wire_bytes > 0 and truth.peak_memory_bytes > truth.argument_bytes
