@@ -15,9 +15,11 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import warnings
 
 FORMAT_VERSION = 1
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 class StalePlanCacheWarning(UserWarning):
@@ -64,7 +66,10 @@ class PlanCache:
                          _source_of(fn), mesh_desc, repr(hardware), repr(signature),
                          repr(static), sorted((k, repr(v)) for k, v in options.items()),
                          _version(), FORMAT_VERSION))
-        return hashlib.sha256(material.encode()).hexdigest()[:32]
+        # Object addresses (the functions inside a TrainState's tree structure, say) change on
+        # every run; keyed by them, a restart would never find its plan. Dropping them is safe:
+        # a cached choice only picks shardings, the program is always traced afresh.
+        return hashlib.sha256(_ADDRESS.sub("", material).encode()).hexdigest()[:32]
 
     def _path(self, key: str) -> str:
         return os.path.join(self.directory, f"plan-{key}.json")

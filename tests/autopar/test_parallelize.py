@@ -133,3 +133,18 @@ def test_disk_cache_skips_the_solve_and_survives_corruption(tmp_path):
     with pytest.warns(StalePlanCacheWarning, match="no longer matches"):
         fourth(w, x)
     assert fourth.plans_made == 1
+
+
+def test_cache_key_ignores_object_addresses(tmp_path):
+    """A TrainState's tree structure holds functions whose repr has a memory address that
+    changes on every run: the key must not, or a restart never finds its plan."""
+    from autopar._cache import PlanCache
+
+    cache = PlanCache(tmp_path)
+
+    def key(address):
+        signature = f"PyTreeDef(TrainState(apply_fn=<bound method at {address}>))"
+        return cache.key(_cached_step, MESH, "h100", signature, (), {})
+    assert key("0x7f00aa") == key("0x7f11bb")
+    assert cache.key(_cached_step, MESH, "h100", "a", (), {}) != \
+        cache.key(_cached_step, MESH, "h100", "b", (), {})
