@@ -15,9 +15,11 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import warnings
 
 FORMAT_VERSION = 1
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 class StalePlanCacheWarning(UserWarning):
@@ -43,10 +45,10 @@ def _source_of(fn) -> str:
 
 
 def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
     try:
-        from importlib.metadata import version
         return version("autopar")
-    except Exception:  # not installed as a distribution (a source checkout)
+    except PackageNotFoundError:  # not installed as a distribution (a source checkout)
         return "dev"
 
 
@@ -64,7 +66,10 @@ class PlanCache:
                          _source_of(fn), mesh_desc, repr(hardware), repr(signature),
                          repr(static), sorted((k, repr(v)) for k, v in options.items()),
                          _version(), FORMAT_VERSION))
-        return hashlib.sha256(material.encode()).hexdigest()[:32]
+        # Object addresses (the functions inside a TrainState's tree structure, say) change on
+        # every run; keyed by them, a restart would never find its plan. Dropping them is safe:
+        # a cached choice only picks shardings, the program is always traced afresh.
+        return hashlib.sha256(_ADDRESS.sub("", material).encode()).hexdigest()[:32]
 
     def _path(self, key: str) -> str:
         return os.path.join(self.directory, f"plan-{key}.json")
@@ -88,7 +93,7 @@ class PlanCache:
         return entry
 
     def store(self, key: str, plan) -> None:
-        graph, _, choice, _ = plan._details
+        choice = plan._details[2]
         entry = {"format_version": FORMAT_VERSION, "key": key,
                  "fingerprint": plan.stats["fingerprint"], "choice": [int(c) for c in choice]}
         tmp = self._path(key) + ".tmp"
