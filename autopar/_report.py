@@ -83,7 +83,8 @@ def outside_layers(plan, param_paths: set[str]) -> tuple[list, list]:
     names = _layer_names(param_paths)
 
     def rest(paths, tree):
-        return [(p, s.spec) for p, s in zip(paths, jax.tree_util.tree_leaves(tree))
+        return [(p or "(the whole result)", s.spec)
+                for p, s in zip(paths, jax.tree_util.tree_leaves(tree))
                 if not _in_layer(p, names)]
     return rest(plan.in_paths, plan.in_shardings), rest(plan.out_paths, plan.out_shardings)
 
