@@ -187,7 +187,9 @@ class Parallelized:
             p = self._plan(bound, dynamic, (static, static_kw), key[2])
             donate = tuple(dynamic_pos.index(i) for i in self._donate_argnums
                            if i in dynamic_pos)
-            self._cache[key] = (p, p.jit(donate_argnums=donate))
+            if donate:
+                p = p.with_donation(donate)
+            self._cache[key] = (p, p.jit())
         self.plan, run = self._cache[key]
         return run(*jax.device_put(dynamic, self.plan.in_shardings))
 
@@ -196,7 +198,8 @@ class Parallelized:
         if self._disk is not None:
             options = {k: v for k, v in self._kwargs.items() if k not in ("mesh", "verbose")}
             disk_key = self._disk.key(self._fn, as_auto_mesh(self._kwargs["mesh"]),
-                                      self._kwargs.get("hardware"), signature, static, options)
+                                      get_profile(self._kwargs.get("hardware")), signature,
+                                      static, options)
             entry = self._disk.load(disk_key)
             if entry is not None:
                 try:
@@ -235,13 +238,17 @@ def parallelize(fn: Callable | None = None, *, mesh, static_argnums=(), static_a
 
     Usable as ``parallelize(fn, mesh=...)`` or as ``@parallelize(mesh=...)``. Arguments are
     moved to the planned shardings on every call, so plain host arrays work on the first step.
-    The wrapper's ``.plan`` is the Plan of the last call.
+    The wrapper's ``.plan`` is the Plan of the last call; its ``in_shardings`` cover the
+    non-static arguments, in order (with no static arguments: shaped like the arguments, ready
+    to restore a checkpoint into, see ``examples/checkpoint_orbax.py``).
 
     Args:
       static_argnums / static_argnames: arguments that are Python values (hashable), not
         arrays: part of the signature, as in ``jax.jit``. Keyword arguments must be static.
       donate_argnums: positional arguments whose buffers the program may reuse for its
-        results (e.g. params and optimizer state in a train step), as in ``jax.jit``.
+        results (e.g. params and optimizer state in a train step), as in ``jax.jit``. The
+        plan records them (``plan.donate_argnums``, among the non-static arguments) and its
+        peak memory estimate counts the reuse.
       cache_dir: a folder for an on-disk plan cache, so that a restarted program does not
         solve again (see ``autopar/_cache.py``); a corrupted or stale entry is ignored with a
         ``StalePlanCacheWarning``.

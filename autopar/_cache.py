@@ -45,10 +45,10 @@ def _source_of(fn) -> str:
 
 
 def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
     try:
-        from importlib.metadata import version
         return version("autopar")
-    except Exception:  # not installed as a distribution (a source checkout)
+    except PackageNotFoundError:  # not installed as a distribution (a source checkout)
         return "dev"
 
 
@@ -93,7 +93,7 @@ class PlanCache:
         return entry
 
     def store(self, key: str, plan) -> None:
-        graph, _, choice, _ = plan._details
+        choice = plan._details[2]
         entry = {"format_version": FORMAT_VERSION, "key": key,
                  "fingerprint": plan.stats["fingerprint"], "choice": [int(c) for c in choice]}
         tmp = self._path(key) + ".tmp"

@@ -10,7 +10,13 @@ from __future__ import annotations
 import html
 
 from autopar._layers import layer_rows, memory_over_program
-from autopar._report import _collective_lines, _fmt_bytes, _fmt_s, _spec_str
+from autopar._report import (
+    _collective_lines,
+    _fmt_bytes,
+    _fmt_s,
+    _spec_str,
+    outside_layers,
+)
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1100px; }
@@ -99,23 +105,28 @@ def render_html(plan, baselines: dict | None = None) -> str:
                       f"{r.collectives} ({_fmt_bytes(r.comm_bytes)})"] for r in rows])
     params = _table(["parameter", "PartitionSpec"],
                     [[p, _spec_str(s)] for r in rows for p, s in r.params], left=2)
+    ins, outs = outside_layers(plan, {p for r in rows for p, _ in r.params})
+    others = _table(["value", "PartitionSpec"],
+                    [[f"input {p}", _spec_str(s)] for p, s in ins]
+                    + [[f"output {p}", _spec_str(s)] for p, s in outs], left=2)
     fallbacks = ", ".join(f"{p} ({n})" for p, n in sorted(plan.fallbacks.items())) or "none"
     body = [
-        f"<h1>autopar plan on mesh {html.escape(str(mesh))}, hardware "
-        f"<code>{html.escape(plan.hardware)}</code></h1>",
-        "<p>Predictions per device. <code>plan.validate()</code> or <code>autopar report "
-        "--validate</code> checks them against the compiled program.</p>",
+        (f"<h1>autopar plan on mesh {html.escape(str(mesh))}, hardware "
+         f"<code>{html.escape(plan.hardware)}</code></h1>"),
+        ("<p>Predictions per device. <code>plan.validate()</code> or <code>autopar report "
+         "--validate</code> checks them against the compiled program.</p>"),
         "<h2>Estimate" + (" beside baselines" if baselines else "") + "</h2>", est,
         "<h2>Time per layer</h2>",
-        f'<div class="legend"><span style="background:{_COMPUTE}"></span>compute'
-        f'<span style="background:{_COMM}"></span>communication</div>', _bars_svg(rows),
+        (f'<div class="legend"><span style="background:{_COMPUTE}"></span>compute'
+         f'<span style="background:{_COMM}"></span>communication</div>'), _bars_svg(rows),
         "<h2>Memory over the program</h2>", _memory_svg(held, live),
         "<h2>Per layer</h2>", layers,
         "<h2>Parameter shardings</h2>", params,
+        "<h2>Other inputs and outputs</h2>", others,
         "<h2>Collectives chosen</h2>",
         "<pre>" + html.escape("\n".join(_collective_lines(plan))) + "</pre>",
-        f"<h2>Fallbacks</h2><p>Primitives with no sharding rule (planned replicated): "
-        f"{html.escape(fallbacks)}</p>",
+        (f"<h2>Fallbacks</h2><p>Primitives with no sharding rule (planned replicated): "
+         f"{html.escape(fallbacks)}</p>"),
     ]
     return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>autopar plan</title>"
             f"<style>{_CSS}</style></head><body>" + "\n".join(body) + "</body></html>\n")

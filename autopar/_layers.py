@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import jax
 
+from autopar._plan import _flat_donation
 from cost_model.estimate import value_specs
 from cost_model.memory import memory_timeline, value_bytes
 
@@ -90,7 +91,9 @@ def memory_over_program(plan) -> tuple[int, list[int]]:
     graph, strats, choice, _ = plan._details
     sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
     on_cpu = plan.mesh.devices.flat[0].platform == "cpu"
-    return memory_timeline(graph, value_specs(graph, strats, choice), sizes,
+    donated = frozenset(graph.input_nodes[i]
+                        for i in _flat_donation(plan._in_tree, plan.donate_argnums))
+    return memory_timeline(graph, value_specs(graph, strats, choice), sizes, donated,
                            results_held=on_cpu,
                            operand_specs={n.id: strats[n.id][choice[n.id]].in_specs
                                           for n in graph.nodes})

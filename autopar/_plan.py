@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -34,6 +36,9 @@ class Plan:
       in_shardings / out_shardings: pytrees of NamedSharding shaped like the arguments / results.
       estimate: per-device predictions (:class:`cost_model.estimate.Estimate`).
       hardware: the name of the hardware profile the costs came from.
+      donate_argnums: the arguments whose buffers the program reuses for its results (set by
+        ``parallelize(donate_argnums=...)`` or :meth:`with_donation`); the peak memory
+        estimate counts them.
     """
     mesh: Any
     in_shardings: Any
@@ -49,6 +54,7 @@ class Plan:
     _out_tree: Any = None
     _arg_avals: tuple = ()
     _details: Any = None   # (graph, strategies, choice, comms) for the report
+    donate_argnums: tuple[int, ...] = ()
 
     # ----- running
     def _require_program(self):
@@ -58,9 +64,13 @@ class Plan:
                 "program. Re-plan with autopar.plan(fn, *args, mesh=...), or run fn with "
                 "jax.jit(fn, in_shardings=plan.in_shardings, out_shardings=plan.out_shardings).")
 
-    def jit(self, donate_argnums=()) -> Callable:
-        """A callable with the planned function's signature that runs the parallel program."""
+    def jit(self, donate_argnums=None) -> Callable:
+        """A callable with the planned function's signature that runs the parallel program.
+
+        ``donate_argnums`` (as in ``jax.jit``) defaults to the plan's own."""
         self._require_program()
+        if donate_argnums is None:
+            donate_argnums = self.donate_argnums
         flat_in = jax.tree_util.tree_leaves(self.in_shardings)
         flat_out = jax.tree_util.tree_leaves(self.out_shardings)
         donate = _flat_donation(self._in_tree, donate_argnums)
@@ -76,6 +86,19 @@ class Plan:
             return jax.tree_util.tree_unflatten(out_tree, jitted(*leaves))
         run.lower = lambda *args: jitted.lower(*jax.tree_util.tree_leaves(args))
         return run
+
+    def with_donation(self, donate_argnums) -> Plan:
+        """This plan, its program reusing the buffers of arguments ``donate_argnums`` for the
+        results (params and optimizer state in a train step); the memory estimate follows."""
+        self._require_program()
+        argnums = tuple(sorted({donate_argnums} if isinstance(donate_argnums, int)
+                               else set(donate_argnums)))
+        from autopar._layers import memory_over_program
+        donating = dataclasses.replace(self, donate_argnums=argnums)
+        held, live = memory_over_program(donating)
+        donating.estimate = dataclasses.replace(self.estimate,
+                                                peak_memory_bytes=held + max(live, default=0))
+        return donating
 
     def compile(self):
         """The jax.stages.Compiled program, compiled from abstract arguments (nothing runs)."""
@@ -115,12 +138,13 @@ class Plan:
             "estimate": self.estimate.to_dict(),
             "in_shardings": shardings(self.in_shardings, self.in_paths),
             "out_shardings": shardings(self.out_shardings, self.out_paths),
+            "donate_argnums": list(self.donate_argnums),
             "fallbacks": self.fallbacks,
             "stats": self.stats,
         }, indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> Plan:
         """A plan read back from :meth:`to_json`: shardings and estimates, no program."""
         try:
             d = json.loads(text)
@@ -133,7 +157,8 @@ class Plan:
             return cls(mesh, ins, outs, Estimate(**d["estimate"]), d["hardware"],
                        [e["path"] for e in d["in_shardings"]],
                        [e["path"] for e in d["out_shardings"]],
-                       d.get("fallbacks", {}), d.get("stats", {}))
+                       d.get("fallbacks", {}), d.get("stats", {}),
+                       donate_argnums=tuple(d.get("donate_argnums", ())))
         except PlanFormatError:
             raise
         except (ValueError, KeyError, TypeError) as e:
@@ -145,7 +170,7 @@ class Plan:
             f.write(self.to_json())
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Plan":
+    def load(cls, path: str | os.PathLike) -> Plan:
         try:
             with open(path) as f:
                 return cls.from_json(f.read())

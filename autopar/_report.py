@@ -30,11 +30,14 @@ def render_text(plan, baselines: dict | None = None) -> str:
     lines = [f"autopar plan on mesh {mesh}, hardware profile `{plan.hardware}`",
              "",
              "Estimate per device (a prediction; `validate` checks it against compiled HLO):",
-             f"  step time    {_fmt_s(e.step_time_s)}  (compute {_fmt_s(e.compute_time_s)}, "
-             f"communication {_fmt_s(e.comm_time_s)})",
+             (f"  step time    {_fmt_s(e.step_time_s)}  (compute {_fmt_s(e.compute_time_s)}, "
+              f"communication {_fmt_s(e.comm_time_s)})"),
              f"  flops        {e.flops:.4g}",
              f"  wire bytes   {_fmt_bytes(e.comm_bytes)}",
              f"  peak memory  {_fmt_bytes(e.peak_memory_bytes)}"]
+    if plan.donate_argnums:
+        lines.append(f"  donated      argument(s) {', '.join(map(str, plan.donate_argnums))}: "
+                     "their buffers are reused for the results")
     if baselines:
         lines += ["", "Beside hand-written baselines (autopar's estimate for their shardings):",
                   f"  {'plan':<16}{'step time':>12}{'compute':>12}{'comm':>12}{'peak memory':>14}"]
@@ -54,16 +57,12 @@ def render_text(plan, baselines: dict | None = None) -> str:
                          f"{_fmt_s(r.comm_s):>12}{f'{r.collectives} ({_fmt_bytes(r.comm_bytes)})':>24}")
             width = max([len(p) for p, _ in r.params] + [4])
             lines += [f"      {p:<{width}}  {_spec_str(spec)}" for p, spec in r.params]
-    names = _layer_names(layered)
-    in_leaves = jax.tree_util.tree_leaves(plan.in_shardings)
-    rest = [(p, s) for p, s in zip(plan.in_paths, in_leaves) if not _in_layer(p, names)]
-    width = max([len(p) for p, _ in rest] + [4])
+    rest, outs = outside_layers(plan, layered)
+    width = max([len(p) for p, _ in rest + outs] + [4])
     lines += ["", "Input shardings (other than parameters and their optimizer state):"]
-    lines += [f"  {path:<{width}}  {_spec_str(s.spec)}" for path, s in rest] or ["  none"]
-    out_leaves = jax.tree_util.tree_leaves(plan.out_shardings)
-    outs = [(p, s) for p, s in zip(plan.out_paths, out_leaves) if not _in_layer(p, names)]
+    lines += [f"  {path:<{width}}  {_spec_str(s)}" for path, s in rest] or ["  none"]
     lines += ["", "Output shardings (new parameters and optimizer state keep their inputs'):"]
-    lines += [f"  {path:<{width}}  {_spec_str(s.spec)}" for path, s in outs] or ["  none"]
+    lines += [f"  {path:<{width}}  {_spec_str(s)}" for path, s in outs] or ["  none"]
     if plan._details is not None:
         lines += ["", "Collectives chosen (grouped by where they come from):"]
         lines += _collective_lines(plan)
@@ -76,6 +75,18 @@ def render_text(plan, baselines: dict | None = None) -> str:
                       f"constraints; solver {st.get('solver_status')}; times "
                       + ", ".join(f"{k} {v:.2f}s" for k, v in st.get("timings_s", {}).items())]
     return "\n".join(lines)
+
+
+def outside_layers(plan, param_paths: set[str]) -> tuple[list, list]:
+    """(path, PartitionSpec) of the inputs and of the outputs that are not in a layer (not a
+    parameter, its optimizer state or its new value): the batch, step counters, the loss."""
+    names = _layer_names(param_paths)
+
+    def rest(paths, tree):
+        return [(p or "(the whole result)", s.spec)
+                for p, s in zip(paths, jax.tree_util.tree_leaves(tree))
+                if not _in_layer(p, names)]
+    return rest(plan.in_paths, plan.in_shardings), rest(plan.out_paths, plan.out_shardings)
 
 
 def _layer_names(param_paths: set[str]) -> set[str]:

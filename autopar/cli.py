@@ -28,8 +28,33 @@ def _say(msg: str) -> None:
 
 
 # ----- demo
+_REAL_HARDWARE = """
+On real hardware:
+  This demo ran on simulated CPU devices, with costs from the `{hardware}` profile. On a TPU or
+  GPU host, leave XLA_FLAGS and JAX_PLATFORMS unset and wrap your own step:
+    step = autopar.parallelize(train_step, mesh={{'data': 2, 'model': 4}}, hardware='h100',
+                               donate_argnums=(0, 1))
+  with a mesh as large as your device count. Built-in profiles: {profiles}.
+  Or measure this machine: autopar profile --mesh data=2,model=4 --out profile.json,
+  then pass --hardware profile.json (hardware='profile.json').
+  To explain a plan at real sizes first (it compiles from shapes; nothing runs):
+    autopar report {targets}:gpt_realistic --mesh data=2,model=4 --hardware h100 --html plan.html"""
+
+
+def _real_hardware_hint(hardware: str) -> str:
+    import examples
+    from cost_model.hardware import known_profiles
+    targets = os.path.join(os.path.dirname(os.path.abspath(examples.__file__)),
+                           "report_targets.py")
+    relative = os.path.relpath(targets)
+    return _REAL_HARDWARE.format(hardware=hardware, profiles=", ".join(known_profiles()),
+                                 targets=targets if relative.startswith("..") else relative)
+
+
 def cmd_demo(args) -> int:
     _simulate_devices(8)
+    if "jax" not in sys.modules:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # simulated CPU devices, even on a GPU host
     import jax
     import numpy as np
 
@@ -50,7 +75,13 @@ def cmd_demo(args) -> int:
                                                 batch))
     plan = autopar.plan(step, *state, mesh=mesh, hardware=args.hardware, in_shardings=hints,
                         verbose=True)
-    _say(plan.report())
+    baselines = None
+    if not args.no_baselines:
+        from autopar.compare import predict_baselines
+        print("[autopar] estimating the data-parallel and FSDP baselines", file=sys.stderr,
+              flush=True)
+        baselines = predict_baselines(step, state, plan.mesh, hardware=args.hardware)
+    _say(plan.report(baselines))
     run = plan.jit()
     ref_params, ref_opt = params, opt_state
     _say("\nTraining 3 steps, checked against the single-device step:")
@@ -63,9 +94,7 @@ def cmd_demo(args) -> int:
                                    jax.tree_util.tree_leaves(ref_params)))
         _say(f"  step {i}: loss {float(loss):.5f} (single device {float(ref_loss):.5f}), "
              f"max parameter difference {diff:.2e}")
-    _say("\nOn real hardware: run the same code on a TPU or GPU host without XLA_FLAGS, "
-         "name your mesh (e.g. {'data': 8, 'model': 4}) and hardware (\"tpu-v5e\", \"h100\"), "
-         "or try `autopar report FILE.py:NAME --mesh data=2,model=4 --hardware h100`.")
+    _say(_real_hardware_hint(args.hardware))
     return 0
 
 
@@ -127,6 +156,9 @@ def cmd_report(args) -> int:
     _say(plan.report(baselines))
     if args.validate:
         from autopar._validate import validation_table
+        if not args.quiet:
+            print("[autopar] compiling the plan to check the prediction", file=sys.stderr,
+                  flush=True)
         _say("\n" + validation_table(plan))
     if args.json:
         plan.save(args.json)
@@ -168,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="plan and run the bundled GPT example on 8 simulated "
                                        "CPU devices")
     demo.add_argument("--hardware", default="h100", help="hardware profile to plan for")
+    demo.add_argument("--no-baselines", action="store_true",
+                      help="skip estimating the data-parallel and FSDP baselines")
     demo.set_defaults(run=cmd_demo)
     rep = sub.add_parser("report", help="plan FILE.py:NAME and explain the plan")
     rep.add_argument("target", help="FILE.py:NAME, NAME a zero-argument function returning "

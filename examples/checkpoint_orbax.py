@@ -14,10 +14,12 @@ import sys
 import tempfile
 
 
-def save_and_restore(directory: str):
+def save_and_restore(directory: str, pins=None):
     """Plan a GPT train step, save its parameters, restore them sharded by the plan.
 
-    Returns (plan, params saved, params restored)."""
+    ``pins``: optional ``{parameter path: PartitionSpec}`` (paths as ``jax.tree_util.keystr``
+    writes them, e.g. ``"['block_0']['mlp_in']['kernel']"``) that the plan must keep; autopar
+    decides the rest. Returns (plan, params saved, params restored)."""
     import jax
     import orbax.checkpoint as ocp
 
@@ -25,7 +27,10 @@ def save_and_restore(directory: str):
     from examples.models import gpt
 
     step, (params, opt_state, batch) = gpt.make_train_step(gpt.TINY)
-    plan = autopar.plan(step, params, opt_state, batch, mesh={"data": 2, "model": 4})
+    hint = jax.tree_util.tree_map_with_path(
+        lambda path, _: (pins or {}).get(jax.tree_util.keystr(path)), params)
+    plan = autopar.plan(step, params, opt_state, batch, mesh={"data": 2, "model": 4},
+                        in_shardings=(hint, None, None))
 
     path = os.path.join(os.path.abspath(directory), "params")
     with ocp.StandardCheckpointer() as ckpt:
@@ -44,7 +49,7 @@ def main() -> int:
         os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     import jax
     with tempfile.TemporaryDirectory() as d:
-        plan, _, restored = save_and_restore(d)
+        _, _, restored = save_and_restore(d)
     for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0][:4]:
         print(f"{jax.tree_util.keystr(path):<40} {leaf.sharding.spec}")
     print("... every parameter restored with the plan's sharding")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -15,8 +16,8 @@ def _run(*argv, env_extra=None):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "autopar.cli", *argv], capture_output=True,
-                          text=True, cwd=ROOT, env=env, timeout=600)
+    return subprocess.run([sys.executable, "-m", "autopar.cli", *argv], check=False,
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
 
 
 def test_report_writes_json_and_html(tmp_path):
@@ -40,7 +41,9 @@ def test_report_writes_json_and_html(tmp_path):
     (["report", f"{TARGETS}:dataclasses", "--mesh", "data=8"], "not callable"),
     (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=64", "--simulate-devices", "8"],
      "xla_force_host_platform_device_count"),
+    (["report", TARGETS, "--mesh", "data=8"], "must look like FILE.py:NAME"),
     (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=2,model"], "malformed mesh"),
+    (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=two"], "malformed mesh"),
     (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=8", "--hardware", "h999"],
      "unknown hardware"),
 ])
@@ -57,3 +60,18 @@ def test_error_in_the_users_file_is_one_line(tmp_path):
     r = _run("report", f"{bad}:f", "--mesh", "data=8")
     assert r.returncode != 0
     assert "ValueError: boom" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_demo_trains_on_simulated_devices_and_points_at_real_hardware():
+    r = _run("demo", "--no-baselines")
+    assert r.returncode == 0, r.stderr
+    assert "[autopar] solving the ILP" in r.stderr  # progress while planning
+    steps = re.findall(r"step (\d): loss ([\d.]+) \(single device ([\d.]+)\), max parameter "
+                       r"difference ([\d.e+-]+)", r.stdout)
+    assert [s[0] for s in steps] == ["0", "1", "2"], r.stdout
+    losses = [float(s[1]) for s in steps]
+    assert losses[2] < losses[1] < losses[0]
+    for _, loss, single, diff in steps:
+        assert abs(float(loss) - float(single)) <= 2e-3 * float(single) and float(diff) < 1e-3
+    assert "Per layer" in r.stdout and "autopar profile --mesh" in r.stdout
+    assert "report_targets.py:gpt_realistic" in r.stdout

@@ -12,7 +12,8 @@ from flax.training import train_state
 
 import autopar
 from autopar.errors import ArgumentError
-from examples.models import llama_nnx
+from cost_model.hlo import analyze
+from examples.models import gpt, llama_nnx
 
 MESH = {"data": 2, "model": 4}
 
@@ -51,6 +52,13 @@ def test_donated_arguments_are_consumed():
     g = jnp.full((8, 16), 2.0)
     out = update(w, g)
     np.testing.assert_allclose(np.asarray(out), 0.8)
+    assert update.plan.donate_argnums == (0,) and "donated" in update.plan.report()
+    # The plan counts the reused buffer, as the compiled program does.
+    kept = autopar.plan(lambda w, g: w - 0.1 * g, w, g, mesh={"data": 8})
+    assert kept.with_donation(()).estimate == kept.estimate
+    assert update.plan.estimate.peak_memory_bytes < kept.estimate.peak_memory_bytes
+    assert (analyze(update.plan.compile()).peak_memory_bytes
+            < analyze(kept.compile()).peak_memory_bytes)
     w2 = jax.device_put(out, update.plan.in_shardings[0])  # already where the plan wants it
     update(w2, g)
     assert w2.is_deleted()  # its buffer was reused for the result
@@ -64,13 +72,17 @@ class _Tiny(nn.Module):
         return nn.Dense(8)(nn.relu(nn.Dense(32)(x)))
 
 
-def test_flax_train_state():
+def _train_state(x):
     model = _Tiny()
+    return train_state.TrainState.create(apply_fn=model.apply,
+                                         params=model.init(jax.random.key(2), x),
+                                         tx=optax.adamw(1e-2))
+
+
+def test_flax_train_state(tmp_path):
     x = jax.random.normal(jax.random.key(0), (16, 12))
     y = jax.random.normal(jax.random.key(1), (16, 8))
-    state = train_state.TrainState.create(apply_fn=model.apply,
-                                          params=model.init(jax.random.key(2), x),
-                                          tx=optax.adamw(1e-2))
+    state = _train_state(x)
 
     def step(state, x, y):
         def loss_fn(params):
@@ -78,7 +90,7 @@ def test_flax_train_state():
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), loss
 
-    run = autopar.parallelize(step, mesh=MESH, donate_argnums=0)
+    run = autopar.parallelize(step, mesh=MESH, donate_argnums=0, cache_dir=tmp_path)
     ref = state
     losses = []
     for _ in range(3):
@@ -88,6 +100,10 @@ def test_flax_train_state():
         losses.append(float(loss))
     _close(state.params, ref.params)
     assert losses[-1] < losses[0] and run.plans_made == 1
+    # A restart builds new optimizer functions (new objects): the cached plan still applies.
+    again = autopar.parallelize(step, mesh=MESH, donate_argnums=0, cache_dir=tmp_path)
+    again(_train_state(x), x, y)
+    assert again.plans_loaded == 1 and again.plans_made == 0
 
 
 def test_flax_nnx_split_state():
@@ -148,3 +164,34 @@ def test_cache_key_ignores_object_addresses(tmp_path):
     assert key("0x7f00aa") == key("0x7f11bb")
     assert cache.key(_cached_step, MESH, "h100", "a", (), {}) != \
         cache.key(_cached_step, MESH, "h100", "b", (), {})
+
+
+def test_decorated_gpt_train_step_matches_one_device_and_restarts_from_the_cache(tmp_path):
+    fn, (params, opt_state, batch) = gpt.make_train_step(gpt.TINY)
+    hint = (None, None, jax.tree_util.tree_map(lambda _: jax.sharding.PartitionSpec("data"),
+                                               batch))
+
+    def decorated():
+        return autopar.parallelize(mesh=MESH, in_shardings=hint, donate_argnums=(0, 1),
+                                   cache_dir=tmp_path)(fn)
+
+    step = decorated()
+    # Donated arguments are consumed (their buffers may be the ones passed in): keep copies.
+    first = jax.tree_util.tree_map(jnp.copy, (params, opt_state))
+    ref, losses = jax.tree_util.tree_map(jnp.copy, first), []
+    for _ in range(3):
+        params, opt_state, loss = step(params, opt_state, batch)
+        *ref, ref_loss = jax.jit(fn)(*ref, batch)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-3)
+        losses.append(float(loss))
+    _close((params, opt_state), ref)
+    assert losses[2] < losses[1] < losses[0]
+    assert step.plans_made == 1 and step.plan.donate_argnums == (0, 1)
+
+    restarted = decorated()  # a new process would build the same wrapper
+    *_, loss = restarted(*first, batch)
+    assert restarted.plans_made == 0 and restarted.plans_loaded == 1
+    assert restarted.plan.stats["solver_status"] == "cached"
+    np.testing.assert_allclose(float(loss), losses[0], rtol=1e-6)
+    assert [s.spec for s in jax.tree_util.tree_leaves(restarted.plan.in_shardings)] == \
+        [s.spec for s in jax.tree_util.tree_leaves(step.plan.in_shardings)]

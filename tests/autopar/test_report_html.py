@@ -39,7 +39,8 @@ def test_text_report_shows_baselines_and_layers(planned):
 
 
 class _Checker(HTMLParser):
-    VOID = {"meta", "br", "img", "input", "link", "hr", "polyline", "polygon", "line", "rect"}
+    VOID = frozenset({"meta", "br", "img", "input", "link", "hr", "polyline", "polygon", "line",
+                      "rect"})
 
     def __init__(self):
         super().__init__()
@@ -66,3 +67,4 @@ def test_html_is_self_contained_and_balanced(planned):
     checker.feed(page)
     assert checker.stack == [] and checker.external == []
     assert page.count("<svg") == 2 and "block_1" in page and "dp" in page
+    assert "Other inputs and outputs" in page and "tokens" in page  # the batch's sharding
