@@ -1,24 +1,94 @@
-"""The plan's prediction against what XLA compiled for it, at realistic shapes (compiled from
-ShapeDtypeStruct arguments, never run), on 1-D and 2-D meshes, for autopar's own plans:
-wire bytes and per-device flops within 10%, peak memory within 15% (the issue's bounds; the
-measured agreement is within 1% for wire bytes and flops and within 11% for memory)."""
+"""The plan's prediction against what XLA compiled for it.
 
+autopar's own plans for the MLP, BERT, GPT and MoE train steps of
+``examples/models/workloads.py`` (realistic widths: hidden 1024, sequence 512, batch 16, two
+layers, bf16 compute; compiled from ShapeDtypeStruct arguments, never run) on an (8,) and a
+(2, 4) mesh. Bounds (the issue's): wire bytes and per-device flops within 10% of the compiled
+program's, peak memory within 15% of its peak (``cost_model.hlo.compiled_peak_bytes``).
+
+Measured on jax 0.10.2 (XLA:CPU, 8 simulated devices): wire bytes agree to 0.1%, flops
+within 1% (the estimate leaves out some scalar and elementwise flops), peak memory within 10%
+(see ``cost_model/memory.py`` for what the model counts and what it leaves out). Argument and
+result bytes are exact, and XLA adds no collective the plan did not predict.
+"""
+
+import jax
 import pytest
 
-import autopar
+from autopar._validate import flag_kinds, predicted_by_kind
+from cost_model.estimate import plan_peak_memory_bytes, value_specs
 from cost_model.hlo import analyze
-from examples.models.workloads import WORKLOADS, abstract_train_step
+from cost_model.memory import argument_and_result_bytes, memory_timeline
+from examples.models.workloads import WORKLOADS
+from tests.cost_model.compiled_cases import MESHES, autopar_case
 
-MESHES = {"1d": {"data": 8}, "2d": {"data": 2, "model": 4}}
+CASES = [(model, mesh) for model in sorted(WORKLOADS) for mesh in sorted(MESHES)]
 
 
-@pytest.mark.parametrize("mesh_name", sorted(MESHES))
-@pytest.mark.parametrize("model", sorted(WORKLOADS))
-def test_estimate_matches_compiled(model, mesh_name):
-    fn, args = abstract_train_step(model)
-    plan = autopar.plan(fn, *args, mesh=MESHES[mesh_name], hardware="h100")
-    truth = analyze(plan.compile())
-    assert truth.wire_bytes > 0 and truth.peak_memory_bytes > truth.argument_bytes
-    assert plan.estimate.comm_bytes == pytest.approx(truth.wire_bytes, rel=0.10)
-    assert plan.estimate.flops == pytest.approx(truth.flops, rel=0.10)
-    assert plan.estimate.peak_memory_bytes == pytest.approx(truth.peak_memory_bytes, rel=0.15)
+@pytest.fixture(scope="module", params=CASES, ids=[f"{m}-{n}" for m, n in CASES])
+def case(request):
+    return autopar_case(*request.param)
+
+
+def test_wire_bytes_match_compiled(case):
+    assert case.truth.wire_bytes > 0
+    assert case.plan.estimate.comm_bytes == pytest.approx(case.truth.wire_bytes, rel=0.10)
+
+
+def test_flops_match_compiled(case):
+    assert case.plan.estimate.flops == pytest.approx(case.truth.flops, rel=0.10)
+
+
+def test_peak_memory_matches_compiled(case):
+    truth = case.truth
+    assert truth.peak_memory_bytes > truth.argument_bytes + truth.output_bytes
+    assert case.plan.estimate.peak_memory_bytes == pytest.approx(truth.peak_memory_bytes,
+                                                                 rel=0.15)
+
+
+def _sizes(plan):
+    return dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
+
+
+def _operand_specs(strats, choice, graph):
+    return {n.id: strats[n.id][choice[n.id]].in_specs for n in graph.nodes}
+
+
+def test_argument_and_result_bytes_are_exact(case):
+    graph, strats, choice, _ = case.plan._details
+    args, results = argument_and_result_bytes(graph, value_specs(graph, strats, choice),
+                                              _sizes(case.plan),
+                                              _operand_specs(strats, choice, graph))
+    assert args == case.truth.argument_bytes
+    # XLA:CPU's output size also holds the result tuple's table of pointers, 8 bytes each.
+    assert results + 8 * len(graph.output_nodes) == case.truth.output_bytes
+
+
+def test_xla_adds_no_collective_the_plan_did_not_predict(case):
+    compiled = {k.value: v for k, v in case.truth.by_kind().items()}
+    assert flag_kinds(predicted_by_kind(case.plan._details[3]), compiled) == {}
+
+
+def test_donated_state_is_counted_once_as_xla_aliases_it():
+    """Donating params and optimizer state (``donate_argnums=(0, 1)``) lets the new state take
+    their buffers: the bytes the model holds for the whole call (arguments and results, the
+    donated ones once) are what XLA allocates for them. XLA:CPU's temp arena grows by about
+    what donation saves (it had placed temporaries in those output buffers; see
+    ``cost_model/memory.py``), which the model does not follow: only the held part is checked
+    against the compiled program here."""
+    plan = autopar_case("gpt", "2d").plan
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+             for a, s in zip(plan._arg_avals, jax.tree_util.tree_leaves(plan.in_shardings))]
+    args = jax.tree_util.tree_unflatten(plan._in_tree, avals)
+    truth = analyze(plan.jit(donate_argnums=(0, 1)).lower(*args).compile())
+    graph, strats, choice, _ = plan._details
+    n_state = sum(c.num_leaves for c in plan._in_tree.children()[:2])
+    donated = frozenset(graph.input_nodes[:n_state])
+    held, _ = memory_timeline(graph, value_specs(graph, strats, choice), _sizes(plan), donated,
+                              True, _operand_specs(strats, choice, graph))
+    assert truth.alias_bytes > 0.9 * truth.output_bytes
+    assert held + 8 * len(graph.output_nodes) == (truth.argument_bytes + truth.output_bytes
+                                                  - truth.alias_bytes)
+    undonated = plan_peak_memory_bytes(graph, strats, choice, _sizes(plan), True)
+    donated_peak = plan_peak_memory_bytes(graph, strats, choice, _sizes(plan), True, donated)
+    assert undonated - donated_peak == truth.alias_bytes  # the model saves what XLA aliases

@@ -1,0 +1,69 @@
+"""plan.validate(): prediction beside the compiled program, and the flags for collectives the
+plan did not price. Tiny shapes (compiling is what takes time here, nothing runs)."""
+
+import dataclasses
+
+import jax
+import pytest
+
+import autopar
+from autopar._validate import flag_kinds, validate, validation_table
+from cost_model.hlo import analyze
+from examples.models import gpt, mlp
+
+
+@pytest.fixture(scope="module")
+def gpt_plan():
+    fn, args = gpt.make_train_step(gpt.TINY)
+    hint = (None, None, jax.tree_util.tree_map(lambda _: jax.sharding.PartitionSpec("data"),
+                                               args[2]))
+    return autopar.plan(fn, *args, mesh={"data": 2, "model": 4}, in_shardings=hint)
+
+
+def test_validate_puts_every_measure_beside_the_compiled_one(gpt_plan):
+    v = validate(gpt_plan)
+    truth = analyze(gpt_plan.compile())
+    assert v["wire_bytes"] == (gpt_plan.estimate.comm_bytes, truth.wire_bytes)
+    assert v["flops"] == (gpt_plan.estimate.flops, truth.flops)
+    assert v["peak_memory_bytes"] == (gpt_plan.estimate.peak_memory_bytes,
+                                      truth.peak_memory_bytes)
+    compiled = {k.value: n_b for k, n_b in truth.by_kind().items()}
+    assert len(compiled) >= 2
+    assert {k: c for k, (_, c) in v["by_kind"].items() if c[0]} == compiled
+    for kind, ((p_count, p_bytes), (count, nbytes)) in v["by_kind"].items():
+        assert count <= p_count and nbytes == pytest.approx(p_bytes, rel=0.10), kind
+    assert v["flags"] == {} and v["unexpected_kinds"] == []
+    table = validation_table(gpt_plan, v)
+    for name in ["wire_bytes", "flops", "peak_memory_bytes", *compiled]:
+        assert name in table
+    assert "did not predict" not in table
+
+
+def _without_kind(plan, kind: str):
+    graph, strats, choice, comms = plan._details
+    kept = [c for c in comms if c.step.kind is None or c.step.kind.value != kind]
+    assert len(kept) < len(comms)
+    return dataclasses.replace(plan, _details=(graph, strats, choice, kept))
+
+
+def test_a_compiled_kind_missing_from_the_prediction_is_flagged():
+    fn, args = mlp.make_train_step(mlp.TINY)
+    plan = autopar.plan(fn, *args, mesh={"data": 8})
+    v = validate(_without_kind(plan, "all-reduce"))
+    assert v["unexpected_kinds"] == ["all-reduce"]
+    assert v["flags"]["all-reduce"] == "not predicted"
+    assert v["by_kind"]["all-reduce"][0] == (0, 0.0)
+    assert "did not predict: all-reduce" in validation_table(plan, v)
+
+
+@pytest.mark.parametrize("predicted, compiled, flagged", [
+    ({"all-reduce": (4, 100.0)}, {"all-reduce": (2, 100.0)}, None),        # combined by XLA
+    ({"all-reduce": (4, 100.0)}, {"all-reduce": (4, 109.0)}, None),        # within 10%
+    ({"all-reduce": (4, 100.0)}, {"all-reduce": (5, 100.0)}, "5 compiled, 4 predicted"),
+    ({"all-reduce": (4, 100.0)}, {"all-reduce": (4, 120.0)}, "1.20x the predicted bytes"),
+    ({"all-reduce": (4, 100.0)}, {"all-to-all": (1, 10.0)}, "not predicted"),
+    ({"all-gather": (3, 50.0)}, {}, None),                                  # predicted only
+])
+def test_flag_rules(predicted, compiled, flagged):
+    flags = flag_kinds(predicted, compiled)
+    assert flags == ({} if flagged is None else {next(iter(compiled)): flagged})

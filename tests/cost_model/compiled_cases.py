@@ -1,0 +1,43 @@
+"""Plans of the realistic workloads and their compiled programs, made once per test session
+and shared by the estimate and ranking tests (planning and compiling is what takes time)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import autopar
+from autopar._mesh import as_auto_mesh
+from autopar.compare import baseline_kinds, predict_baselines
+from cost_model.hardware import get_profile
+from cost_model.hlo import HloSummary, analyze
+from examples.models.workloads import abstract_train_step
+
+MESHES = {"1d": {"data": 8}, "2d": {"data": 2, "model": 4}}
+H100 = get_profile("h100")
+
+
+@dataclass(frozen=True)
+class Case:
+    plan: autopar.Plan
+    truth: HloSummary      # of the plan's own compiled program
+
+
+@functools.cache
+def autopar_case(model: str, mesh: str) -> Case:
+    """autopar's plan for workload ``model`` on mesh ``mesh`` ("1d" or "2d"), compiled."""
+    fn, args = abstract_train_step(model)
+    plan = autopar.plan(fn, *args, mesh=as_auto_mesh(MESHES[mesh]), hardware=H100)
+    return Case(plan, analyze(plan.compile()))
+
+
+@functools.cache
+def baseline_cases(model: str, mesh: str) -> dict[str, Case]:
+    """For each hand-written baseline that applies (``autopar.compare.baseline_kinds``), the
+    plan whose inputs and outputs are pinned to that baseline's shardings
+    (``autopar.compare.predict_baselines``), with its compiled program."""
+    fn, args = abstract_train_step(model)
+    jax_mesh = as_auto_mesh(MESHES[mesh])
+    plans = predict_baselines(fn, args, jax_mesh, hardware=H100,
+                              kinds=baseline_kinds(jax_mesh, args))
+    return {kind: Case(p, analyze(p.compile())) for kind, p in plans.items()}
