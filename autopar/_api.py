@@ -37,6 +37,11 @@ def _state_ties(traced) -> list[tuple[int, int]]:
     return ties
 
 
+def _hint_labels(traced) -> tuple[list[str], list[str]]:
+    return ([f"in_shardings{p}" for p in _paths(traced.in_tree)],
+            [f"out_shardings{p}" for p in _paths(traced.out_tree)])
+
+
 def _progress(enabled: bool):
     if not enabled:
         return lambda msg: None
@@ -60,7 +65,8 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
       memory_budget: per-device bytes the plan must fit in (not enforced in this version).
       in_shardings / out_shardings: hints, a pytree (or prefix) of PartitionSpec, NamedSharding
         or None ("autopar decides") shaped like the arguments / results. A hint is always kept.
-      search: False is not available in this version (raises ArgumentError).
+      search: False plans like plain GSPMD: the annotations plus their propagation, no ILP;
+        values propagation leaves free are replicated. Fast, and a baseline for the search.
       time_limit_s: the ILP's time limit; on it the best plan found so far is kept.
       tie_state: results that replace an argument (same pytree path, shape and dtype, such as
         new parameters) keep that argument's sharding.
@@ -75,9 +81,6 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
       plan = autopar.plan(train_step, params, opt_state, batch, mesh={"data": 2, "model": 4})
       params, opt_state, loss = plan.jit()(params, opt_state, batch)
     """
-    if not search:
-        raise ArgumentError("`search=False` (propagation only) is not available in this "
-                            "version; leave `search` at True")
     if memory_budget is not None:
         raise ArgumentError("`memory_budget` is not enforced in this version; leave it None")
     jax_mesh = as_auto_mesh(mesh)
@@ -103,7 +106,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                           out_specs_of=pins(out_shardings, "out_shardings"),
                           ties_of=_state_ties if tie_state else None,
                           time_limit_s=time_limit_s, progress=_progress(verbose),
-                          choice=_choice)
+                          choice=_choice, search=search, hint_labels_of=_hint_labels)
     graph, strats, choice = result.graph, result.strats, result.solution.choice
     comms = plan_collectives(graph, strats, choice, mesh_ctx)
     est = estimate(graph, strats, choice, mesh_ctx, comms)

@@ -58,7 +58,7 @@ def flatten_hints(hints, tree, what: str) -> list:
     if hints is None:
         return [None] * tree.num_leaves
     dummy = jax.tree_util.tree_unflatten(tree, [0] * tree.num_leaves)
-    is_hint = lambda x: x is None or isinstance(x, (PartitionSpec, NamedSharding))  # noqa: E731
+    is_hint = lambda x: x is None or isinstance(x, (PartitionSpec, NamedSharding))
     try:
         per_leaf = jax.tree_util.tree_map(
             lambda h, sub: [h] * len(jax.tree_util.tree_leaves(sub)), hints, dummy,
@@ -72,15 +72,22 @@ def flatten_hints(hints, tree, what: str) -> list:
 
 
 def annotate(graph: Graph, in_specs: list[Spec | None], out_specs: list[Spec | None],
-             axis_sizes: dict[str, int]) -> None:
-    for node_id, spec in zip(graph.input_nodes, in_specs):
-        if spec is not None:
-            graph.nodes[node_id].pinned = (spec,)
-    for node_id, spec in zip(graph.output_nodes, out_specs):
-        if spec is not None:
-            graph.nodes[node_id].pinned = (spec,)
+             axis_sizes: dict[str, int], in_labels: list[str] | None = None,
+             out_labels: list[str] | None = None) -> dict[int, str]:
+    """Pin the hinted inputs and outputs and every ``with_sharding_constraint``. Returns, per
+    pinned node, the annotation it comes from (``in_labels`` / ``out_labels`` name the hinted
+    leaves, e.g. ``in_shardings[0]['w']``), for propagation's messages."""
+    labels: dict[int, str] = {}
+    for nodes, specs, names, what in ((graph.input_nodes, in_specs, in_labels, "in_shardings"),
+                                      (graph.output_nodes, out_specs, out_labels,
+                                       "out_shardings")):
+        for i, (node_id, spec) in enumerate(zip(nodes, specs)):
+            if spec is not None:
+                graph.nodes[node_id].pinned = (spec,)
+                labels[node_id] = names[i] if names else f"{what} leaf {i}"
     for node in graph.nodes:
         if node.prim == "sharding_constraint" and node.pinned is not None:
             shape = graph.values[node.outs[0]].shape
-            node.pinned = (to_spec(node.pinned[0], shape, axis_sizes,
-                                   f"with_sharding_constraint at {node.where}"),)
+            labels[node.id] = f"with_sharding_constraint at {node.where}"
+            node.pinned = (to_spec(node.pinned[0], shape, axis_sizes, labels[node.id]),)
+    return labels
