@@ -18,10 +18,12 @@ Two modes:
   rule order. Values still free at the fixed point are replicated, as GSPMD defaults. Each node
   then takes the strategy that keeps its values, or, where annotations conflict, the cheapest
   one counting the resharding of its operands. That is the whole plan: no ILP.
-* ``forced`` (``search=True``): a free value is fixed only when every compatible strategy of a
-  neighbour agrees on its sharding (a convert, a transpose or an elementwise op next to a
-  hinted value). Those values are pinned for the ILP through ``node.pinned`` and the same cut
-  that ``build_strategies`` applies to a hint; the ILP decides the rest.
+* ``forced`` (``search=True``): only what every compatible strategy of a neighbour agrees on
+  is fixed, and only as *splits* (mesh axis a splits dim d): a value next to a batch hinted over
+  ``data`` gets "``data`` splits dim 0", while the other axes stay free, as GSPMD refines a
+  partially replicated sharding rather than keeping it replicated. Each value so fixed is
+  pinned for the ILP by cutting its producer's strategies to those that keep the splits (the
+  cut ``build_strategies`` applies to a hint); the ILP decides the rest.
 
 Priority: a user annotation is fixed before propagation starts and a propagated sharding never
 replaces a fixed one, so the user wins. Where two annotations meet at a node that no strategy
@@ -50,17 +52,40 @@ class Origin:
     user: bool
 
 
+@dataclass(frozen=True)
+class Splits:
+    """A partial sharding (forced mode): these (mesh axis, dim) splits hold; other axes free."""
+    pairs: frozenset
+
+    def admits(self, spec: Spec) -> bool:
+        return all(axis in spec.dims[d] for axis, d in self.pairs)
+
+    def __str__(self) -> str:
+        return ",".join(f"{a}->dim{d}" for a, d in sorted(self.pairs))
+
+
+def _admits(fact, spec: Spec) -> bool:
+    return fact.admits(spec) if isinstance(fact, Splits) else fact == spec
+
+
+def _splits_of(spec: Spec) -> frozenset:
+    return frozenset((a, d) for d, axes in enumerate(spec.dims) for a in axes)
+
+
 @dataclass
 class Propagation:
-    """Fixed value specs after propagation, with their origins; in complete mode also the
-    strategy index of every node (the plan)."""
-    specs: dict[int, Spec] = field(default_factory=dict)
+    """Fixed value specs (a Spec, or Splits in forced mode) after propagation, with their
+    origins; in complete mode also the strategy index of every node (the plan)."""
+    specs: dict[int, Spec | Splits] = field(default_factory=dict)
     origins: dict[int, Origin] = field(default_factory=dict)
     choice: list[int] | None = None
     conflicts: list[str] = field(default_factory=list)
     sweeps: int = 0
 
-    def fix(self, vid: int, spec: Spec, origin: Origin) -> None:
+    def exact(self, vid: int) -> bool:
+        return isinstance(self.specs.get(vid), Spec)
+
+    def fix(self, vid: int, spec: Spec | Splits, origin: Origin) -> None:
         self.specs[vid] = spec
         self.origins[vid] = origin
 
@@ -91,20 +116,21 @@ def _operands(node: Node):
     return [(pos, vid) for pos, vid in enumerate(node.ins) if vid is not None]
 
 
-def compatible(node: Node, strats: list[Strategy], specs: dict[int, Spec]) -> list[int]:
+def compatible(node: Node, strats: list[Strategy], specs: dict) -> list[int]:
     """Indices of the strategies that keep every fixed operand and result of ``node``."""
     fixed_in = [(pos, specs[vid]) for pos, vid in _operands(node) if vid in specs]
     fixed_out = [(k, specs[vid]) for k, vid in enumerate(node.outs) if vid in specs]
     return [i for i, s in enumerate(strats)
-            if all(s.in_specs[p] == sp for p, sp in fixed_in)
-            and all(s.out_specs[k] == sp for k, sp in fixed_out)]
+            if all(_admits(f, s.in_specs[p]) for p, f in fixed_in)
+            and all(_admits(f, s.out_specs[k]) for k, f in fixed_out)]
 
 
-def _targets(node: Node, specs, forward: bool) -> list[tuple[str, int, int]]:
-    """The free values a visit may fix: ("out", k, vid) forward, ("in", pos, vid) backward."""
+def _targets(node: Node, prop: Propagation, forward: bool) -> list[tuple[str, int, int]]:
+    """The values a visit may fix (free, or partially fixed in forced mode): ("out", k, vid)
+    forward, ("in", pos, vid) backward."""
     if forward:
-        return [("out", k, vid) for k, vid in enumerate(node.outs) if vid not in specs]
-    return [("in", pos, vid) for pos, vid in _operands(node) if vid not in specs]
+        return [("out", k, vid) for k, vid in enumerate(node.outs) if not prop.exact(vid)]
+    return [("in", pos, vid) for pos, vid in _operands(node) if not prop.exact(vid)]
 
 
 def _spec_of(s: Strategy, side: str, pos: int) -> Spec:
@@ -126,7 +152,7 @@ def _origin_of(node: Node, specs, origins) -> Origin:
 def visit(node: Node, strats: list[Strategy], prop: Propagation, forward: bool,
           complete: bool) -> bool:
     """Fix what ``node`` tells about its free values; True when something was fixed."""
-    targets = _targets(node, prop.specs, forward)
+    targets = _targets(node, prop, forward)
     if not targets:
         return False
     neighbours = [v for _, v in _operands(node)] + list(node.outs)
@@ -145,9 +171,12 @@ def visit(node: Node, strats: list[Strategy], prop: Propagation, forward: bool,
                 changed = True
         return changed
     for side, pos, vid in targets:
-        options = {_spec_of(strats[i], side, pos) for i in fits}
-        if len(options) == 1 and vid not in prop.specs:
-            prop.fix(vid, options.pop(), origin)
+        common = frozenset.intersection(*[_splits_of(_spec_of(strats[i], side, pos))
+                                          for i in fits])
+        old = prop.specs.get(vid)
+        if common and (old is None or common != old.pairs):
+            prop.fix(vid, Splits(common | (old.pairs if old else frozenset())),
+                     prop.origins.get(vid, origin))
             changed = True
     return changed
 
@@ -258,21 +287,19 @@ def _moved_cost_s(node: Node, s: Strategy, want_in, want_out, graph: Graph,
 
 
 def pin_forced(graph: Graph, strats, prop: Propagation) -> int:
-    """Forced mode: cut each producer of a propagated value to the strategies that give it, as
-    ``build_strategies`` does for a hint; a node whose results are all fixed is marked pinned.
-    Returns the number of nodes cut."""
+    """Forced mode: cut each producer of a propagated value to the strategies that keep its
+    splits, as ``build_strategies`` cuts a hinted node (a partial fix has no full spec to put in
+    ``node.pinned``). Returns the number of nodes cut."""
     cut = 0
     for node in graph.nodes:
         fixed = [(k, prop.specs[v]) for k, v in enumerate(node.outs)
                  if v in prop.specs and not prop.origins[v].user]
         if not fixed or node.pinned is not None:
             continue
-        kept = [s for s in strats[node.id] if all(s.out_specs[k] == sp for k, sp in fixed)]
-        if not kept:
+        kept = [s for s in strats[node.id] if all(_admits(f, s.out_specs[k]) for k, f in fixed)]
+        if not kept or len(kept) == len(strats[node.id]):
             continue  # fixed backward by a consumer this producer cannot serve: left to the ILP
         strats[node.id] = kept
-        if len(fixed) == len(node.outs):
-            node.pinned = tuple(sp for _, sp in fixed)
         cut += 1
     return cut
 
