@@ -18,6 +18,8 @@ from cost_model.estimate import estimate, plan_collectives
 from cost_model.hardware import axis_levels, get_profile
 from passes.pipeline import run_pipeline
 from passes.annotate import flatten_hints, to_spec
+from passes.flax_metadata import merge as merge_hints
+from passes.flax_metadata import metadata_hints
 from passes.strategies import MeshContext
 
 
@@ -37,11 +39,6 @@ def _state_ties(traced) -> list[tuple[int, int]]:
     return ties
 
 
-def _hint_labels(traced) -> tuple[list[str], list[str]]:
-    return ([f"in_shardings{p}" for p in _paths(traced.in_tree)],
-            [f"out_shardings{p}" for p in _paths(traced.out_tree)])
-
-
 def _progress(enabled: bool):
     if not enabled:
         return lambda msg: None
@@ -49,7 +46,7 @@ def _progress(enabled: bool):
 
 
 def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
-         in_shardings=None, out_shardings=None, search: bool = True,
+         in_shardings=None, out_shardings=None, search: bool = True, logical_axis_rules=None,
          time_limit_s: float = 60.0, tie_state: bool = True, axis_level_overrides=None,
          verbose: bool = False, _choice=None) -> Plan:
     """Plan how to run ``fn`` on ``mesh``.
@@ -65,6 +62,11 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
       memory_budget: per-device bytes the plan must fit in (not enforced in this version).
       in_shardings / out_shardings: hints, a pytree (or prefix) of PartitionSpec, NamedSharding
         or None ("autopar decides") shaped like the arguments / results. A hint is always kept.
+      logical_axis_rules: MaxText-style ``[("batch", "data"), ("mlp", "model"), ...]``: how
+        the logical axis names of flax partitioning metadata on the arguments map to mesh
+        axes. Metadata (linen ``nn.with_partitioning`` / ``nn.with_logical_partitioning``,
+        nnx ``sharding=``) are hints like ``in_shardings``, which win where both are given.
+        Pass the boxed arguments as they are; see ``passes/flax_metadata.py``.
       search: False plans like plain GSPMD: the annotations plus their propagation, no ILP;
         values propagation leaves free are replicated. Fast, and a baseline for the search.
       time_limit_s: the ILP's time limit; on it the best plan found so far is kept.
@@ -92,13 +94,18 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                            emulated_reduce_scatter=on_cpu, upcast_16bit_collectives=on_cpu,
                            results_held=on_cpu)
 
+    meta = metadata_hints(example_args, logical_axis_rules)
+    labels = {}  # what -> the source of each leaf's hint, for messages
+
     def pins(hints, what):
         def of(traced):
             tree = traced.in_tree if what == "in_shardings" else traced.out_tree
             avals = traced.in_avals if what == "in_shardings" else traced.out_avals
-            hs = flatten_hints(hints, tree, what)
-            return [to_spec(h, a.shape, sizes, f"{what}{p}")
-                    for h, a, p in zip(hs, avals, _paths(tree))]
+            hs, paths = flatten_hints(hints, tree, what), _paths(tree)
+            labels[what] = [f"{what}{p}" for p in paths]
+            if what == "in_shardings":  # explicit hints over flax metadata
+                hs, labels[what] = merge_hints(hs, meta, paths, [len(a.shape) for a in avals])
+            return [to_spec(h, a.shape, sizes, n) for h, a, n in zip(hs, avals, labels[what])]
         return of
 
     result = run_pipeline(fn, example_args, mesh_ctx, jax_mesh,
@@ -106,7 +113,9 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                           out_specs_of=pins(out_shardings, "out_shardings"),
                           ties_of=_state_ties if tie_state else None,
                           time_limit_s=time_limit_s, progress=_progress(verbose),
-                          choice=_choice, search=search, hint_labels_of=_hint_labels)
+                          choice=_choice, search=search,
+                          hint_labels_of=lambda _: (labels.get("in_shardings"),
+                                                    labels.get("out_shardings")))
     graph, strats, choice = result.graph, result.strats, result.solution.choice
     comms = plan_collectives(graph, strats, choice, mesh_ctx)
     est = estimate(graph, strats, choice, mesh_ctx, comms)

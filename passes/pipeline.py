@@ -55,10 +55,10 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
     timings["trace"] = time.perf_counter() - t0
 
     t = time.perf_counter()
+    in_specs = in_specs_of(traced) if in_specs_of else []
+    out_specs = out_specs_of(traced) if out_specs_of else []
     in_labels, out_labels = hint_labels_of(traced) if hint_labels_of else (None, None)
-    labels = annotate(graph, in_specs_of(traced) if in_specs_of else [],
-                      out_specs_of(traced) if out_specs_of else [], mesh_ctx.axis_sizes,
-                      in_labels, out_labels)
+    labels = annotate(graph, in_specs, out_specs, mesh_ctx.axis_sizes, in_labels, out_labels)
     progress(f"building strategies for {len(graph.nodes)} nodes")
     strats, fallbacks = build_strategies(graph, mesh_ctx)
     timings["strategies"] = time.perf_counter() - t

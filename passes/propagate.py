@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from autopar.errors import ShardingConflictWarning
 from cost_model.estimate import estimate, plan_collectives
 from passes.ir import Graph, Node, NodeKind
+from passes.rules.elementwise import UNARY_AND_NARY
 from passes.spec import Spec
 from passes.strategies import MeshContext, Strategy
 
@@ -212,11 +213,23 @@ def run_sweeps(graph: Graph, strats, prop: Propagation, complete: bool, ties=(),
             return
 
 
+# Ops whose operands and results are one tensor in the same layout (elementwise, converts,
+# layout changes, constraints, region boundaries). Two annotations that meet there with no
+# common strategy want the same tensor sharded two ways: a conflict. Elsewhere (a contraction
+# of an FSDP-sharded weight with a data-parallel batch, say) a resharding is ordinary work.
+_SAME_TENSOR = frozenset(UNARY_AND_NARY) | {"reshape", "transpose", "squeeze", "expand_dims",
+                                            "broadcast_in_dim", "copy"}
+_SAME_TENSOR_KINDS = (NodeKind.OUTPUT, NodeKind.CARRY, NodeKind.MERGE, NodeKind.SCAN_IN,
+                      NodeKind.SCAN_OUT)
+
+
 def find_conflicts(graph: Graph, strats, prop: Propagation) -> list[str]:
-    """Nodes where fixed values from two different annotations admit no common strategy; one
-    warning per pair of annotations."""
+    """Same-tensor nodes where fixed values from two different annotations admit no common
+    strategy; one warning per pair of annotations."""
     seen, messages = set(), []
     for node in graph.nodes:
+        if node.kind not in _SAME_TENSOR_KINDS and node.prim not in _SAME_TENSOR:
+            continue
         vids = [v for _, v in _operands(node)] + list(node.outs)
         labels = list(dict.fromkeys(prop.origins[v].label for v in vids if v in prop.specs))
         if len(labels) < 2 or compatible(node, strats[node.id], prop.specs):
