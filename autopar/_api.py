@@ -19,7 +19,8 @@ from cost_model.hardware import axis_levels, get_profile
 from passes.pipeline import run_pipeline
 from passes.annotate import flatten_hints, to_spec
 from passes.flax_metadata import merge as merge_hints
-from passes.flax_metadata import metadata_hints
+from passes.flax_metadata import check as check_metadata
+from passes.flax_metadata import metadata_hints, traced_under_rules
 from passes.strategies import MeshContext
 
 
@@ -95,6 +96,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                            results_held=on_cpu)
 
     meta = metadata_hints(example_args, logical_axis_rules)
+    check_metadata(meta, example_args, sizes)
     labels = {}  # what -> the source of each leaf's hint, for messages
 
     def pins(hints, what):
@@ -108,7 +110,8 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
             return [to_spec(h, a.shape, sizes, n) for h, a, n in zip(hs, avals, labels[what])]
         return of
 
-    result = run_pipeline(fn, example_args, mesh_ctx, jax_mesh,
+    traced_fn = traced_under_rules(fn, logical_axis_rules, jax_mesh)
+    result = run_pipeline(traced_fn, example_args, mesh_ctx, jax_mesh,
                           in_specs_of=pins(in_shardings, "in_shardings"),
                           out_specs_of=pins(out_shardings, "out_shardings"),
                           ties_of=_state_ties if tie_state else None,

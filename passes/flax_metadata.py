@@ -15,6 +15,10 @@ Three sources, found on the boxes flax leaves in a parameter tree:
   ``sharding_rules`` metadata, then ``logical_axis_rules``) is translated and any other name is
   a mesh axis.
 
+With ``logical_axis_rules``, the function is also traced under those rules and the mesh, so
+the ``nn.with_logical_constraint`` calls inside a model (MaxText's activation annotations,
+no-ops without rules) become ``with_sharding_constraint`` annotations too.
+
 The boxes stay in the arguments: flax unboxes them itself inside ``model.apply`` /
 ``nnx.merge``, and the planned program takes the same boxed pytree the user passes. A mesh axis
 the mesh lacks, or one that does not divide its dim, is refused by ``passes.annotate.to_spec``
@@ -23,6 +27,7 @@ with the leaf's path, the metadata and the rules named in the message.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -135,3 +140,29 @@ def merge(explicit: list, meta: list[tuple[PartitionSpec | None, str]], paths: l
         hints.append(h)
         labels.append(label)
     return hints, labels
+
+
+def traced_under_rules(fn, logical_axis_rules, mesh):
+    """``fn`` run under flax's logical axis rules and ``mesh``, so that its
+    ``nn.with_logical_constraint`` calls turn into sharding constraints when traced."""
+    if not logical_axis_rules:
+        return fn
+    import flax.linen as nn
+    rules = tuple(tuple(r) for r in logical_axis_rules)
+
+    @functools.wraps(fn)
+    def wrapped(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules):
+            return fn(*args)
+    return wrapped
+
+
+def check(meta: list[tuple[PartitionSpec | None, str]], args, axis_sizes: dict[str, int]) -> None:
+    """Refuse, before tracing, metadata that names a mesh axis the mesh lacks or does not
+    divide its dim (ShardingHintError naming the leaf, the metadata and the rules)."""
+    from passes.annotate import to_spec
+    flat = jax.tree_util.tree_flatten_with_path(args)[0]
+    for (hint, what), (path, leaf) in zip(meta, flat):
+        if hint is not None:
+            to_spec(hint, tuple(getattr(leaf, "shape", ())), axis_sizes,
+                    f"{what} on args{jax.tree_util.keystr(path)}")

@@ -15,7 +15,9 @@ Two modes:
 * ``complete`` (``search=False``, plain GSPMD): a node with compatible strategies fixes its free
   values from the best of them. Propagation moves shardings, it never invents one, so the best
   strategy splits free values over the fewest mesh axes; then the cheapest; then the first in
-  rule order. Values still free at the fixed point are replicated, as GSPMD defaults. Each node
+  rule order. This runs after the forced propagation below, so what is certain from all
+  annotations together is known first. Values still free at the fixed point are replicated, as
+  GSPMD defaults. Each node
   then takes the strategy that keeps its values, or, where annotations conflict, the cheapest
   one counting the resharding of its operands. That is the whole plan: no ILP.
 * ``forced`` (``search=True``): only what every compatible strategy of a neighbour agrees on
@@ -167,8 +169,8 @@ def visit(node: Node, strats: list[Strategy], prop: Propagation, forward: bool,
     if complete:
         best = min(fits, key=lambda i: (_new_splits(strats[i], targets), strats[i].cost_s, i))
         for side, pos, vid in targets:
-            if vid not in prop.specs:  # a value twice among the targets takes its first spec
-                prop.fix(vid, _spec_of(strats[best], side, pos), origin)
+            if not prop.exact(vid):  # a value twice among the targets takes its first spec
+                prop.fix(vid, _spec_of(strats[best], side, pos), prop.origins.get(vid, origin))
                 changed = True
         return changed
     for side, pos, vid in targets:
@@ -188,15 +190,24 @@ def _tie(prop: Propagation, graph: Graph, ties) -> bool:
     for out_node, in_node in ties:
         a, b = graph.nodes[in_node].outs[0], graph.nodes[out_node].ins[0]
         for src, dst in ((a, b), (b, a)):
-            if src in prop.specs and dst not in prop.specs:
+            if prop.exact(src) and not prop.exact(dst):
                 prop.fix(dst, prop.specs[src], Origin(prop.origins[src].label, False))
                 changed = True
     return changed
 
 
-def run_sweeps(graph: Graph, strats, prop: Propagation, complete: bool, ties=(),
-               max_sweeps: int = 50) -> None:
-    """Forward and backward sweeps until no value is newly fixed."""
+def run_sweeps(graph: Graph, strats, prop: Propagation, complete: bool, ties=()) -> None:
+    """Forward and backward sweeps until nothing changes: first of the splits every compatible
+    strategy agrees on (from all annotations at once, so a constraint downstream refines what
+    a hint upstream leaves replicated, as GSPMD merges a partially replicated sharding with a
+    more specific one); then, in complete mode, of whole specs."""
+    _sweeps(graph, strats, prop, False)
+    if complete:
+        _sweeps(graph, strats, prop, True, ties)
+
+
+def _sweeps(graph: Graph, strats, prop: Propagation, complete: bool, ties=(),
+            max_sweeps: int = 50) -> None:
     nodes = graph.nodes
     for _ in range(max_sweeps):
         prop.sweeps += 1
