@@ -21,9 +21,11 @@ Two modes:
   then takes the strategy that keeps its values, or, where annotations conflict, the cheapest
   one counting the resharding of its operands. That is the whole plan: no ILP.
 * ``forced`` (``search=True``): only what every compatible strategy of a neighbour agrees on
-  is fixed, and only as *splits* (mesh axis a splits dim d): a value next to a batch hinted over
-  ``data`` gets "``data`` splits dim 0", while the other axes stay free, as GSPMD refines a
-  partially replicated sharding rather than keeping it replicated. Each value so fixed is
+  is fixed, only as *splits* (mesh axis a splits dim d), and only along one tensor (through
+  elementwise ops, converts, layout changes, constraints and region boundaries, from a
+  full-size value): an elementwise chain after a batch hinted over ``data`` gets "``data``
+  splits dim 0", while the other axes stay free, as GSPMD refines a partially replicated
+  sharding rather than keeping it replicated. Each value so fixed is
   pinned for the ILP by cutting its producer's strategies to those that keep the splits (the
   cut ``build_strategies`` applies to a hint); the ILP decides the rest.
 
@@ -62,6 +64,10 @@ class Splits:
 
     def admits(self, spec: Spec) -> bool:
         return all(axis in spec.dims[d] for axis, d in self.pairs)
+
+    def to_spec(self, rank: int, axis_order: tuple[str, ...]) -> Spec:
+        return Spec(tuple(tuple(a for a in axis_order if (a, d) in self.pairs)
+                          for d in range(rank)))
 
     def __str__(self) -> str:
         return ",".join(f"{a}->dim{d}" for a, d in sorted(self.pairs))
@@ -153,15 +159,18 @@ def _origin_of(node: Node, specs, origins) -> Origin:
 
 
 def visit(node: Node, strats: list[Strategy], prop: Propagation, forward: bool,
-          complete: bool) -> bool:
-    """Fix what ``node`` tells about its free values; True when something was fixed."""
+          complete: bool, sources: frozenset | None = None) -> bool:
+    """Fix what ``node`` tells about its free values; True when something was fixed.
+    ``sources``: the values whose fixed shardings may propagate (None: all)."""
     targets = _targets(node, prop, forward)
     if not targets:
         return False
     neighbours = [v for _, v in _operands(node)] + list(node.outs)
-    if not any(v in prop.specs for v in neighbours):
+    known = {v: prop.specs[v] for v in neighbours
+             if v in prop.specs and (sources is None or v in sources)}
+    if not known:
         return False
-    fits = compatible(node, strats, prop.specs)
+    fits = compatible(node, strats, known)
     if not fits:
         return False  # a conflict: resolved when the node picks its strategy
     origin = _origin_of(node, prop.specs, prop.origins)
@@ -200,24 +209,39 @@ def run_sweeps(graph: Graph, strats, prop: Propagation, complete: bool, ties=())
     """Forward and backward sweeps until nothing changes: first of the splits every compatible
     strategy agrees on (from all annotations at once, so a constraint downstream refines what
     a hint upstream leaves replicated, as GSPMD merges a partially replicated sharding with a
-    more specific one); then, in complete mode, of whole specs."""
-    _sweeps(graph, strats, prop, False)
+    more specific one); then, in complete mode, of whole specs. For the ILP (forced mode) the
+    splits spread only along one tensor (see :func:`_one_tensor`)."""
+    _sweeps(graph, strats, prop, False, local=not complete)
     if complete:
         _sweeps(graph, strats, prop, True, ties)
 
 
+def _one_tensor(graph: Graph, node: Node) -> frozenset | None:
+    """Forced mode's reach: a same-tensor node (:data:`_SAME_TENSOR`) passes on the splits of
+    its full-size values only. Elsewhere, or from a smaller operand (a broadcast bias or norm
+    scale), keeping a sharding is not forced: an FSDP-sharded weight does not make the
+    activations it meets split their features, the ILP weighs gathering it instead."""
+    if node.kind not in _SAME_TENSOR_KINDS and node.prim not in _SAME_TENSOR:
+        return frozenset()
+    vids = [v for _, v in _operands(node)] + list(node.outs)
+    largest = max(graph.values[v].nbytes // graph.values[v].itemsize for v in vids)
+    return frozenset(v for v in vids
+                     if graph.values[v].nbytes // graph.values[v].itemsize == largest)
+
+
 def _sweeps(graph: Graph, strats, prop: Propagation, complete: bool, ties=(),
-            max_sweeps: int = 50) -> None:
+            max_sweeps: int = 50, local: bool = False) -> None:
     nodes = graph.nodes
+    reach = [_one_tensor(graph, node) if local else None for node in nodes]
     for _ in range(max_sweeps):
         prop.sweeps += 1
         changed = False
         for node in nodes:
-            changed |= visit(node, strats[node.id], prop, True, complete)
+            changed |= visit(node, strats[node.id], prop, True, complete, reach[node.id])
         if complete:
             changed |= _tie(prop, graph, ties)
         for node in reversed(nodes):
-            changed |= visit(node, strats[node.id], prop, False, complete)
+            changed |= visit(node, strats[node.id], prop, False, complete, reach[node.id])
         if complete:
             changed |= _tie(prop, graph, ties)
         if not changed:
@@ -234,36 +258,37 @@ _SAME_TENSOR_KINDS = (NodeKind.OUTPUT, NodeKind.CARRY, NodeKind.MERGE, NodeKind.
                       NodeKind.SCAN_OUT)
 
 
-def find_conflicts(graph: Graph, strats, prop: Propagation) -> list[str]:
-    """Same-tensor nodes where fixed values from two different annotations admit no common
-    strategy; one warning per pair of annotations."""
+def find_conflicts(graph: Graph, strats, prop: Propagation, labels: dict[int, str]
+                   ) -> list[str]:
+    """Same-tensor nodes where a user annotation and another annotation (or a sharding
+    propagated from one) admit no common strategy; one warning per pair of annotations. Two
+    propagated shardings meeting is ordinary resharding, left to the plan without a word."""
     seen, messages = set(), []
     for node in graph.nodes:
         if node.kind not in _SAME_TENSOR_KINDS and node.prim not in _SAME_TENSOR:
             continue
-        vids = [v for _, v in _operands(node)] + list(node.outs)
-        labels = list(dict.fromkeys(prop.origins[v].label for v in vids if v in prop.specs))
-        if len(labels) < 2 or compatible(node, strats[node.id], prop.specs):
+        wants = {}  # label -> (user, spec) of the fixed values at this node
+        for vid in [v for _, v in _operands(node)] + list(node.outs):
+            if vid in prop.specs:
+                origin = prop.origins[vid]
+                wants.setdefault(origin.label, (origin.user, prop.specs[vid]))
+        if node.kind is NodeKind.OUTPUT and node.pinned is not None and node.id in labels:
+            wants.setdefault(labels[node.id], (True, node.pinned[0]))
+        users = [lab for lab, (user, _) in wants.items() if user]
+        if len(wants) < 2 or not users or compatible(node, strats[node.id], prop.specs):
             continue
-        key = tuple(sorted(labels[:2]))
-        if key in seen:
+        pair = [users[0], next(lab for lab in wants if lab != users[0])]
+        if tuple(sorted(pair)) in seen:
             continue
-        seen.add(key)
-        wants = "; ".join(f"{lab} wants {_wanted(node, prop, lab)}" for lab in labels[:2])
+        seen.add(tuple(sorted(pair)))
+        said = "; ".join(f"{lab} wants {wants[lab][1]}{'' if wants[lab][0] else ' (propagated)'}"
+                         for lab in pair)
         messages.append(
             f"autopar: sharding annotations conflict at `{node.prim}` "
-            f"({node.where or 'the program boundary'}): {wants}. A user annotation wins over a "
+            f"({node.where or 'the program boundary'}): {said}. A user annotation wins over a "
             "propagated one; the value is resharded where they meet. Make the two annotations "
             "agree to avoid the resharding.")
     return messages
-
-
-def _wanted(node: Node, prop: Propagation, label: str) -> str:
-    for vid in [v for _, v in _operands(node)] + list(node.outs):
-        if vid in prop.specs and prop.origins[vid].label == label:
-            how = "" if prop.origins[vid].user else " (propagated)"
-            return f"{prop.specs[vid]}{how}"
-    return "?"
 
 
 def select(graph: Graph, strats, mesh: MeshContext, prop: Propagation, ties=()) -> list[int]:
@@ -277,7 +302,10 @@ def select(graph: Graph, strats, mesh: MeshContext, prop: Propagation, ties=()) 
     def current(vid):
         if vid in actual:
             return actual[vid]
-        return prop.specs.get(vid) or Spec.replicated(graph.values[vid].rank)
+        fact, rank = prop.specs.get(vid), graph.values[vid].rank
+        if isinstance(fact, Splits):
+            return fact.to_spec(rank, mesh.axis_names)
+        return fact or Spec.replicated(rank)
 
     for node in graph.nodes:
         options = list(range(len(strats[node.id])))
@@ -336,7 +364,7 @@ def propagate(graph: Graph, strats: list[list[Strategy]], mesh: MeshContext,
     cut in place; in complete mode the result holds every node's strategy."""
     prop = seed(graph, labels)
     run_sweeps(graph, strats, prop, complete, ties)
-    prop.conflicts = find_conflicts(graph, strats, prop)
+    prop.conflicts = find_conflicts(graph, strats, prop, labels)
     for message in prop.conflicts if warn else ():
         warnings.warn(message, ShardingConflictWarning, stacklevel=3)
     if complete:

@@ -43,7 +43,7 @@ def _setup(fn, args, in_pins=(), out_pins=(), mesh=MESH):
 
 
 def _complete(fn, args, in_pins=(), out_pins=(), ties=(), mesh=MESH):
-    traced, g, strats, ctx, labels = _setup(fn, args, in_pins, out_pins, mesh)
+    _traced, g, strats, ctx, labels = _setup(fn, args, in_pins, out_pins, mesh)
     prop = propagate(g, strats, ctx, labels, ties, complete=True)
     return g, value_specs(g, strats, prop.choice), strats, prop
 
@@ -67,7 +67,7 @@ def test_forward_through_elementwise_chain():
 def test_backward_from_an_output_hint_to_the_inputs():
     """Only the result is hinted: propagation runs backward through the tanh and the dot to
     both arguments, splitting the batch, with the weight kept whole."""
-    traced, g, strats, ctx, labels = _setup(lambda x, w: jnp.tanh(x @ w), (X, W),
+    _traced, g, strats, ctx, labels = _setup(lambda x, w: jnp.tanh(x @ w), (X, W),
                                             out_pins=[P("data")])
     prop = propagate(g, strats, ctx, labels, complete=True)
     specs = value_specs(g, strats, prop.choice)
@@ -97,30 +97,33 @@ def test_row_parallel_finishes_with_an_all_reduce():
 
 
 def test_values_left_free_are_replicated():
-    g, specs, _, _ = _complete(lambda x, w: (x @ w).sum(), (X, W))
+    _g, specs, _, _ = _complete(lambda x, w: (x @ w).sum(), (X, W))
     assert all(not s.axes for s in specs.values())
 
 
 def test_tied_state_output_takes_the_input_sharding():
     def step(w, x):
         return w - 0.1 * jax.grad(lambda w_: jnp.tanh(x @ w_).sum())(w)
-    traced, g, strats, ctx, labels = _setup(step, (W, X), [P(None, "model"), P("data")])
+    _traced, g, strats, ctx, labels = _setup(step, (W, X), [P(None, "model"), P("data")])
     ties = [(g.output_nodes[0], g.input_nodes[0])]
     prop = propagate(g, strats, ctx, labels, ties, complete=True)
     out = g.nodes[g.output_nodes[0]]
     assert str(strats[out.id][prop.choice[out.id]].in_specs[0]) == "RS(model)"
 
 
-def test_forced_mode_fixes_splits_and_leaves_other_axes_free():
-    """search=True: a batch hint over `data` pins `data` on the batch dim downstream, while
-    the `model` axis stays for the ILP to use."""
-    traced, g, strats, ctx, labels = _setup(lambda x, w: jnp.tanh(x @ w) * 2.0, (X, W),
+def test_forced_mode_fixes_splits_along_one_tensor_and_leaves_other_axes_free():
+    """search=True: a batch hint over `data` pins `data` on the batch dim of the elementwise
+    chain that follows, while the `model` axis stays for the ILP to use; past the contraction
+    nothing is forced."""
+    _traced, g, strats, ctx, labels = _setup(lambda x, w: jnp.tanh(x * 2.0) @ w, (X, W),
                                             [P("data")])
     prop = propagate(g, strats, ctx, labels, complete=False)
     tanh = next(n for n in g.nodes if n.prim == "tanh")
     assert prop.specs[tanh.outs[0]] == Splits(frozenset({("data", 0)}))
     kept = {str(s.out_specs[0]) for s in strats[tanh.id]}
     assert kept == {"S(data)R", "S(data)S(model)", "S(data,model)R"}
+    dot = next(n for n in g.nodes if n.prim == "dot_general")
+    assert dot.outs[0] not in prop.specs
     assert prop.choice is None
 
 
