@@ -18,6 +18,9 @@ from cost_model.estimate import estimate, plan_collectives
 from cost_model.hardware import axis_levels, get_profile
 from passes.pipeline import run_pipeline
 from passes.annotate import flatten_hints, to_spec
+from passes.flax_metadata import merge as merge_hints
+from passes.flax_metadata import check as check_metadata
+from passes.flax_metadata import metadata_hints, traced_under_rules
 from passes.strategies import MeshContext
 
 
@@ -44,7 +47,7 @@ def _progress(enabled: bool):
 
 
 def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
-         in_shardings=None, out_shardings=None, search: bool = True,
+         in_shardings=None, out_shardings=None, search: bool = True, logical_axis_rules=None,
          time_limit_s: float = 60.0, tie_state: bool = True, axis_level_overrides=None,
          verbose: bool = False, _choice=None) -> Plan:
     """Plan how to run ``fn`` on ``mesh``.
@@ -60,7 +63,13 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
       memory_budget: per-device bytes the plan must fit in (not enforced in this version).
       in_shardings / out_shardings: hints, a pytree (or prefix) of PartitionSpec, NamedSharding
         or None ("autopar decides") shaped like the arguments / results. A hint is always kept.
-      search: False is not available in this version (raises ArgumentError).
+      logical_axis_rules: MaxText-style ``[("batch", "data"), ("mlp", "model"), ...]``: how
+        the logical axis names of flax partitioning metadata on the arguments map to mesh
+        axes. Metadata (linen ``nn.with_partitioning`` / ``nn.with_logical_partitioning``,
+        nnx ``sharding=``) are hints like ``in_shardings``, which win where both are given.
+        Pass the boxed arguments as they are; see ``passes/flax_metadata.py``.
+      search: False plans like plain GSPMD: the annotations plus their propagation, no ILP;
+        values propagation leaves free are replicated. Fast, and a baseline for the search.
       time_limit_s: the ILP's time limit; on it the best plan found so far is kept.
       tie_state: results that replace an argument (same pytree path, shape and dtype, such as
         new parameters) keep that argument's sharding.
@@ -75,9 +84,6 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
       plan = autopar.plan(train_step, params, opt_state, batch, mesh={"data": 2, "model": 4})
       params, opt_state, loss = plan.jit()(params, opt_state, batch)
     """
-    if not search:
-        raise ArgumentError("`search=False` (propagation only) is not available in this "
-                            "version; leave `search` at True")
     if memory_budget is not None:
         raise ArgumentError("`memory_budget` is not enforced in this version; leave it None")
     jax_mesh = as_auto_mesh(mesh)
@@ -89,21 +95,30 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                            emulated_reduce_scatter=on_cpu, upcast_16bit_collectives=on_cpu,
                            results_held=on_cpu)
 
+    meta = metadata_hints(example_args, logical_axis_rules)
+    check_metadata(meta, example_args, sizes)
+    labels = {}  # what -> the source of each leaf's hint, for messages
+
     def pins(hints, what):
         def of(traced):
             tree = traced.in_tree if what == "in_shardings" else traced.out_tree
             avals = traced.in_avals if what == "in_shardings" else traced.out_avals
-            hs = flatten_hints(hints, tree, what)
-            return [to_spec(h, a.shape, sizes, f"{what}{p}")
-                    for h, a, p in zip(hs, avals, _paths(tree))]
+            hs, paths = flatten_hints(hints, tree, what), _paths(tree)
+            labels[what] = [f"{what}{p}" for p in paths]
+            if what == "in_shardings":  # explicit hints over flax metadata
+                hs, labels[what] = merge_hints(hs, meta, paths, [len(a.shape) for a in avals])
+            return [to_spec(h, a.shape, sizes, n) for h, a, n in zip(hs, avals, labels[what])]
         return of
 
-    result = run_pipeline(fn, example_args, mesh_ctx, jax_mesh,
+    traced_fn = traced_under_rules(fn, logical_axis_rules, jax_mesh)
+    result = run_pipeline(traced_fn, example_args, mesh_ctx, jax_mesh,
                           in_specs_of=pins(in_shardings, "in_shardings"),
                           out_specs_of=pins(out_shardings, "out_shardings"),
                           ties_of=_state_ties if tie_state else None,
                           time_limit_s=time_limit_s, progress=_progress(verbose),
-                          choice=_choice)
+                          choice=_choice, search=search,
+                          hint_labels_of=lambda _: (labels.get("in_shardings"),
+                                                    labels.get("out_shardings")))
     graph, strats, choice = result.graph, result.strats, result.solution.choice
     comms = plan_collectives(graph, strats, choice, mesh_ctx)
     est = estimate(graph, strats, choice, mesh_ctx, comms)

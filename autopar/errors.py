@@ -39,3 +39,10 @@ class PlanFormatError(AutoparError):
 
 class CLIError(AutoparError):
     """A command-line input is wrong (missing file, missing target, bad flag)."""
+
+
+class ShardingConflictWarning(UserWarning):
+    """Two sharding annotations (hints, ``with_sharding_constraint`` calls, flax metadata, or
+    shardings propagated from them) want one value sharded two ways. The user's annotation
+    wins over a propagated one, the value is resharded where they meet, and the warning names
+    both sources."""

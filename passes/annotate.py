@@ -53,34 +53,77 @@ def to_spec(hint, shape, axis_sizes: dict[str, int], where: str) -> Spec | None:
     return spec
 
 
+def _is_hint(x) -> bool:
+    return x is None or isinstance(x, (PartitionSpec, NamedSharding))
+
+
+def _children(x) -> list:
+    return jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]
+
+
+def _describe(x) -> str:
+    if isinstance(x, dict):
+        return f"a {type(x).__name__} with keys {sorted(map(str, x))}"
+    if isinstance(x, (list, tuple)):
+        return f"a {type(x).__name__} of {len(x)}"
+    return f"a {type(x).__name__}"
+
+
+def _mismatch(hints, target, path=()) -> tuple[tuple, str] | None:
+    """The first place where a hint tree is not a prefix of ``target``: (key path, why)."""
+    if _is_hint(hints):
+        return None
+    if isinstance(target, int):  # an argument leaf (the dummy tree holds 0s)
+        return path, f"the hint is {_describe(hints)} where the argument is one array"
+    if type(hints) is not type(target):
+        return path, f"the hint is {_describe(hints)} where the argument is {_describe(target)}"
+    ours, theirs = _children(hints), _children(target)
+    if [k for k, _ in ours] != [k for k, _ in theirs]:
+        return path, f"the hint is {_describe(hints)} where the argument is {_describe(target)}"
+    for (key, h), (_, t) in zip(ours, theirs):
+        found = _mismatch(h, t, path + key)
+        if found:
+            return found
+    return None
+
+
 def flatten_hints(hints, tree, what: str) -> list:
     """Broadcast a hint pytree, or a prefix of it, over the leaves of ``tree`` (a treedef)."""
     if hints is None:
         return [None] * tree.num_leaves
     dummy = jax.tree_util.tree_unflatten(tree, [0] * tree.num_leaves)
-    is_hint = lambda x: x is None or isinstance(x, (PartitionSpec, NamedSharding))  # noqa: E731
     try:
         per_leaf = jax.tree_util.tree_map(
             lambda h, sub: [h] * len(jax.tree_util.tree_leaves(sub)), hints, dummy,
-            is_leaf=is_hint)
+            is_leaf=_is_hint)
     except (ValueError, TypeError) as e:
-        raise ShardingHintError(f"`{what}` does not match the structure it hints: {e}. Give a "
-                                "pytree shaped like it (or a prefix of it) of PartitionSpec, "
+        found = _mismatch(hints, dummy)
+        where = (f" at `{what}{jax.tree_util.keystr(found[0])}`: {found[1]}" if found
+                 else f": {e}")
+        raise ShardingHintError(f"`{what}` does not match the structure it hints{where}. Give "
+                                "a pytree shaped like it (or a prefix of it) of PartitionSpec, "
                                 "NamedSharding or None.") from None
     return [h for hs in jax.tree_util.tree_leaves(per_leaf, is_leaf=lambda x: isinstance(x, list))
             for h in hs]
 
 
 def annotate(graph: Graph, in_specs: list[Spec | None], out_specs: list[Spec | None],
-             axis_sizes: dict[str, int]) -> None:
-    for node_id, spec in zip(graph.input_nodes, in_specs):
-        if spec is not None:
-            graph.nodes[node_id].pinned = (spec,)
-    for node_id, spec in zip(graph.output_nodes, out_specs):
-        if spec is not None:
-            graph.nodes[node_id].pinned = (spec,)
+             axis_sizes: dict[str, int], in_labels: list[str] | None = None,
+             out_labels: list[str] | None = None) -> dict[int, str]:
+    """Pin the hinted inputs and outputs and every ``with_sharding_constraint``. Returns, per
+    pinned node, the annotation it comes from (``in_labels`` / ``out_labels`` name the hinted
+    leaves, e.g. ``in_shardings[0]['w']``), for propagation's messages."""
+    labels: dict[int, str] = {}
+    for nodes, specs, names, what in ((graph.input_nodes, in_specs, in_labels, "in_shardings"),
+                                      (graph.output_nodes, out_specs, out_labels,
+                                       "out_shardings")):
+        for i, (node_id, spec) in enumerate(zip(nodes, specs)):
+            if spec is not None:
+                graph.nodes[node_id].pinned = (spec,)
+                labels[node_id] = names[i] if names else f"{what} leaf {i}"
     for node in graph.nodes:
         if node.prim == "sharding_constraint" and node.pinned is not None:
             shape = graph.values[node.outs[0]].shape
-            node.pinned = (to_spec(node.pinned[0], shape, axis_sizes,
-                                   f"with_sharding_constraint at {node.where}"),)
+            labels[node.id] = f"with_sharding_constraint at {node.where}"
+            node.pinned = (to_spec(node.pinned[0], shape, axis_sizes, labels[node.id]),)
+    return labels

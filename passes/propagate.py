@@ -1,0 +1,390 @@
+"""Pass 3, propagate: GSPMD-style propagation of fixed shardings through the rule registry.
+
+A value is *fixed* when an annotation names its sharding: an ``in_shardings`` /
+``out_shardings`` hint, a ``with_sharding_constraint`` in the program, or flax partitioning
+metadata (all made node pins by ``passes.annotate``). Propagation walks the graph forward (a
+node's free results from its fixed operands) and backward (a node's free operands from its
+fixed results), sweep after sweep until nothing changes, as XLA's sharding propagation does. It
+asks each node's own strategy list, the one the ILP chooses from (``passes.strategies`` over the
+rule registry), so there is one set of rules: a strategy is *compatible* with a node's fixed
+values when it keeps every one of them as it is, with no resharding. State outputs tied to the
+input they replace carry its sharding both ways.
+
+Two modes:
+
+* ``complete`` (``search=False``, plain GSPMD): a node with compatible strategies fixes its free
+  values from the best of them. Propagation moves shardings, it never invents one, so the best
+  strategy splits free values over the fewest mesh axes; then the cheapest; then the first in
+  rule order. This runs after the forced propagation below, so what is certain from all
+  annotations together is known first. Values still free at the fixed point are replicated, as
+  GSPMD defaults. Each node
+  then takes the strategy that keeps its values, or, where annotations conflict, the cheapest
+  one counting the resharding of its operands. That is the whole plan: no ILP.
+* ``forced`` (``search=True``): only what every compatible strategy of a neighbour agrees on
+  is fixed, only as *splits* (mesh axis a splits dim d), and only along one tensor (through
+  elementwise ops, converts, layout changes, constraints and region boundaries, from a
+  full-size value): an elementwise chain after a batch hinted over ``data`` gets "``data``
+  splits dim 0", while the other axes stay free, as GSPMD refines a partially replicated
+  sharding rather than keeping it replicated. Each value so fixed is
+  pinned for the ILP by cutting its producer's strategies to those that keep the splits (the
+  cut ``build_strategies`` applies to a hint); the ILP decides the rest.
+
+Priority: a user annotation is fixed before propagation starts and a propagated sharding never
+replaces a fixed one, so the user wins. Where two annotations meet at a node that no strategy
+can serve as both want, the value is resharded there (the cheaper way, in complete mode; the
+ILP's choice otherwise) and a :class:`~autopar.errors.ShardingConflictWarning` names both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+
+from autopar.errors import ShardingConflictWarning
+from cost_model.estimate import estimate, plan_collectives
+from passes.ir import Graph, Node, NodeKind
+from passes.rules.elementwise import UNARY_AND_NARY
+from passes.spec import Spec
+from passes.strategies import MeshContext, Strategy
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a fixed sharding comes from: the annotation's label, and whether the value carries
+    the annotation itself (``user``) or got it by propagation."""
+    label: str
+    user: bool
+
+
+@dataclass(frozen=True)
+class Splits:
+    """A partial sharding (forced mode): these (mesh axis, dim) splits hold; other axes free."""
+    pairs: frozenset
+
+    def admits(self, spec: Spec) -> bool:
+        return all(axis in spec.dims[d] for axis, d in self.pairs)
+
+    def to_spec(self, rank: int, axis_order: tuple[str, ...]) -> Spec:
+        return Spec(tuple(tuple(a for a in axis_order if (a, d) in self.pairs)
+                          for d in range(rank)))
+
+    def __str__(self) -> str:
+        return ",".join(f"{a}->dim{d}" for a, d in sorted(self.pairs))
+
+
+def _admits(fact, spec: Spec) -> bool:
+    return fact.admits(spec) if isinstance(fact, Splits) else fact == spec
+
+
+def _splits_of(spec: Spec) -> frozenset:
+    return frozenset((a, d) for d, axes in enumerate(spec.dims) for a in axes)
+
+
+@dataclass
+class Propagation:
+    """Fixed value specs (a Spec, or Splits in forced mode) after propagation, with their
+    origins; in complete mode also the strategy index of every node (the plan)."""
+    specs: dict[int, Spec | Splits] = field(default_factory=dict)
+    origins: dict[int, Origin] = field(default_factory=dict)
+    choice: list[int] | None = None
+    conflicts: list[str] = field(default_factory=list)
+    sweeps: int = 0
+
+    def exact(self, vid: int) -> bool:
+        return isinstance(self.specs.get(vid), Spec)
+
+    def fix(self, vid: int, spec: Spec | Splits, origin: Origin) -> None:
+        self.specs[vid] = spec
+        self.origins[vid] = origin
+
+
+def seed(graph: Graph, labels: dict[int, str]) -> Propagation:
+    """The values user annotations fix: pinned inputs and sharding constraints fix their result,
+    a pinned output fixes the value it returns (when nothing else already fixed it)."""
+    prop = Propagation()
+    for node in graph.nodes:
+        if node.pinned is None or node.kind is NodeKind.OUTPUT:
+            continue
+        for vid, spec in zip(node.outs, node.pinned):
+            prop.fix(vid, spec, Origin(labels.get(node.id, _describe(node)), True))
+    for n in graph.output_nodes:
+        node = graph.nodes[n]
+        if node.pinned is not None and node.ins[0] not in prop.specs:
+            prop.fix(node.ins[0], node.pinned[0], Origin(labels.get(n, _describe(node)), True))
+    return prop
+
+
+def _describe(node: Node) -> str:
+    if node.prim == "sharding_constraint":
+        return f"with_sharding_constraint at {node.where}"
+    return f"`{node.prim}` at {node.where or 'the program boundary'}"
+
+
+def _operands(node: Node):
+    return [(pos, vid) for pos, vid in enumerate(node.ins) if vid is not None]
+
+
+def compatible(node: Node, strats: list[Strategy], specs: dict) -> list[int]:
+    """Indices of the strategies that keep every fixed operand and result of ``node``."""
+    fixed_in = [(pos, specs[vid]) for pos, vid in _operands(node) if vid in specs]
+    fixed_out = [(k, specs[vid]) for k, vid in enumerate(node.outs) if vid in specs]
+    return [i for i, s in enumerate(strats)
+            if all(_admits(f, s.in_specs[p]) for p, f in fixed_in)
+            and all(_admits(f, s.out_specs[k]) for k, f in fixed_out)]
+
+
+def _targets(node: Node, prop: Propagation, forward: bool) -> list[tuple[str, int, int]]:
+    """The values a visit may fix (free, or partially fixed in forced mode): ("out", k, vid)
+    forward, ("in", pos, vid) backward."""
+    if forward:
+        return [("out", k, vid) for k, vid in enumerate(node.outs) if not prop.exact(vid)]
+    return [("in", pos, vid) for pos, vid in _operands(node) if not prop.exact(vid)]
+
+
+def _spec_of(s: Strategy, side: str, pos: int) -> Spec:
+    return s.out_specs[pos] if side == "out" else s.in_specs[pos]
+
+
+def _new_splits(s: Strategy, targets) -> int:
+    return sum(len(_spec_of(s, side, pos).axes) for side, pos, _ in targets)
+
+
+def _origin_of(node: Node, specs, origins) -> Origin:
+    """The origin a value fixed at ``node`` inherits: the first fixed neighbour's annotation."""
+    for vid in [v for _, v in _operands(node)] + list(node.outs):
+        if vid in specs:
+            return Origin(origins[vid].label, False)
+    raise AssertionError("a node is visited only with a fixed neighbour")
+
+
+def visit(node: Node, strats: list[Strategy], prop: Propagation, forward: bool,
+          complete: bool, sources: frozenset | None = None) -> bool:
+    """Fix what ``node`` tells about its free values; True when something was fixed.
+    ``sources``: the values whose fixed shardings may propagate (None: all)."""
+    targets = _targets(node, prop, forward)
+    if not targets:
+        return False
+    neighbours = [v for _, v in _operands(node)] + list(node.outs)
+    known = {v: prop.specs[v] for v in neighbours
+             if v in prop.specs and (sources is None or v in sources)}
+    if not known:
+        return False
+    fits = compatible(node, strats, known)
+    if not fits:
+        return False  # a conflict: resolved when the node picks its strategy
+    origin = _origin_of(node, prop.specs, prop.origins)
+    changed = False
+    if complete:
+        best = min(fits, key=lambda i: (_new_splits(strats[i], targets), strats[i].cost_s, i))
+        for side, pos, vid in targets:
+            if not prop.exact(vid):  # a value twice among the targets takes its first spec
+                prop.fix(vid, _spec_of(strats[best], side, pos), prop.origins.get(vid, origin))
+                changed = True
+        return changed
+    for side, pos, vid in targets:
+        common = frozenset.intersection(*[_splits_of(_spec_of(strats[i], side, pos))
+                                          for i in fits])
+        old = prop.specs.get(vid)
+        if common and (old is None or common != old.pairs):
+            prop.fix(vid, Splits(common | (old.pairs if old else frozenset())),
+                     prop.origins.get(vid, origin))
+            changed = True
+    return changed
+
+
+def _tie(prop: Propagation, graph: Graph, ties) -> bool:
+    """A state output and the input it replaces share one sharding, whichever is fixed first."""
+    changed = False
+    for out_node, in_node in ties:
+        a, b = graph.nodes[in_node].outs[0], graph.nodes[out_node].ins[0]
+        for src, dst in ((a, b), (b, a)):
+            if prop.exact(src) and not prop.exact(dst):
+                prop.fix(dst, prop.specs[src], Origin(prop.origins[src].label, False))
+                changed = True
+    return changed
+
+
+def run_sweeps(graph: Graph, strats, prop: Propagation, complete: bool, ties=()) -> None:
+    """Forward and backward sweeps until nothing changes: first of the splits every compatible
+    strategy agrees on (from all annotations at once, so a constraint downstream refines what
+    a hint upstream leaves replicated, as GSPMD merges a partially replicated sharding with a
+    more specific one); then, in complete mode, of whole specs. For the ILP (forced mode) the
+    splits spread only along one tensor (see :func:`_one_tensor`)."""
+    _sweeps(graph, strats, prop, False, local=not complete)
+    if complete:
+        _sweeps(graph, strats, prop, True, ties)
+
+
+def _one_tensor(graph: Graph, node: Node) -> frozenset | None:
+    """Forced mode's reach: a same-tensor node (:data:`_SAME_TENSOR`) passes on the splits of
+    its full-size values only. Elsewhere, or from a smaller operand (a broadcast bias or norm
+    scale), keeping a sharding is not forced: an FSDP-sharded weight does not make the
+    activations it meets split their features, the ILP weighs gathering it instead."""
+    if node.kind not in _SAME_TENSOR_KINDS and node.prim not in _SAME_TENSOR:
+        return frozenset()
+    vids = [v for _, v in _operands(node)] + list(node.outs)
+    largest = max(graph.values[v].nbytes // graph.values[v].itemsize for v in vids)
+    return frozenset(v for v in vids
+                     if graph.values[v].nbytes // graph.values[v].itemsize == largest)
+
+
+def _sweeps(graph: Graph, strats, prop: Propagation, complete: bool, ties=(),
+            max_sweeps: int = 50, local: bool = False) -> None:
+    nodes = graph.nodes
+    reach = [_one_tensor(graph, node) if local else None for node in nodes]
+    for _ in range(max_sweeps):
+        prop.sweeps += 1
+        changed = False
+        for node in nodes:
+            changed |= visit(node, strats[node.id], prop, True, complete, reach[node.id])
+        if complete:
+            changed |= _tie(prop, graph, ties)
+        for node in reversed(nodes):
+            changed |= visit(node, strats[node.id], prop, False, complete, reach[node.id])
+        if complete:
+            changed |= _tie(prop, graph, ties)
+        if not changed:
+            return
+
+
+# Ops whose operands and results are one tensor in the same layout (elementwise, converts,
+# layout changes, constraints, region boundaries). Two annotations that meet there with no
+# common strategy want the same tensor sharded two ways: a conflict. Elsewhere (a contraction
+# of an FSDP-sharded weight with a data-parallel batch, say) a resharding is ordinary work.
+_SAME_TENSOR = frozenset(UNARY_AND_NARY) | {"reshape", "transpose", "squeeze", "expand_dims",
+                                            "broadcast_in_dim", "copy"}
+_SAME_TENSOR_KINDS = (NodeKind.OUTPUT, NodeKind.CARRY, NodeKind.MERGE, NodeKind.SCAN_IN,
+                      NodeKind.SCAN_OUT)
+
+
+def find_conflicts(graph: Graph, strats, prop: Propagation, labels: dict[int, str]
+                   ) -> list[str]:
+    """Same-tensor nodes where a user annotation and another annotation (or a sharding
+    propagated from one) admit no common strategy; one warning per pair of annotations. Two
+    propagated shardings meeting is ordinary resharding, left to the plan without a word."""
+    seen, messages = set(), []
+    for node in graph.nodes:
+        if node.kind not in _SAME_TENSOR_KINDS and node.prim not in _SAME_TENSOR:
+            continue
+        wants = {}  # label -> (user, spec) of the fixed values at this node
+        for vid in [v for _, v in _operands(node)] + list(node.outs):
+            if vid in prop.specs:
+                origin = prop.origins[vid]
+                wants.setdefault(origin.label, (origin.user, prop.specs[vid]))
+        if node.kind is NodeKind.OUTPUT and node.pinned is not None and node.id in labels:
+            wants.setdefault(labels[node.id], (True, node.pinned[0]))
+        users = [lab for lab, (user, _) in wants.items() if user]
+        if len(wants) < 2 or not users or compatible(node, strats[node.id], prop.specs):
+            continue
+        pair = [users[0], next(lab for lab in wants if lab != users[0])]
+        if tuple(sorted(pair)) in seen:
+            continue
+        seen.add(tuple(sorted(pair)))
+        said = "; ".join(f"{lab} wants {wants[lab][1]}{'' if wants[lab][0] else ' (propagated)'}"
+                         for lab in pair)
+        messages.append(
+            f"autopar: sharding annotations conflict at `{node.prim}` "
+            f"({node.where or 'the program boundary'}): {said}. A user annotation wins over a "
+            "propagated one; the value is resharded where they meet. Make the two annotations "
+            "agree to avoid the resharding.")
+    return messages
+
+
+def select(graph: Graph, strats, mesh: MeshContext, prop: Propagation, ties=()) -> list[int]:
+    """Complete mode: every node's strategy. Free values are replicated; a node keeps its values
+    when a strategy can, else takes the cheapest counting the resharding of its operands from
+    their producers' specs and of its results into their fixed specs."""
+    tied = {out_node: in_node for out_node, in_node in ties}
+    choice: list[int] = [0] * len(graph.nodes)
+    actual: dict[int, Spec] = {}
+
+    def current(vid):
+        if vid in actual:
+            return actual[vid]
+        fact, rank = prop.specs.get(vid), graph.values[vid].rank
+        if isinstance(fact, Splits):
+            return fact.to_spec(rank, mesh.axis_names)
+        return fact or Spec.replicated(rank)
+
+    for node in graph.nodes:
+        options = list(range(len(strats[node.id])))
+        if node.id in tied:
+            want = actual[graph.nodes[tied[node.id]].outs[0]]
+            options = [i for i in options if strats[node.id][i].in_specs[0] == want] or options
+        want_in = [(pos, vid, current(vid)) for pos, vid in _operands(node)]
+        want_out = [(k, current(vid)) for k, vid in enumerate(node.outs)]
+        exact = [i for i in options
+                 if all(strats[node.id][i].in_specs[p] == sp for p, _, sp in want_in)
+                 and all(strats[node.id][i].out_specs[k] == sp for k, sp in want_out)]
+        if exact:
+            best = min(exact, key=lambda i: (strats[node.id][i].cost_s, i))
+        else:
+            best = min(options, key=lambda i: (_moved_cost_s(node, strats[node.id][i], want_in,
+                                                             want_out, graph, mesh), i))
+        choice[node.id] = best
+        for vid, spec in zip(node.outs, strats[node.id][best].out_specs):
+            actual[vid] = spec
+    return choice
+
+
+def _moved_cost_s(node: Node, s: Strategy, want_in, want_out, graph: Graph,
+                  mesh: MeshContext) -> float:
+    cost = s.cost_s
+    for pos, vid, spec in want_in:
+        cost += mesh.reshard_time_s(spec, s.in_specs[pos], graph.values[vid]) * node.edge_trip(pos)
+    for k, spec in want_out:
+        cost += mesh.reshard_time_s(s.out_specs[k], spec, graph.values[node.outs[k]])
+    return cost
+
+
+def pin_forced(graph: Graph, strats, prop: Propagation) -> int:
+    """Forced mode: cut each producer of a propagated value to the strategies that keep its
+    splits, as ``build_strategies`` cuts a hinted node (a partial fix has no full spec to put in
+    ``node.pinned``). Returns the number of nodes cut."""
+    cut = 0
+    for node in graph.nodes:
+        fixed = [(k, prop.specs[v]) for k, v in enumerate(node.outs)
+                 if v in prop.specs and not prop.origins[v].user]
+        if not fixed or node.pinned is not None:
+            continue
+        kept = [s for s in strats[node.id] if all(_admits(f, s.out_specs[k]) for k, f in fixed)]
+        if not kept or len(kept) == len(strats[node.id]):
+            continue  # fixed backward by a consumer this producer cannot serve: left to the ILP
+        strats[node.id] = kept
+        cut += 1
+    return cut
+
+
+def propagate(graph: Graph, strats: list[list[Strategy]], mesh: MeshContext,
+              labels: dict[int, str], ties=(), *, complete: bool, warn: bool = True
+              ) -> Propagation:
+    """Run the pass. ``labels``: node id -> the annotation that pinned it (for messages);
+    ``ties``: (output node, input node) pairs sharing a sharding. In forced mode ``strats`` is
+    cut in place; in complete mode the result holds every node's strategy."""
+    prop = seed(graph, labels)
+    run_sweeps(graph, strats, prop, complete, ties)
+    prop.conflicts = find_conflicts(graph, strats, prop, labels)
+    for message in prop.conflicts if warn else ():
+        warnings.warn(message, ShardingConflictWarning, stacklevel=3)
+    if complete:
+        prop.choice = select(graph, strats, mesh, prop, ties)
+    else:
+        pin_forced(graph, strats, prop)
+    return prop
+
+
+def better_of(solution, graph: Graph, strats, mesh: MeshContext, labels: dict[int, str],
+              ties=()):
+    """The ILP's solution, or propagation's complete plan for the same annotations where that
+    is predicted faster (the ILP's clustering and time limit can miss it): with annotations,
+    search never does worse than ``search=False``."""
+    plain = propagate(graph, strats, mesh, labels, ties, complete=True, warn=False).choice
+
+    def step_time_s(choice):
+        comms = plan_collectives(graph, strats, choice, mesh)
+        return estimate(graph, strats, choice, mesh, comms).step_time_s
+
+    if step_time_s(plain) < step_time_s(solution.choice):
+        return dataclasses.replace(solution, choice=plain, status="propagated")
+    return solution
