@@ -121,7 +121,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
     stats = {"nodes": len(graph.nodes), "ilp_groups": result.ilp_groups,
              "fingerprint": graph_fingerprint(graph),
              "ilp_variables": sol.num_variables, "ilp_constraints": sol.num_constraints,
-             "solver_status": sol.status, "timings_s": result.timings_s}
+             "solver_status": sol.status, "timings_s": result.timings_s, **result.ilp_stats}
     return Plan(jax_mesh, shardings(graph.input_nodes, traced.in_tree, "in"),
                 shardings(graph.output_nodes, traced.out_tree, "out"), est, profile.name,
                 _paths(traced.in_tree), _paths(traced.out_tree), result.fallbacks, stats,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from cost_model.estimate import value_specs
 from passes.annotate import annotate
 from passes.cluster import cluster
+from passes.dedup import node_keys, structural_colors, tie_groups
 from passes.emit import build_flat_fn
 from passes.ir import Graph
 from passes.solve import Solution, solve
@@ -29,6 +30,7 @@ class PipelineResult:
     flat_fn: object
     timings_s: dict[str, float] = field(default_factory=dict)
     ilp_groups: int = 0
+    ilp_stats: dict = field(default_factory=dict)  # ILP size before and after coarsening
 
     @property
     def graph(self) -> Graph:
@@ -37,11 +39,14 @@ class PipelineResult:
 
 def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
                  out_specs_of=None, ties_of=None, time_limit_s: float = 60.0,
-                 progress=lambda msg: None, choice=None) -> PipelineResult:
+                 progress=lambda msg: None, choice=None, dedup_layers: bool = True
+                 ) -> PipelineResult:
     """in_specs_of(traced) / out_specs_of(traced) give the pinned Spec (or None) per flat leaf;
     ties_of(traced) gives (output leaf, input leaf) pairs that must share a sharding.
     ``choice``: a strategy index per node from an earlier solve of the same program (a plan
-    cache); the solve is skipped. ValueError if it does not fit this graph's strategies."""
+    cache); the solve is skipped. ValueError if it does not fit this graph's strategies.
+    ``dedup_layers``: structurally identical nodes (copies of a layer) share one decision
+    (``passes.dedup``)."""
     timings = {}
     t0 = time.perf_counter()
     progress("tracing")
@@ -53,7 +58,8 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
     annotate(graph, in_specs_of(traced) if in_specs_of else [],
              out_specs_of(traced) if out_specs_of else [], mesh_ctx.axis_sizes)
     progress(f"building strategies for {len(graph.nodes)} nodes")
-    strats, fallbacks = build_strategies(graph, mesh_ctx)
+    keys = node_keys(graph)
+    strats, fallbacks = build_strategies(graph, mesh_ctx, keys)
     timings["strategies"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -61,6 +67,10 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
     if ties_of is not None:
         ties = [(graph.output_nodes[o], graph.input_nodes[i]) for o, i in ties_of(traced)]
     groups = cluster(graph, strats, mesh_ctx, ties)
+    ilp_stats = {"ilp_nodes_before": len(graph.nodes), "ilp_groups_followed": len(groups.members)}
+    if dedup_layers:
+        groups = tie_groups(groups, structural_colors(graph, keys))
+    ilp_stats["ilp_groups"] = len(groups.members)
     timings["cluster"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -69,8 +79,15 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
             raise ValueError("the cached choice does not fit this program's strategies")
         solution = Solution(list(choice), 0.0, "cached", 0, 0, 0.0)
     else:
-        progress(f"solving the ILP over {len(groups.members)} groups")
+        progress(f"solving the ILP over {len(groups.members)} groups "
+                 f"({len(graph.nodes)} nodes before coarsening)")
         solution = solve(graph, strats, groups, mesh_ctx, time_limit_s=time_limit_s)
+        ilp_stats.update(ilp_edges_before=solution.edges_before,
+                         ilp_edges=solution.edges_after)
+        progress(f"ILP: {solution.num_variables} variables, {solution.num_constraints} "
+                 f"constraints, {solution.edges_after} edge classes "
+                 f"({solution.edges_before} edges); {solution.status} in "
+                 f"{solution.solve_time_s:.2f}s")
     timings["solve"] = time.perf_counter() - t
 
     specs = value_specs(graph, strats, solution.choice)
@@ -78,4 +95,4 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
     flat_fn = build_flat_fn(traced, specs, node_in_specs, jax_mesh)
     timings["total"] = time.perf_counter() - t0
     return PipelineResult(traced, strats, solution, fallbacks, flat_fn, timings,
-                          len(groups.members))
+                          len(groups.members), ilp_stats)

@@ -41,7 +41,7 @@ import scipy.optimize
 import scipy.sparse
 
 from autopar.errors import InfeasiblePlanError
-from passes.ir import Graph
+from passes.ir import Graph, NodeKind
 from passes.strategies import MeshContext, Strategy
 
 _US = 1e6
@@ -60,6 +60,9 @@ class Groups:
     index_map: list[np.ndarray]
     members: dict[int, list[int]]
     sizes: dict[int, int]
+    # Structural color per node (passes.dedup): nodes of one color in one group cost the same
+    # and their edges are priced once, weighted by how many there are.
+    color: list[int] | None = None
 
 
 @dataclass
@@ -70,6 +73,8 @@ class Solution:
     num_variables: int
     num_constraints: int
     solve_time_s: float
+    edges_before: int = 0      # graph edges
+    edges_after: int = 0       # edge classes the ILP prices (passes.dedup)
 
 
 class IlpBuilder:
@@ -82,6 +87,9 @@ class IlpBuilder:
         self.integer: list[int] = []
         self.rows: list[tuple[dict[int, float], float, float]] = []
         self._edge_cache: dict = {}
+        # (group u, group w, u's class keys, w's class keys) -> [classes, classes, R]: edges
+        # between the same two groups and classes share their e variables (see _transport).
+        self._pending: dict = {}
 
     def _new_vars(self, k: int, integer: bool) -> int:
         start = self.n
@@ -96,11 +104,18 @@ class IlpBuilder:
             self.rows.append(({self.offset[g] + i: 1.0 for i in range(size)}, 1.0, 1.0))
 
     def add_node_costs(self) -> None:
-        for node in self.g.nodes:
-            g = self.groups.group_of[node.id]
-            strats = self.strats[node.id]
-            for i, j in enumerate(self.groups.index_map[node.id]):
-                self.cost[self.offset[g] + i] += strats[j].cost_s * node.trip_count * _US
+        """Nodes of one color in one group (copies of a layer) are priced once, times their
+        count."""
+        group_of, color = self.groups.group_of, self.groups.color
+        classes: dict = {}
+        for n in range(len(self.g.nodes)):
+            key = n if color is None else (group_of[n], color[n])
+            rep, count = classes.get(key, (n, 0))
+            classes[key] = (rep, count + 1)
+        for n, count in classes.values():
+            node, strats, g = self.g.nodes[n], self.strats[n], group_of[n]
+            for i, j in enumerate(self.groups.index_map[n]):
+                self.cost[self.offset[g] + i] += strats[j].cost_s * node.trip_count * _US * count
 
     def _edge_matrix(self, u, k, w, pos):
         """Classes of group(u) by u's out spec k, of group(w) by w's in spec pos, and R [us]."""
@@ -117,16 +132,36 @@ class IlpBuilder:
             self._edge_cache[key] = self.mesh.reshard_time_s(a, b, value) * _US
         return self._edge_cache[key] * trip
 
-    def add_edges(self) -> None:
+    def edges(self):
+        """[((u, k, w, pos), count)]: one edge per class of structurally identical edges
+        (between the same two groups, from and to nodes of the same colors)."""
+        group_of, color = self.groups.group_of, self.groups.color
+        out: dict = {}
         for w_node in self.g.nodes:
             for pos, vid in enumerate(w_node.ins):
                 if vid is None:
                     continue
                 u, k = self.g.producer[vid]
-                self._add_edge(u, k, w_node.id, pos)
+                w = w_node.id
+                key = ((u, w) if color is None else
+                       (group_of[u], group_of[w], color[u], color[w]), k, pos)
+                rep, count = out.get(key, ((u, k, w, pos), 0))
+                out[key] = (rep, count + 1)
+        return list(out.values())
 
-    def _add_edge(self, u, k, w, pos) -> None:
+    def edge_counts(self) -> tuple[int, int]:
+        """(graph edges, edge classes priced)."""
+        return sum(c for _, c in self.edge_classes), len(self.edge_classes)
+
+    def add_edges(self) -> None:
+        self.edge_classes = self.edges()
+        for (u, k, w, pos), count in self.edge_classes:
+            self._add_edge(u, k, w, pos, count)
+        self._flush_transports()
+
+    def _add_edge(self, u, k, w, pos, count: int = 1) -> None:
         gu, gw, src, dst, value, trip = self._edge_matrix(u, k, w, pos)
+        trip *= count
         if gu == gw:
             for i, (a, b) in enumerate(zip(src, dst)):
                 self.cost[self.offset[gu] + i] += self._cost_us(a, b, value, trip)
@@ -148,7 +183,9 @@ class IlpBuilder:
 
     def _transport(self, gu, gw, src_keys, dst_keys, cost) -> None:
         """Add sum_p,q e[p,q] * cost(p, q) where e is the one pair of classes (src_keys of
-        group gu's choice, dst_keys of group gw's choice) the two choices fall in."""
+        group gu's choice, dst_keys of group gw's choice) the two choices fall in. Edges with
+        the same groups and keys (copies of a layer boundary, a value read twice) add their
+        costs into one e (:meth:`_flush_transports`)."""
         src_classes = list(dict.fromkeys(src_keys))
         dst_classes = list(dict.fromkeys(dst_keys))
         R = np.array([[cost(a, b) for b in dst_classes] for a in src_classes])
@@ -162,6 +199,18 @@ class IlpBuilder:
                 self.cost[self.offset[gu] + i] += R[src_classes.index(a), 0] if len(
                     src_classes) > 1 else 0.0
             return
+        key = (gu, gw, tuple(src_keys), tuple(dst_keys))
+        if key in self._pending:  # another edge between the same classes: one e, costs add
+            self._pending[key][2] += R
+        else:
+            self._pending[key] = [src_classes, dst_classes, R]
+
+    def _flush_transports(self) -> None:
+        for (gu, gw, src_keys, dst_keys), (src_classes, dst_classes, R) in self._pending.items():
+            self._add_transport(gu, gw, src_keys, dst_keys, src_classes, dst_classes, R)
+        self._pending = {}
+
+    def _add_transport(self, gu, gw, src_keys, dst_keys, src_classes, dst_classes, R) -> None:
         P, Q = len(src_classes), len(dst_classes)
         e0 = self._new_vars(P * Q, False)
         self.cost[e0:e0 + P * Q] = R.ravel().tolist()
@@ -210,7 +259,8 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
                       f"({res.message}); using a greedy plan. Raise `time_limit_s` for a better "
                       "one.", SolverFallbackWarning, stacklevel=3)
         choice = greedy(graph, strats, groups, mesh)
-        return Solution(choice, float("nan"), "greedy", builder.n, len(builder.rows), elapsed)
+        return Solution(choice, float("nan"), "greedy", builder.n, len(builder.rows), elapsed,
+                        *builder.edge_counts())
     x = res.x
     choice = [0] * len(graph.nodes)
     for g, members in groups.members.items():
@@ -220,7 +270,8 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
             choice[n] = int(groups.index_map[n][i])
     status = "optimal" if res.status == 0 else "time_limit"
     _inputs_take_their_slices(graph, strats, groups, mesh, choice)
-    return Solution(choice, float(res.fun), status, builder.n, len(builder.rows), elapsed)
+    return Solution(choice, float(res.fun), status, builder.n, len(builder.rows), elapsed,
+                    *builder.edge_counts())
 
 
 def _inputs_take_their_slices(graph: Graph, strats, groups: Groups, mesh: MeshContext,
@@ -234,7 +285,8 @@ def _inputs_take_their_slices(graph: Graph, strats, groups: Groups, mesh: MeshCo
             if vid is not None:
                 users.setdefault(vid, []).append((node.id, pos))
     for n in graph.input_nodes:
-        if len(groups.members[groups.group_of[n]]) != 1:
+        if any(graph.nodes[m].kind is not NodeKind.INPUT
+               for m in groups.members[groups.group_of[n]]):
             continue  # tied to other nodes (a state output): keep the group's choice
         vid = graph.nodes[n].outs[0]
         wanted = {strats[w][choice[w]].in_specs[pos] for w, pos in users.get(vid, ())}
