@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from passes.ir import Graph, Node
+from passes.ir import Graph, Node, NodeKind
 
 #: Refinement rounds; far fewer hops than a transformer layer has ops.
 ROUNDS = 3
@@ -61,9 +61,13 @@ def node_key(graph: Graph, node: Node, gradient: bool) -> tuple:
 
 
 def input_shapes(graph: Graph) -> frozenset:
-    """The shapes of the arguments of rank >= 1 (see ``is_gradient_reduction``)."""
-    return frozenset(graph.values[graph.nodes[n].outs[0]].shape for n in graph.input_nodes
-                     if graph.values[graph.nodes[n].outs[0]].rank)
+    """The shapes of the arguments of rank >= 1 (see ``is_gradient_reduction``), and of one
+    iteration's slice of a scanned-over argument (a layer's parameter in a scan over layers:
+    its gradient is computed, and reduced, one iteration at a time)."""
+    shapes = {graph.values[graph.nodes[n].outs[0]].shape for n in graph.input_nodes}
+    shapes |= {graph.values[n.outs[0]].shape for n in graph.nodes
+               if n.kind is NodeKind.SCAN_IN and graph.values[n.ins[0]].shape in shapes}
+    return frozenset(s for s in shapes if s)
 
 
 def node_keys(graph: Graph) -> list[tuple]:
