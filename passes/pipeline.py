@@ -16,6 +16,7 @@ from passes.cluster import cluster
 from passes.dedup import node_keys, structural_colors, tie_groups
 from passes.emit import build_flat_fn
 from passes.ir import Graph
+from passes.memory_budget import input_labels
 from passes.solve import Solution, solve
 from passes.strategies import MeshContext, Strategy, build_strategies
 from passes.trace import Traced, trace
@@ -39,14 +40,17 @@ class PipelineResult:
 
 def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
                  out_specs_of=None, ties_of=None, time_limit_s: float = 60.0,
-                 progress=lambda msg: None, choice=None, dedup_layers: bool = True
+                 progress=lambda msg: None, choice=None, dedup_layers: bool = True,
+                 memory_budget_bytes: float | None = None, strict_budget: bool = True
                  ) -> PipelineResult:
     """in_specs_of(traced) / out_specs_of(traced) give the pinned Spec (or None) per flat leaf;
     ties_of(traced) gives (output leaf, input leaf) pairs that must share a sharding.
     ``choice``: a strategy index per node from an earlier solve of the same program (a plan
     cache); the solve is skipped. ValueError if it does not fit this graph's strategies.
     ``dedup_layers``: structurally identical nodes (copies of a layer) share one decision
-    (``passes.dedup``)."""
+    (``passes.dedup``). ``memory_budget_bytes``: the per-device peak the plan must fit in
+    (``passes.memory_budget``); ``strict_budget=False`` warns instead of raising when no
+    plan fits it."""
     timings = {}
     t0 = time.perf_counter()
     progress("tracing")
@@ -81,7 +85,9 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
     else:
         progress(f"solving the ILP over {len(groups.members)} groups "
                  f"({len(graph.nodes)} nodes before coarsening)")
-        solution = solve(graph, strats, groups, mesh_ctx, time_limit_s=time_limit_s)
+        solution = solve(graph, strats, groups, mesh_ctx, time_limit_s=time_limit_s,
+                         memory_budget_bytes=memory_budget_bytes, strict_budget=strict_budget,
+                         input_labels=input_labels(traced.in_tree), progress=progress)
         ilp_stats.update(ilp_edges_before=solution.edges_before,
                          ilp_edges=solution.edges_after)
         progress(f"ILP: {solution.num_variables} variables, {solution.num_constraints} "
