@@ -89,7 +89,8 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
                          memory_budget_bytes=memory_budget_bytes, strict_budget=strict_budget,
                          input_labels=input_labels(traced.in_tree), progress=progress)
         ilp_stats.update(ilp_edges_before=solution.edges_before,
-                         ilp_edges=solution.edges_after)
+                         ilp_edges=solution.edges_after, memory_rows=solution.memory_rows,
+                         memory_budget_bytes=memory_budget_bytes)
         progress(f"ILP: {solution.num_variables} variables, {solution.num_constraints} "
                  f"constraints, {solution.edges_after} edge classes "
                  f"({solution.edges_before} edges); {solution.status} in "

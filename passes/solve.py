@@ -85,6 +85,7 @@ class Solution:
     solve_time_s: float
     edges_before: int = 0      # graph edges
     edges_after: int = 0       # edge classes the ILP prices (passes.dedup)
+    memory_rows: int = 0       # liveness rows the memory budget needed (passes.memory_budget)
 
 
 class IlpBuilder:
@@ -304,7 +305,7 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
         _inputs_take_their_slices(graph, strats, groups, mesh, choice)
         status = "optimal" if res.status == 0 else "time_limit"
         solution = Solution(choice, float(res.fun), status, builder.n, len(builder.rows),
-                            elapsed, *builder.edge_counts())
+                            elapsed, *builder.edge_counts(), len(budget.cuts) if budget else 0)
         first = first or solution
         if budget is None:
             return solution

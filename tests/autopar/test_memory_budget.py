@@ -35,6 +35,7 @@ def test_budget_at_35_percent_of_data_parallel_holds(wide_mlp):
     assert free.estimate.peak_memory_bytes > budget   # the budget binds
     plan = autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget=budget)
     assert plan.estimate.peak_memory_bytes <= budget
+    assert plan.stats["memory_rows"] >= 1 and plan.stats["memory_budget_bytes"] == budget
     assert compiled_peak_bytes(plan.compile().memory_analysis(), "cpu") < budget
     expected = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
     got = jax.tree_util.tree_leaves(plan.jit()(*args))
