@@ -16,6 +16,7 @@ from autopar._cache import PlanCache, graph_fingerprint
 from autopar.errors import ArgumentError
 from cost_model.estimate import estimate, plan_collectives
 from cost_model.hardware import axis_levels, get_profile
+from passes.memory_budget import default_memory_budget_bytes
 from passes.pipeline import run_pipeline
 from passes.annotate import flatten_hints, to_spec
 from passes.flax_metadata import merge as merge_hints
@@ -60,7 +61,11 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
       mesh: a ``jax.sharding.Mesh`` (any axis types) or a dict ``{"data": 2, "model": 4}``.
       hardware: a profile name (``"h100"``, ``"tpu-v5e"``, ...), a HardwareProfile, or a path to
         a profile JSON from ``autopar profile``. Default: the current backend's profile.
-      memory_budget: per-device bytes the plan must fit in (not enforced in this version).
+      memory_budget: per-device bytes the plan's peak memory must fit in (as
+        ``plan.estimate.peak_memory_bytes`` predicts it). Default: the profile's HBM capacity
+        minus a margin (``passes.memory_budget.DEFAULT_MARGIN``). When no plan fits a given
+        budget, ``InfeasiblePlanError`` names the smallest peak found and what dominates it;
+        when none fits the default one, a ``MemoryBudgetWarning`` says so.
       in_shardings / out_shardings: hints, a pytree (or prefix) of PartitionSpec, NamedSharding
         or None ("autopar decides") shaped like the arguments / results. A hint is always kept.
       logical_axis_rules: MaxText-style ``[("batch", "data"), ("mlp", "model"), ...]``: how
@@ -84,8 +89,11 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
       plan = autopar.plan(train_step, params, opt_state, batch, mesh={"data": 2, "model": 4})
       params, opt_state, loss = plan.jit()(params, opt_state, batch)
     """
-    if memory_budget is not None:
-        raise ArgumentError("`memory_budget` is not enforced in this version; leave it None")
+    if memory_budget is not None and not (isinstance(memory_budget, (int, float))
+                                          and not isinstance(memory_budget, bool)
+                                          and memory_budget > 0):
+        raise ArgumentError(f"`memory_budget` must be a positive number of bytes per device, "
+                            f"got {memory_budget!r}")
     jax_mesh = as_auto_mesh(mesh)
     sizes = axis_sizes(jax_mesh)
     profile = get_profile(hardware)
@@ -118,7 +126,11 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                           time_limit_s=time_limit_s, progress=_progress(verbose),
                           choice=_choice, search=search,
                           hint_labels_of=lambda _: (labels.get("in_shardings"),
-                                                    labels.get("out_shardings")))
+                                                    labels.get("out_shardings")),
+                          memory_budget_bytes=(
+                              memory_budget if memory_budget is not None
+                              else default_memory_budget_bytes(profile)),
+                          strict_budget=memory_budget is not None)
     graph, strats, choice = result.graph, result.strats, result.solution.choice
     comms = plan_collectives(graph, strats, choice, mesh_ctx)
     est = estimate(graph, strats, choice, mesh_ctx, comms)
@@ -136,7 +148,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
     stats = {"nodes": len(graph.nodes), "ilp_groups": result.ilp_groups,
              "fingerprint": graph_fingerprint(graph),
              "ilp_variables": sol.num_variables, "ilp_constraints": sol.num_constraints,
-             "solver_status": sol.status, "timings_s": result.timings_s}
+             "solver_status": sol.status, "timings_s": result.timings_s, **result.ilp_stats}
     return Plan(jax_mesh, shardings(graph.input_nodes, traced.in_tree, "in"),
                 shardings(graph.output_nodes, traced.out_tree, "out"), est, profile.name,
                 _paths(traced.in_tree), _paths(traced.out_tree), result.fallbacks, stats,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from passes.dedup import input_shapes
 from passes.ir import Graph, NodeKind
 from passes.rules.elementwise import UNARY_AND_NARY
 from passes.solve import Groups
@@ -22,15 +23,19 @@ FOLLOWERS = frozenset(UNARY_AND_NARY) | {"reshape", "transpose", "squeeze", "exp
                                          "reduce_precision", "copy"}
 
 
-def _leader_operand(node, graph: Graph):
+def _leader_operand(node, graph: Graph, state_shapes: frozenset):
     """The operand a follower follows: its only operand of the result's full shape (others
     being literals, scalars or size-1-broadcast operands such as a bias). An op with two full
-    operands (a residual add, an optimizer-state update) stays its own decision, since
-    following either one could force a costly reshard of the other."""
+    operands (a residual add) stays its own decision, since following either one could force
+    a costly reshard of the other; except in state math (the result has an argument's shape:
+    an optimizer update, a gradient sum), where every operand is best kept in one sharding,
+    and the op follows its first operand. The edges from the others stay priced."""
     out_shape = graph.values[node.outs[0]].shape
     full = [(pos, vid) for pos, vid in enumerate(node.ins)
             if vid is not None and graph.values[vid].rank
             and (node.prim not in UNARY_AND_NARY or graph.values[vid].shape == out_shape)]
+    if len(full) > 1 and node.prim in UNARY_AND_NARY and out_shape in state_shapes:
+        return full[0]
     return full[0] if len(full) == 1 else None
 
 
@@ -41,28 +46,40 @@ def _pick(follower: list[Strategy], pos: int, spec, value, mesh: MeshContext, by
     return int(np.argmin(costs))
 
 
+def _follow(follower: list[Strategy], pos: int, leader: list[Strategy], k: int,
+            leader_map: np.ndarray, value, mesh: MeshContext) -> np.ndarray:
+    """The follower's strategy for each strategy of its leader's group."""
+    by_spec = {}
+    for j, s in sorted(enumerate(follower), key=lambda t: (t[1].cost_s, t[0])):
+        by_spec.setdefault(s.in_specs[pos], j)
+    return np.array([_pick(follower, pos, leader[i].out_specs[k], value, mesh, by_spec)
+                     for i in leader_map])
+
+
 def cluster(graph: Graph, strats: list[list[Strategy]], mesh: MeshContext,
             ties: list[tuple[int, int]] = (), follow: bool = True) -> Groups:
     """ties: (output node, input node) pairs whose shardings must be equal."""
     group_of = list(range(len(graph.nodes)))
     index_map = [np.arange(len(s)) for s in strats]
+    picked: dict = {}
+    state_shapes = input_shapes(graph)
     for node in graph.nodes:
         if not follow or node.kind is not NodeKind.OP or node.prim not in FOLLOWERS:
             continue
         if node.pinned is not None or len(node.outs) != 1:
             continue
-        lead = _leader_operand(node, graph)
+        lead = _leader_operand(node, graph, state_shapes)
         if lead is None:
             continue
         pos, vid = lead
         u, k = graph.producer[vid]
-        by_spec = {}
-        for j, s in sorted(enumerate(strats[node.id]), key=lambda t: (t[1].cost_s, t[0])):
-            by_spec.setdefault(s.in_specs[pos], j)
-        value = graph.values[vid]
-        leader_specs = [strats[u][i].out_specs[k] for i in index_map[u]]
-        index_map[node.id] = np.array(
-            [_pick(strats[node.id], pos, spec, value, mesh, by_spec) for spec in leader_specs])
+        # Strategy lists are shared by structurally identical nodes (build_strategies), so
+        # the copies of a repeated layer pick once.
+        key = (id(strats[node.id]), id(strats[u]), index_map[u].tobytes(), pos, k)
+        if key not in picked:
+            picked[key] = _follow(strats[node.id], pos, strats[u], k, index_map[u],
+                                  graph.values[vid], mesh)
+        index_map[node.id] = picked[key]
         group_of[node.id] = group_of[u]
     for out_node, in_node in ties:
         in_specs = [strats[in_node][i].out_specs[0] for i in index_map[in_node]]

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from cost_model.estimate import value_specs
 from passes.annotate import annotate
 from passes.cluster import cluster
+from passes.dedup import node_keys, structural_colors, tie_groups
 from passes.emit import build_flat_fn
 from passes.ir import Graph
 from passes.propagate import better_of, propagate
+from passes.memory_budget import input_labels
 from passes.solve import Solution, solve
 from passes.strategies import MeshContext, Strategy, build_strategies
 from passes.trace import Traced, trace
@@ -31,6 +33,7 @@ class PipelineResult:
     flat_fn: object
     timings_s: dict[str, float] = field(default_factory=dict)
     ilp_groups: int = 0
+    ilp_stats: dict = field(default_factory=dict)  # ILP size before and after coarsening
 
     @property
     def graph(self) -> Graph:
@@ -40,13 +43,19 @@ class PipelineResult:
 def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
                  out_specs_of=None, ties_of=None, time_limit_s: float = 60.0,
                  progress=lambda msg: None, choice=None, search: bool = True,
-                 hint_labels_of=None) -> PipelineResult:
+                 hint_labels_of=None, dedup_layers: bool = True,
+                 memory_budget_bytes: float | None = None, strict_budget: bool = True
+                 ) -> PipelineResult:
     """in_specs_of(traced) / out_specs_of(traced) give the pinned Spec (or None) per flat leaf;
     hint_labels_of(traced) gives (in labels, out labels) naming those leaves in messages;
     ties_of(traced) gives (output leaf, input leaf) pairs that must share a sharding.
     ``search=False``: annotations plus propagation only (no ILP); free values are replicated.
     ``choice``: a strategy index per node from an earlier solve of the same program (a plan
-    cache); the solve is skipped. ValueError if it does not fit this graph's strategies."""
+    cache); the solve is skipped. ValueError if it does not fit this graph's strategies.
+    ``dedup_layers``: structurally identical nodes (copies of a layer) share one decision
+    (``passes.dedup``). ``memory_budget_bytes``: the per-device peak the plan must fit in
+    (``passes.memory_budget``); ``strict_budget=False`` warns instead of raising when no
+    plan fits it."""
     timings = {}
     t0 = time.perf_counter()
     progress("tracing")
@@ -60,7 +69,8 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
     in_labels, out_labels = hint_labels_of(traced) if hint_labels_of else (None, None)
     labels = annotate(graph, in_specs, out_specs, mesh_ctx.axis_sizes, in_labels, out_labels)
     progress(f"building strategies for {len(graph.nodes)} nodes")
-    strats, fallbacks = build_strategies(graph, mesh_ctx)
+    keys = node_keys(graph)
+    strats, fallbacks = build_strategies(graph, mesh_ctx, keys)
     timings["strategies"] = time.perf_counter() - t
 
     ties = []
@@ -72,7 +82,14 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
     timings["propagate"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    groups = cluster(graph, strats, mesh_ctx, ties) if search else None
+    groups, ilp_stats = None, {}
+    if search:
+        groups = cluster(graph, strats, mesh_ctx, ties)
+        ilp_stats = {"ilp_nodes_before": len(graph.nodes),
+                     "ilp_groups_followed": len(groups.members)}
+        if dedup_layers:
+            groups = tie_groups(groups, structural_colors(graph, keys))
+        ilp_stats["ilp_groups"] = len(groups.members)
     timings["cluster"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -83,10 +100,21 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
             raise ValueError("the cached choice does not fit this program's strategies")
         solution = Solution(list(choice), 0.0, "cached", 0, 0, 0.0)
     else:
-        progress(f"solving the ILP over {len(groups.members)} groups")
-        solution = solve(graph, strats, groups, mesh_ctx, time_limit_s=time_limit_s)
+        progress(f"solving the ILP over {len(groups.members)} groups "
+                 f"({len(graph.nodes)} nodes before coarsening)")
+        solution = solve(graph, strats, groups, mesh_ctx, time_limit_s=time_limit_s,
+                         memory_budget_bytes=memory_budget_bytes, strict_budget=strict_budget,
+                         input_labels=input_labels(traced.in_tree), progress=progress)
+        ilp_stats.update(ilp_edges_before=solution.edges_before,
+                         ilp_edges=solution.edges_after, memory_rows=solution.memory_rows,
+                         memory_budget_bytes=memory_budget_bytes)
+        progress(f"ILP: {solution.num_variables} variables, {solution.num_constraints} "
+                 f"constraints, {solution.edges_after} edge classes "
+                 f"({solution.edges_before} edges); {solution.status} in "
+                 f"{solution.solve_time_s:.2f}s")
         if labels:
-            solution = better_of(solution, graph, strats, mesh_ctx, labels, ties)
+            solution = better_of(solution, graph, strats, mesh_ctx, labels, ties,
+                                 memory_budget_bytes)
     timings["solve"] = time.perf_counter() - t
 
     specs = value_specs(graph, strats, solution.choice)
@@ -94,4 +122,4 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
     flat_fn = build_flat_fn(traced, specs, node_in_specs, jax_mesh)
     timings["total"] = time.perf_counter() - t0
     return PipelineResult(traced, strats, solution, fallbacks, flat_fn, timings,
-                          len(groups.members) if groups else 0)
+                          len(groups.members) if groups else 0, ilp_stats)

@@ -375,16 +375,17 @@ def propagate(graph: Graph, strats: list[list[Strategy]], mesh: MeshContext,
 
 
 def better_of(solution, graph: Graph, strats, mesh: MeshContext, labels: dict[int, str],
-              ties=()):
+              ties=(), memory_budget_bytes: float | None = None):
     """The ILP's solution, or propagation's complete plan for the same annotations where that
-    is predicted faster (the ILP's clustering and time limit can miss it): with annotations,
-    search never does worse than ``search=False``."""
+    is predicted faster and fits ``memory_budget_bytes`` (the ILP's clustering and time limit
+    can miss it): with annotations, search never does worse than ``search=False``."""
     plain = propagate(graph, strats, mesh, labels, ties, complete=True, warn=False).choice
 
-    def step_time_s(choice):
-        comms = plan_collectives(graph, strats, choice, mesh)
-        return estimate(graph, strats, choice, mesh, comms).step_time_s
+    def predicted(choice):
+        return estimate(graph, strats, choice, mesh, plan_collectives(graph, strats, choice, mesh))
 
-    if step_time_s(plain) < step_time_s(solution.choice):
+    ilp, alt = predicted(solution.choice), predicted(plain)
+    fits = memory_budget_bytes is None or alt.peak_memory_bytes <= memory_budget_bytes
+    if fits and alt.step_time_s < ilp.step_time_s:
         return dataclasses.replace(solution, choice=plain, status="propagated")
     return solution

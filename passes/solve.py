@@ -32,6 +32,7 @@ none a greedy plan is used and a warning says so.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -41,16 +42,25 @@ import scipy.optimize
 import scipy.sparse
 
 from autopar.errors import InfeasiblePlanError
-from passes.ir import Graph
+from passes.ir import Graph, NodeKind
+from passes.memory_budget import MAX_ROUNDS, BudgetRows, breakdown, plan_peak
 from passes.strategies import MeshContext, Strategy
 
 _US = 1e6
 # An edge whose two sides have more distinct spec pairs than this is priced axis by axis.
 MAX_EXACT_EDGE_PAIRS = 400
+# Relative optimality gap once memory rows are in: they weaken the LP bound, and closing the
+# last fraction of a percent can take HiGHS ten times as long.
+MEMORY_GAP = 1e-2
 
 
 class SolverFallbackWarning(UserWarning):
     """The ILP found no solution in its time limit; a greedy plan is used instead."""
+
+
+class MemoryBudgetWarning(UserWarning):
+    """No plan fits the default memory budget (the profile's HBM capacity minus a margin);
+    the plan returned ignores it."""
 
 
 @dataclass
@@ -60,6 +70,9 @@ class Groups:
     index_map: list[np.ndarray]
     members: dict[int, list[int]]
     sizes: dict[int, int]
+    # Structural color per node (passes.dedup): nodes of one color in one group cost the same
+    # and their edges are priced once, weighted by how many there are.
+    color: list[int] | None = None
 
 
 @dataclass
@@ -70,6 +83,9 @@ class Solution:
     num_variables: int
     num_constraints: int
     solve_time_s: float
+    edges_before: int = 0      # graph edges
+    edges_after: int = 0       # edge classes the ILP prices (passes.dedup)
+    memory_rows: int = 0       # liveness rows the memory budget needed (passes.memory_budget)
 
 
 class IlpBuilder:
@@ -82,6 +98,9 @@ class IlpBuilder:
         self.integer: list[int] = []
         self.rows: list[tuple[dict[int, float], float, float]] = []
         self._edge_cache: dict = {}
+        # (group u, group w, u's class keys, w's class keys) -> [classes, classes, R]: edges
+        # between the same two groups and classes share their e variables (see _transport).
+        self._pending: dict = {}
 
     def _new_vars(self, k: int, integer: bool) -> int:
         start = self.n
@@ -96,11 +115,18 @@ class IlpBuilder:
             self.rows.append(({self.offset[g] + i: 1.0 for i in range(size)}, 1.0, 1.0))
 
     def add_node_costs(self) -> None:
-        for node in self.g.nodes:
-            g = self.groups.group_of[node.id]
-            strats = self.strats[node.id]
-            for i, j in enumerate(self.groups.index_map[node.id]):
-                self.cost[self.offset[g] + i] += strats[j].cost_s * node.trip_count * _US
+        """Nodes of one color in one group (copies of a layer) are priced once, times their
+        count."""
+        group_of, color = self.groups.group_of, self.groups.color
+        classes: dict = {}
+        for n in range(len(self.g.nodes)):
+            key = n if color is None else (group_of[n], color[n])
+            rep, count = classes.get(key, (n, 0))
+            classes[key] = (rep, count + 1)
+        for n, count in classes.values():
+            node, strats, g = self.g.nodes[n], self.strats[n], group_of[n]
+            for i, j in enumerate(self.groups.index_map[n]):
+                self.cost[self.offset[g] + i] += strats[j].cost_s * node.trip_count * _US * count
 
     def _edge_matrix(self, u, k, w, pos):
         """Classes of group(u) by u's out spec k, of group(w) by w's in spec pos, and R [us]."""
@@ -117,16 +143,36 @@ class IlpBuilder:
             self._edge_cache[key] = self.mesh.reshard_time_s(a, b, value) * _US
         return self._edge_cache[key] * trip
 
-    def add_edges(self) -> None:
+    def edges(self):
+        """[((u, k, w, pos), count)]: one edge per class of structurally identical edges
+        (between the same two groups, from and to nodes of the same colors)."""
+        group_of, color = self.groups.group_of, self.groups.color
+        out: dict = {}
         for w_node in self.g.nodes:
             for pos, vid in enumerate(w_node.ins):
                 if vid is None:
                     continue
                 u, k = self.g.producer[vid]
-                self._add_edge(u, k, w_node.id, pos)
+                w = w_node.id
+                key = ((u, w) if color is None else
+                       (group_of[u], group_of[w], color[u], color[w]), k, pos)
+                rep, count = out.get(key, ((u, k, w, pos), 0))
+                out[key] = (rep, count + 1)
+        return list(out.values())
 
-    def _add_edge(self, u, k, w, pos) -> None:
+    def edge_counts(self) -> tuple[int, int]:
+        """(graph edges, edge classes priced)."""
+        return sum(c for _, c in self.edge_classes), len(self.edge_classes)
+
+    def add_edges(self) -> None:
+        self.edge_classes = self.edges()
+        for (u, k, w, pos), count in self.edge_classes:
+            self._add_edge(u, k, w, pos, count)
+        self._flush_transports()
+
+    def _add_edge(self, u, k, w, pos, count: int = 1) -> None:
         gu, gw, src, dst, value, trip = self._edge_matrix(u, k, w, pos)
+        trip *= count
         if gu == gw:
             for i, (a, b) in enumerate(zip(src, dst)):
                 self.cost[self.offset[gu] + i] += self._cost_us(a, b, value, trip)
@@ -148,7 +194,9 @@ class IlpBuilder:
 
     def _transport(self, gu, gw, src_keys, dst_keys, cost) -> None:
         """Add sum_p,q e[p,q] * cost(p, q) where e is the one pair of classes (src_keys of
-        group gu's choice, dst_keys of group gw's choice) the two choices fall in."""
+        group gu's choice, dst_keys of group gw's choice) the two choices fall in. Edges with
+        the same groups and keys (copies of a layer boundary, a value read twice) add their
+        costs into one e (:meth:`_flush_transports`)."""
         src_classes = list(dict.fromkeys(src_keys))
         dst_classes = list(dict.fromkeys(dst_keys))
         R = np.array([[cost(a, b) for b in dst_classes] for a in src_classes])
@@ -162,6 +210,18 @@ class IlpBuilder:
                 self.cost[self.offset[gu] + i] += R[src_classes.index(a), 0] if len(
                     src_classes) > 1 else 0.0
             return
+        key = (gu, gw, tuple(src_keys), tuple(dst_keys))
+        if key in self._pending:  # another edge between the same classes: one e, costs add
+            self._pending[key][2] += R
+        else:
+            self._pending[key] = [src_classes, dst_classes, R]
+
+    def _flush_transports(self) -> None:
+        for (gu, gw, src_keys, dst_keys), (src_classes, dst_classes, R) in self._pending.items():
+            self._add_transport(gu, gw, src_keys, dst_keys, src_classes, dst_classes, R)
+        self._pending = {}
+
+    def _add_transport(self, gu, gw, src_keys, dst_keys, src_classes, dst_classes, R) -> None:
         P, Q = len(src_classes), len(dst_classes)
         e0 = self._new_vars(P * Q, False)
         self.cost[e0:e0 + P * Q] = R.ravel().tolist()
@@ -188,39 +248,140 @@ class IlpBuilder:
         return np.array(self.cost), A, np.array(lb), np.array(ub), np.array(self.integer)
 
 
+def _milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: float = 1e-3):
+    start = time.perf_counter()
+    res = scipy.optimize.milp(
+        c, integrality=integer, bounds=scipy.optimize.Bounds(0, 1 if upper is None else upper),
+        constraints=scipy.optimize.LinearConstraint(A, lb, ub),
+        options={"time_limit": time_limit_s, "disp": bool(os.environ.get("AUTOPAR_HIGHS_LOG")), "mip_rel_gap": gap})
+    return res, time.perf_counter() - start
+
+
+def _choice_of(x, graph: Graph, groups: Groups, offset: dict[int, int]) -> list[int]:
+    choice = [0] * len(graph.nodes)
+    for g, members in groups.members.items():
+        i = int(np.argmax(x[offset[g]:offset[g] + groups.sizes[g]]))
+        for n in members:
+            choice[n] = int(groups.index_map[n][i])
+    return choice
+
+
 def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
-          time_limit_s: float = 60.0) -> Solution:
+          time_limit_s: float = 60.0, memory_budget_bytes: float | None = None,
+          strict_budget: bool = True, input_labels: list[str] | None = None,
+          progress=lambda msg: None) -> Solution:
+    """The ILP's plan. With ``memory_budget_bytes``, memory rows are added until the plan's
+    peak (cost_model.memory) fits (passes.memory_budget). When none fits: with
+    ``strict_budget``, InfeasiblePlanError naming the smallest peak found and what dominates
+    it; else a MemoryBudgetWarning, and the plan without the budget."""
     builder = IlpBuilder(graph, strats, groups, mesh)
     builder.add_groups()
     builder.add_node_costs()
     builder.add_edges()
-    c, A, lb, ub, integer = builder.matrices()
-    start = time.perf_counter()
-    res = scipy.optimize.milp(
-        c, integrality=integer, bounds=scipy.optimize.Bounds(0, 1),
-        constraints=scipy.optimize.LinearConstraint(A, lb, ub),
-        options={"time_limit": time_limit_s, "disp": False, "mip_rel_gap": 1e-3})
-    elapsed = time.perf_counter() - start
-    if res.status == 2:  # infeasible: pins are the only hard constraints
-        raise InfeasiblePlanError(
-            "no sharding plan satisfies the pinned shardings: two hints or "
-            "with_sharding_constraint calls contradict each other. Remove one of them.")
-    if res.x is None:
-        warnings.warn(f"autopar: the ILP found no solution in {time_limit_s:.0f}s "
-                      f"({res.message}); using a greedy plan. Raise `time_limit_s` for a better "
-                      "one.", SolverFallbackWarning, stacklevel=3)
-        choice = greedy(graph, strats, groups, mesh)
-        return Solution(choice, float("nan"), "greedy", builder.n, len(builder.rows), elapsed)
-    x = res.x
-    choice = [0] * len(graph.nodes)
-    for g, members in groups.members.items():
-        off = builder.offset[g]
-        i = int(np.argmax(x[off:off + groups.sizes[g]]))
-        for n in members:
-            choice[n] = int(groups.index_map[n][i])
-    status = "optimal" if res.status == 0 else "time_limit"
-    _inputs_take_their_slices(graph, strats, groups, mesh, choice)
-    return Solution(choice, float(res.fun), status, builder.n, len(builder.rows), elapsed)
+    budget = (None if memory_budget_bytes is None else
+              BudgetRows(graph, strats, groups, mesh, memory_budget_bytes))
+    elapsed = 0.0
+    first = None
+    for _ in range(MAX_ROUNDS + 1):
+        res, took = _milp(*builder.matrices(), time_limit_s,
+                          gap=MEMORY_GAP if budget is not None and budget.cuts else 1e-3)
+        elapsed += took
+        progress(f"ILP round {len(budget.cuts) if budget else 0}: {took:.2f}s, {res.message}")
+        if res.status == 2 and not (budget and budget.cuts):
+            # infeasible without memory rows: pins are the only other hard constraints
+            raise InfeasiblePlanError(
+                "no sharding plan satisfies the pinned shardings: two hints or "
+                "with_sharding_constraint calls contradict each other. Remove one of them.")
+        if res.status == 2:
+            break
+        if res.x is None:
+            warnings.warn(f"autopar: the ILP found no solution in {time_limit_s:.0f}s "
+                          f"({res.message}); using a greedy plan. Raise `time_limit_s` for a "
+                          "better one.", SolverFallbackWarning, stacklevel=3)
+            choice = greedy(graph, strats, groups, mesh)
+            return Solution(choice, float("nan"), "greedy", builder.n, len(builder.rows),
+                            elapsed, *builder.edge_counts())
+        choice = _choice_of(res.x, graph, groups, builder.offset)
+        _inputs_take_their_slices(graph, strats, groups, mesh, choice)
+        status = "optimal" if res.status == 0 else "time_limit"
+        solution = Solution(choice, float(res.fun), status, builder.n, len(builder.rows),
+                            elapsed, *builder.edge_counts(), len(budget.cuts) if budget else 0)
+        first = first or solution
+        if budget is None:
+            return solution
+        peak, t, copies = plan_peak(graph, strats, choice, mesh)
+        if peak <= budget.budget_bytes:
+            return solution
+        progress(f"memory: the plan peaks at {peak / 2**20:.1f} MiB at node {t}, over the "
+                 f"budget of {budget.budget_bytes / 2**20:.1f} MiB; adding its liveness row")
+        budget.cuts.append((t, copies))
+        builder.rows.append((budget.row(t, builder.offset), -np.inf, budget.rhs(copies)))
+    error = _over_budget(graph, strats, groups, mesh, budget, input_labels or [], time_limit_s)
+    if strict_budget:
+        raise error
+    warnings.warn(f"autopar: {error} The plan below ignores the default budget.",
+                  MemoryBudgetWarning, stacklevel=3)
+    return first
+
+
+def _smallest_peak(graph: Graph, strats, groups: Groups, mesh: MeshContext,
+                   budget: BudgetRows, time_limit_s: float) -> tuple[int, list[int]]:
+    """(peak, choice) of the plan with the least peak found: minimize M over the memory rows
+    (each <= M), adding the row where each plan peaks, as long as that lowers the peak."""
+    b = IlpBuilder(graph, strats, groups, mesh)
+    b.add_groups()
+    m = b._new_vars(1, False)
+    b.cost[m] = 1.0
+    best: tuple[int, list[int]] | None = None
+    cuts = list(budget.cuts)
+    for _ in range(MAX_ROUNDS):
+        b.rows = b.rows[:len(groups.sizes)] + [
+            ({**budget.row(t, b.offset), m: -1.0}, -np.inf, budget.rhs(copies) - 1.0)
+            for t, copies in cuts]
+        c, A, lb, ub, integer = b.matrices()
+        upper = np.ones(b.n)
+        upper[m] = np.inf
+        res, _ = _milp(c, A, lb, ub, integer, time_limit_s, upper)
+        if res.x is None:
+            break
+        choice = _choice_of(res.x, graph, groups, b.offset)
+        _inputs_take_their_slices(graph, strats, groups, mesh, choice)
+        peak, t, copies = plan_peak(graph, strats, choice, mesh)
+        if best is None or peak < best[0]:
+            best = (peak, choice)
+        if (t, copies) in cuts:
+            break
+        cuts.append((t, copies))
+    assert best is not None, "the min-peak ILP has no constraint that can fail"
+    return best
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+#: What shrinks each part of a peak, for the InfeasiblePlanError message.
+_ADVICE = {
+    "activations and temporaries": "a smaller batch or sequence, or rematerialization",
+    "optimizer state": "a lower-precision or stateless optimizer",
+    "results": "the state the step returns (on XLA:CPU results are held for the whole call)",
+}
+
+
+def _over_budget(graph, strats, groups, mesh, budget: BudgetRows, input_labels,
+                 time_limit_s) -> InfeasiblePlanError:
+    peak, choice = _smallest_peak(graph, strats, groups, mesh, budget, time_limit_s)
+    parts = breakdown(graph, strats, choice, mesh, input_labels)
+    detail = ", ".join(f"{name} {_gib(size)}" for name, size in parts if size)
+    top = parts[0][0]
+    error = InfeasiblePlanError(
+        f"no sharding plan fits `memory_budget` = {_gib(budget.budget_bytes)} per device: the "
+        f"smallest peak autopar found is {_gib(peak)} per device, dominated by {top} "
+        f"({detail}). Raise `memory_budget`, plan on more devices, or shrink {top} "
+        f"({_ADVICE.get(top, 'smaller or lower-precision arrays')}).")
+    error.smallest_peak_bytes = peak
+    error.peak_breakdown = parts
+    return error
 
 
 def _inputs_take_their_slices(graph: Graph, strats, groups: Groups, mesh: MeshContext,
@@ -234,7 +395,8 @@ def _inputs_take_their_slices(graph: Graph, strats, groups: Groups, mesh: MeshCo
             if vid is not None:
                 users.setdefault(vid, []).append((node.id, pos))
     for n in graph.input_nodes:
-        if len(groups.members[groups.group_of[n]]) != 1:
+        if any(graph.nodes[m].kind is not NodeKind.INPUT
+               for m in groups.members[groups.group_of[n]]):
             continue  # tied to other nodes (a state output): keep the group's choice
         vid = graph.nodes[n].outs[0]
         wanted = {strats[w][choice[w]].in_specs[pos] for w, pos in users.get(vid, ())}

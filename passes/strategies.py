@@ -24,6 +24,7 @@ from cost_model.collectives import CommStep, plan_redistribute, reduce_step, rin
 from cost_model.compute import matmul_dims, op_flops, roofline_s
 from cost_model.hlo import CollectiveKind
 from autopar.errors import ShardingHintError
+from passes import dedup
 from passes.ir import Graph, Node, NodeKind, Value, itemsize, recomputable
 from passes.rules import DimMap, Reduce, RuleContext, dim_maps
 from passes.spec import Spec, spec_fits
@@ -253,16 +254,24 @@ def node_strategies(node: Node, graph: Graph, mesh: MeshContext,
     return out, fallback
 
 
-def build_strategies(graph: Graph, mesh: MeshContext) -> tuple[list[list[Strategy]], dict]:
-    """Strategies for every node, and the primitives that fell back to replicated."""
+def build_strategies(graph: Graph, mesh: MeshContext, keys: list[tuple] | None = None
+                     ) -> tuple[list[list[Strategy]], dict]:
+    """Strategies for every node, and the primitives that fell back to replicated.
+
+    ``keys``: :func:`passes.dedup.node_keys` of the graph (computed when left out). Nodes with
+    equal keys (the copies of a repeated layer) share one strategy list, built once.
+    """
     all_strats, fallbacks = [], {}
-    input_shapes = frozenset(graph.values[graph.nodes[n].outs[0]].shape
-                             for n in graph.input_nodes if graph.values[graph.nodes[n].outs[0]].rank)
-    for node in graph.nodes:
+    input_shapes = dedup.input_shapes(graph)
+    keys = dedup.node_keys(graph) if keys is None else keys
+    built: dict[tuple, tuple[list[Strategy], bool]] = {}
+    for node, key in zip(graph.nodes, keys):
         if recomputable(graph, node):
             for vid in node.outs:
                 graph.values[vid] = dataclasses.replace(graph.values[vid], recomputable=True)
-        strats, fallback = node_strategies(node, graph, mesh, input_shapes)
+        if key not in built:
+            built[key] = node_strategies(node, graph, mesh, input_shapes)
+        strats, fallback = built[key]
         if node.pinned is not None:
             kept = _pin(strats, node.pinned)
             if not kept:

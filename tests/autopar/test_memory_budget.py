@@ -1,0 +1,73 @@
+"""The memory budget holds in the compiled program, and an impossible one says what the
+smallest peak is and what dominates it."""
+
+import dataclasses
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+import autopar
+from autopar import baselines
+from autopar._mesh import as_auto_mesh
+from autopar.errors import ArgumentError, InfeasiblePlanError
+from cost_model.hardware import get_profile
+from cost_model.hlo import compiled_peak_bytes
+from examples.models import mlp
+from passes.solve import MemoryBudgetWarning
+
+MESH = {"data": 2, "model": 4}
+
+
+@pytest.fixture(scope="module")
+def wide_mlp():
+    """A wide MLP train step (executed at these small shapes) and its data-parallel peak."""
+    fn, args = mlp.make_train_step(mlp.TP_FRIENDLY)
+    compiled = baselines.jit_baseline(fn, args, as_auto_mesh(MESH), "dp").lower(*args).compile()
+    return fn, args, compiled_peak_bytes(compiled.memory_analysis(), "cpu")
+
+
+def test_budget_at_35_percent_of_data_parallel_holds(wide_mlp):
+    fn, args, dp_peak = wide_mlp
+    budget = 0.35 * dp_peak
+    free = autopar.plan(fn, *args, mesh=MESH, hardware="h100")
+    assert free.estimate.peak_memory_bytes > budget   # the budget binds
+    plan = autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget=budget)
+    assert plan.estimate.peak_memory_bytes <= budget
+    assert plan.stats["memory_rows"] >= 1 and plan.stats["memory_budget_bytes"] == budget
+    assert compiled_peak_bytes(plan.compile().memory_analysis(), "cpu") < budget
+    expected = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
+    got = jax.tree_util.tree_leaves(plan.jit()(*args))
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-5)
+
+
+def test_impossible_budget_names_the_smallest_peak(wide_mlp):
+    fn, args, dp_peak = wide_mlp
+    budget = 0.05 * dp_peak
+    with pytest.raises(InfeasiblePlanError, match="smallest peak autopar found is") as info:
+        autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget=budget)
+    err = info.value
+    assert budget < err.smallest_peak_bytes < 0.35 * dp_peak
+    names = [name for name, _ in err.peak_breakdown]
+    assert {"parameters", "optimizer state", "activations and temporaries"} <= set(names)
+    assert f"dominated by {names[0]}" in str(err)
+
+
+def test_default_budget_is_the_profile_capacity_and_only_warns(wide_mlp):
+    fn, args, dp_peak = wide_mlp
+    tiny_hbm = dataclasses.replace(get_profile("h100"), hbm_capacity_bytes=int(0.05 * dp_peak))
+    with pytest.warns(MemoryBudgetWarning, match="smallest peak"):
+        plan = autopar.plan(fn, *args, mesh=MESH, hardware=tiny_hbm)
+    assert plan.estimate.peak_memory_bytes > tiny_hbm.hbm_capacity_bytes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        autopar.plan(fn, *args, mesh=MESH, hardware="h100")   # 80 GB: fits, no warning
+
+
+@pytest.mark.parametrize("bad", [-1, 0, "16GB", True])
+def test_bad_budget_is_an_argument_error(bad):
+    fn, args = mlp.make_train_step(mlp.TINY, abstract=True)
+    with pytest.raises(ArgumentError, match="memory_budget"):
+        autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget=bad)
