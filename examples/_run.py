@@ -137,7 +137,9 @@ def _run(build: Callable, args, mesh: dict, simulated: int) -> int:
     import jax
 
     import autopar
+    from autopar._mesh import as_auto_mesh
     print(_device_note(jax, simulated))
+    mesh = as_auto_mesh(mesh)  # a mesh the devices cannot hold fails here, before any work
     hardware = args.hardware
     if hardware is None and jax.default_backend() == "cpu":
         hardware = SIMULATED_HARDWARE
