@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hardware", default="h100", help="profile the programs are priced on")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="rows compiled at once, each in its own process (default: up to 2)")
+    p.add_argument("--time-limit-s", type=float, default=None,
+                   help="the ILP's time limit per plan (default: autopar.plan's)")
     p.add_argument("--out", default=DEFAULT_OUT,
                    help=f"folder for results.md and results.json (default: {DEFAULT_OUT})")
     return p
@@ -78,21 +80,23 @@ def _rows_in_order(models, shapes):
     return sorted(((m, s) for m in models for s in shapes), key=lambda ms: -len(ms[1]))
 
 
-def run_sharding_suite(models, shapes, hardware: str, jobs: int, say=print) -> list[dict]:
+def run_sharding_suite(models, shapes, hardware: str, jobs: int, plan_kwargs=None,
+                       say=print) -> list[dict]:
     """Every (model, mesh) row, in up to ``jobs`` worker processes; rows in input order."""
     from benchmarks.sharding import run_row
     order = _rows_in_order(models, shapes)
     done = {}
     if jobs <= 1:
         for m, s in order:
-            done[(m, s)] = run_row(m, s, hardware)
+            done[(m, s)] = run_row(m, s, hardware, plan_kwargs=plan_kwargs)
             say(_progress(done[(m, s)]))
     else:
         import concurrent.futures as cf
         import multiprocessing
         ctx = multiprocessing.get_context("spawn")  # a fresh jax per worker, flags inherited
         with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            futures = {pool.submit(run_row, m, s, hardware): (m, s) for m, s in order}
+            futures = {pool.submit(run_row, m, s, hardware, plan_kwargs=plan_kwargs): (m, s)
+                       for m, s in order}
             for f in cf.as_completed(futures):
                 done[futures[f]] = f.result()
                 say(_progress(done[futures[f]]))
@@ -138,10 +142,13 @@ def main(argv=None) -> int:
     except AutoparError as e:
         parser.error(str(e))
     start = time.perf_counter()
-    rows = run_sharding_suite(models, shapes, args.hardware, args.jobs)
+    plan_kwargs = {} if args.time_limit_s is None else {"time_limit_s": args.time_limit_s}
+    rows = run_sharding_suite(models, shapes, args.hardware, args.jobs, plan_kwargs)
     meta = {"hardware": args.hardware, "devices": jax.device_count(), "jobs": args.jobs,
+            "plan_kwargs": plan_kwargs,
             "cpus": os.cpu_count(), "jax": jax.__version__, "python": platform.python_version(),
             "duration_s": time.perf_counter() - start,
+            "rows_cpu_s": sum(r.get("cpu_s", 0.0) for r in rows),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     _write(rows, meta, args.out)
     failed = [r for r in rows if "error" in r]

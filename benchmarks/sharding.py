@@ -62,26 +62,28 @@ def best_baseline(programs: dict) -> str | None:
 
 
 def run_row(model: str, shape: tuple[int, ...], hardware: str = "h100",
-            dtype=jnp.bfloat16) -> dict:
-    """Plan, compile and price one (model, mesh) row; an exception becomes the row's error."""
+            dtype=jnp.bfloat16, plan_kwargs: dict | None = None) -> dict:
+    """Plan, compile and price one (model, mesh) row; an exception becomes the row's error.
+    ``plan_kwargs`` go to ``autopar.plan`` (e.g. ``time_limit_s``)."""
     row = {"model": model, "mesh": mesh_label(shape), "axes": mesh_axes(shape),
            "hardware": hardware}
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     try:
-        row.update(_measure_row(model, shape, hardware, dtype))
+        row.update(_measure_row(model, shape, hardware, dtype, plan_kwargs or {}))
     except Exception as e:  # noqa: BLE001 (one broken row must not lose the others)
         row["error"] = f"{type(e).__name__}: {e}"
         row["traceback"] = traceback.format_exc()
     row["wall_s"] = time.perf_counter() - start
+    row["cpu_s"] = time.process_time() - cpu_start  # this process's CPU time, all threads
     return row
 
 
-def _measure_row(model, shape, hardware, dtype) -> dict:
+def _measure_row(model, shape, hardware, dtype, plan_kwargs) -> dict:
     profile = get_profile(hardware)
     fn, args = abstract_train_step(model)
     mesh = as_auto_mesh(mesh_axes(shape))
     start = time.perf_counter()
-    plan = autopar.plan(fn, *args, mesh=mesh, hardware=profile)
+    plan = autopar.plan(fn, *args, mesh=mesh, hardware=profile, **plan_kwargs)
     planning_s = time.perf_counter() - start
     programs = {"autopar": _measured_dict(
         measure("autopar", compile_plan(plan, args, FAST_COMPILE), profile, dtype), profile)}

@@ -52,8 +52,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"program's compiled HLO (wire bytes of every collective, per-device flops); peak "
             f"memory as XLA compiled it for {meta['devices']} simulated CPU devices. "
             f"ratio = autopar / best baseline that fits in memory (lower is better). "
-            f"Ran {meta['duration_s']:.0f} s with {meta['jobs']} worker(s) on "
-            f"{meta['cpus']} CPU core(s), jax {meta['jax']}, {meta['date']}.\n\n")
+            f"Ran {meta['duration_s']:.0f} s ({meta.get('rows_cpu_s', 0):.0f} CPU s) with "
+            f"{meta['jobs']} worker(s) on {meta['cpus']} CPU core(s), jax {meta['jax']}, "
+            f"{meta['date']}.\n\n")
     return (head + summary_table(rows) + "\n\n## Every program\n\n" + detail_table(rows)
             + "\n")
 

@@ -16,13 +16,14 @@ from examples.models import mlp
 def test_one_tiny_row_writes_the_tables(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(workloads.WORKLOADS, "mlp", (mlp, mlp.TINY))
     assert run.main(["--models", "mlp", "--meshes", "2x4", "--jobs", "1",
-                     "--out", str(tmp_path)]) == 0
+                     "--time-limit-s", "30", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "results.json").read_text())
+    assert data["meta"]["plan_kwargs"] == {"time_limit_s": 30.0}
     (row,) = data["rows"]
     assert row["mesh"] == "2x4" and row["axes"] == {"data": 2, "model": 4}
     assert set(row["programs"]) == {"autopar", "dp", "fsdp", "megatron", "megatron_vocab"}
     ours = row["programs"]["autopar"]
-    assert ours["flops"] > 0 and ours["peak_memory_bytes"] > 0
+    assert ours["flops"] > 0 and ours["peak_memory_bytes"] > 0 and row["cpu_s"] > 0
     best = row["programs"][row["best_baseline"]]
     assert row["ratio"] == pytest.approx(ours["step_time_s"] / best["step_time_s"])
     assert all(best["step_time_s"] <= p["step_time_s"]
