@@ -12,7 +12,8 @@ computed (parameters come from :func:`jax.eval_shape` on the init function).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -70,10 +71,11 @@ def init_params_and_opt(init_fn: Callable[[], Any], tx, *, abstract: bool):
     return init_or_abstract(both, abstract=abstract)
 
 
-def linen_train_step(init_fn: Callable[[], Any], loss_fn, batch):
+def linen_train_step(init_fn: Callable[[], Any], loss_fn, batch, tx=None):
     """(train_step, (params, opt_state, batch)) for a linen model given its init, loss and
-    batch; the shared body of the models' ``make_train_step``."""
-    tx = make_optimizer()
+    batch; the shared body of the models' ``make_train_step``. ``tx``: an optax optimizer
+    (default :func:`make_optimizer`)."""
+    tx = make_optimizer() if tx is None else tx
     abstract = all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(batch))
     params, opt_state = init_params_and_opt(init_fn, tx, abstract=abstract)
     return build_train_step(loss_fn, tx), (params, opt_state, batch)

@@ -151,8 +151,10 @@ def _loss_fn(config: Config):
     return loss_fn
 
 
-def make_train_step(config: Config = TINY, *, abstract: bool = False):
-    return common.linen_train_step(_init(config), _loss_fn(config), _batch(config, abstract))
+def make_train_step(config: Config = TINY, *, abstract: bool = False, tx=None):
+    """(train_step, (params, opt_state, batch)); ``tx`` an optax optimizer (default Adam)."""
+    return common.linen_train_step(_init(config), _loss_fn(config), _batch(config, abstract),
+                                   tx)
 
 
 def make_forward(config: Config = TINY, abstract: bool = False):

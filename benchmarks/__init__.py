@@ -1,0 +1,1 @@
+"""autopar's benchmarks: ``python -m benchmarks.run`` (see benchmarks/run.py)."""

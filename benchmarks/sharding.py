@@ -1,0 +1,98 @@
+"""One row of the sharding benchmark: autopar's plan and the hand-written baselines for one
+workload on one mesh, each compiled from ShapeDtypeStruct arguments and priced from its
+compiled HLO (``autopar.compare.measure``), never from autopar's own estimate.
+
+Programs are compiled with :data:`FAST_COMPILE`: XLA skips LLVM optimisation, which halves
+CPU compile time and changes no measure (SPMD partitioning, collectives, flops and buffer
+assignment all run before it; ``tests/test_benchmarks.py`` checks the measures agree).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+import autopar
+from autopar import baselines
+from autopar._mesh import as_auto_mesh
+from autopar.compare import _baseline_kwargs, baseline_kinds, measure
+from benchmarks.workloads import abstract_train_step
+from cost_model.hardware import get_profile
+
+#: XLA options for the benchmark's compiles (see the module docstring).
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+#: Mesh shapes -> axis names: 1-D data parallel, 2-D data x model, 3-D data x model x expert.
+AXIS_NAMES = {1: ("data",), 2: ("data", "model"), 3: ("data", "model", "expert")}
+
+
+def mesh_axes(shape: tuple[int, ...]) -> dict[str, int]:
+    """(2, 4) -> {'data': 2, 'model': 4}."""
+    return dict(zip(AXIS_NAMES[len(shape)], shape))
+
+
+def mesh_label(shape: tuple[int, ...]) -> str:
+    return "x".join(str(n) for n in shape)
+
+
+def _measured_dict(m, profile) -> dict:
+    return {"step_time_s": m.step_time_s, "wire_bytes": m.wire_bytes, "flops": m.flops,
+            "peak_memory_bytes": m.peak_memory_bytes, "fits": m.fits(profile),
+            "collectives": len(m.summary.collectives)}
+
+
+def compile_plan(plan, args, compiler_options=None):
+    """The plan's program compiled from abstract ``args``."""
+    return plan.jit().lower(*args).compile(compiler_options=compiler_options)
+
+
+def compile_baseline(fn, args, mesh, kind: str, compiler_options=None):
+    """A hand-written baseline (as ``autopar.compare`` builds it) compiled from ``args``."""
+    jitted = baselines.jit_baseline(fn, args, mesh, kind, **_baseline_kwargs(mesh, kind))
+    return jitted.lower(*args).compile(compiler_options=compiler_options)
+
+
+def best_baseline(programs: dict) -> str | None:
+    """The name of the fastest baseline that fits in memory (None if none fits)."""
+    fitting = {k: v for k, v in programs.items() if k != "autopar" and v["fits"]}
+    return min(fitting, key=lambda k: fitting[k]["step_time_s"]) if fitting else None
+
+
+def run_row(model: str, shape: tuple[int, ...], hardware: str = "h100",
+            dtype=jnp.bfloat16, plan_kwargs: dict | None = None) -> dict:
+    """Plan, compile and price one (model, mesh) row; an exception becomes the row's error.
+    ``plan_kwargs`` go to ``autopar.plan`` (e.g. ``time_limit_s``)."""
+    row = {"model": model, "mesh": mesh_label(shape), "axes": mesh_axes(shape),
+           "hardware": hardware}
+    start, cpu_start = time.perf_counter(), time.process_time()
+    try:
+        row.update(_measure_row(model, shape, hardware, dtype, plan_kwargs or {}))
+    except Exception as e:  # noqa: BLE001 (one broken row must not lose the others)
+        row["error"] = f"{type(e).__name__}: {e}"
+        row["traceback"] = traceback.format_exc()
+    row["wall_s"] = time.perf_counter() - start
+    row["cpu_s"] = time.process_time() - cpu_start  # this process's CPU time, all threads
+    return row
+
+
+def _measure_row(model, shape, hardware, dtype, plan_kwargs) -> dict:
+    profile = get_profile(hardware)
+    fn, args = abstract_train_step(model)
+    mesh = as_auto_mesh(mesh_axes(shape))
+    start = time.perf_counter()
+    plan = autopar.plan(fn, *args, mesh=mesh, hardware=profile, **plan_kwargs)
+    planning_s = time.perf_counter() - start
+    programs = {"autopar": _measured_dict(
+        measure("autopar", compile_plan(plan, args, FAST_COMPILE), profile, dtype), profile)}
+    for kind in baseline_kinds(mesh, args):
+        compiled = compile_baseline(fn, args, mesh, kind, FAST_COMPILE)
+        programs[kind] = _measured_dict(measure(kind, compiled, profile, dtype), profile)
+    best = best_baseline(programs)
+    ratio = (programs["autopar"]["step_time_s"] / programs[best]["step_time_s"]
+             if best else None)
+    return {"planning_s": planning_s, "solver_status": plan.stats.get("solver_status"),
+            "predicted_step_time_s": plan.estimate.step_time_s, "programs": programs,
+            "best_baseline": best, "ratio": ratio, "devices": jax.device_count()}

@@ -1,0 +1,63 @@
+"""The sharding benchmark's rows as markdown tables and JSON."""
+
+from __future__ import annotations
+
+import json
+
+MIB = 2**20
+GIB = 2**30
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def summary_table(rows: list[dict]) -> str:
+    """One line per (model, mesh): autopar beside the best baseline that fits in memory."""
+    lines = [("| model | mesh | autopar ms | best baseline | its ms | ratio | autopar wire MiB "
+              "| autopar TFLOP/dev | autopar peak GiB | planning s | solver |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['mesh']} | error: {r['error'][:80]} "
+                         "| | | | | | | | |")
+            continue
+        ours = r["programs"]["autopar"]
+        best = r["best_baseline"]
+        best_ms = _ms(r["programs"][best]["step_time_s"]) if best else "-"
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
+        lines.append(
+            f"| {r['model']} | {r['mesh']} | {_ms(ours['step_time_s'])} | {best or 'none fits'} "
+            f"| {best_ms} | {ratio} | {ours['wire_bytes'] / MIB:.0f} "
+            f"| {ours['flops'] / 1e12:.3f} | {ours['peak_memory_bytes'] / GIB:.2f} "
+            f"| {r['planning_s']:.1f} | {r['solver_status']} |")
+    return "\n".join(lines)
+
+
+def detail_table(rows: list[dict]) -> str:
+    """Every compiled program of every row."""
+    lines = ["| model | mesh | program | step ms | wire MiB | TFLOP/dev | peak GiB | fits |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for name, p in r.get("programs", {}).items():
+            lines.append(f"| {r['model']} | {r['mesh']} | {name} | {_ms(p['step_time_s'])} "
+                         f"| {p['wire_bytes'] / MIB:.1f} | {p['flops'] / 1e12:.3f} "
+                         f"| {p['peak_memory_bytes'] / GIB:.2f} | {'yes' if p['fits'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    head = (f"# autopar sharding benchmark\n\n"
+            f"Reference step time on the `{meta['hardware']}` profile, priced from each "
+            f"program's compiled HLO (wire bytes of every collective, per-device flops); peak "
+            f"memory as XLA compiled it for {meta['devices']} simulated CPU devices. "
+            f"ratio = autopar / best baseline that fits in memory (lower is better). "
+            f"Ran {meta['duration_s']:.0f} s ({meta.get('rows_cpu_s', 0):.0f} CPU s) with "
+            f"{meta['jobs']} worker(s) on {meta['cpus']} CPU core(s), jax {meta['jax']}, "
+            f"{meta['date']}.\n\n")
+    return (head + summary_table(rows) + "\n\n## Every program\n\n" + detail_table(rows)
+            + "\n")
+
+
+def to_json(rows: list[dict], meta: dict) -> str:
+    return json.dumps({"meta": meta, "rows": rows}, indent=1, default=str)

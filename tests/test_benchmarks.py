@@ -1,0 +1,85 @@
+"""The benchmark runner (benchmarks/run.py) on one tiny row, its options, and the fast compile
+it relies on. The benchmark itself is not a test: `python -m benchmarks.run`."""
+
+import json
+import sys
+import types
+
+import pytest
+
+import autopar
+from benchmarks import run, sharding, workloads
+from cost_model.hlo import analyze
+from examples.models import mlp
+
+
+def test_one_tiny_row_writes_the_tables(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(workloads.WORKLOADS, "mlp", (mlp, mlp.TINY))
+    assert run.main(["--models", "mlp", "--meshes", "2x4", "--jobs", "1",
+                     "--time-limit-s", "30", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["meta"]["plan_kwargs"] == {"time_limit_s": 30.0}
+    (row,) = data["rows"]
+    assert row["mesh"] == "2x4" and row["axes"] == {"data": 2, "model": 4}
+    assert set(row["programs"]) == {"autopar", "dp", "fsdp", "megatron", "megatron_vocab"}
+    ours = row["programs"]["autopar"]
+    assert ours["flops"] > 0 and ours["peak_memory_bytes"] > 0 and row["cpu_s"] > 0
+    best = row["programs"][row["best_baseline"]]
+    assert row["ratio"] == pytest.approx(ours["step_time_s"] / best["step_time_s"])
+    assert all(best["step_time_s"] <= p["step_time_s"]
+               for k, p in row["programs"].items() if k != "autopar" and p["fits"])
+    md = (tmp_path / "results.md").read_text()
+    assert "| mlp | 2x4 |" in md and "## Every program" in md
+    assert "| mlp | 2x4 |" in capsys.readouterr().out
+
+
+def test_fast_compile_changes_no_measure(mesh_2d):
+    fn, args = mlp.make_train_step(mlp.TP_FRIENDLY, abstract=True)
+    plan = autopar.plan(fn, *args, mesh=mesh_2d, hardware="h100")
+    default = analyze(sharding.compile_plan(plan, args))
+    fast = analyze(sharding.compile_plan(plan, args, sharding.FAST_COMPILE))
+    assert fast.wire_bytes == default.wire_bytes
+    assert fast.flops == default.flops
+    assert fast.peak_memory_bytes == default.peak_memory_bytes
+    assert [c.kind for c in fast.collectives] == [c.kind for c in default.collectives]
+    assert default.collectives, "a plan with collectives, so that the check means something"
+
+
+def test_mesh_shapes_and_names():
+    assert run.parse_shape("2x2x2") == (2, 2, 2)
+    assert sharding.mesh_axes((4, 2)) == {"data": 4, "model": 2}
+    assert sharding.mesh_axes((2, 2, 2)) == {"data": 2, "model": 2, "expert": 2}
+    for bad in ("2x", "0x8", "2x2x2x1", "a"):
+        with pytest.raises(ValueError):
+            run.parse_shape(bad)
+
+
+def test_bad_options_exit_with_a_message(capsys):
+    for argv, words in ((["--models", "nope"], "unknown model"),
+                        (["--meshes", "8,2x2"], "same number of devices"),
+                        (["--hardware", "abacus"], "unknown hardware")):
+        with pytest.raises(SystemExit) as e:
+            run.main(argv)
+        assert e.value.code == 2
+        assert words in capsys.readouterr().err
+
+
+def test_planning_suite_is_delegated(monkeypatch):
+    seen = []
+    fake = types.ModuleType("fake_planning")
+    fake.main = lambda argv=None: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "fake_planning", fake)
+    monkeypatch.setattr(run, "_PLANNING_MODULE", "fake_planning")
+    assert run.main(["--suite", "planning", "--layers", "4"]) == 0
+    assert seen == [["--layers", "4"]]
+
+
+def test_planning_suite_missing_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(run, "_PLANNING_MODULE", "benchmarks._no_such_module")
+    assert run.main(["--suite", "planning"]) == 2
+    assert "not in this checkout" in capsys.readouterr().err
+
+
+def test_rows_run_longest_first():
+    order = run._rows_in_order(["gpt"], [(8,), (2, 4), (2, 2, 2)])
+    assert [s for _, s in order] == [(2, 2, 2), (2, 4), (8,)]
