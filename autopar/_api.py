@@ -8,11 +8,12 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar._plan import Plan
 from autopar._cache import PlanCache, graph_fingerprint
+from autopar.baselines import baseline_kinds, baseline_kwargs, baseline_shardings
 from autopar.errors import ArgumentError
 from cost_model.estimate import estimate, plan_collectives
 from cost_model.hardware import axis_levels, get_profile
@@ -41,6 +42,26 @@ def _state_ties(traced) -> list[tuple[int, int]]:
     return ties
 
 
+def _baseline_seeds(example_args, jax_mesh, sizes):
+    """seeds_of for run_pipeline: kind -> a Spec per flat input leaf, the input shardings of
+    each hand-written baseline that applies to these arguments."""
+    def of(traced) -> dict:
+        seeds = {}
+        for kind in baseline_kinds(jax_mesh, example_args):
+            try:
+                tree = baseline_shardings(kind, example_args, jax_mesh,
+                                          **baseline_kwargs(jax_mesh, kind))
+            except ArgumentError:  # the arguments or the mesh do not suit this baseline
+                continue
+            specs = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+            if len(specs) != len(traced.in_avals):  # boxed (flax metadata) arguments
+                return {}
+            seeds[kind] = [to_spec(s, a.shape, sizes, f"the {kind} baseline")
+                           for s, a in zip(specs, traced.in_avals)]
+        return seeds
+    return of
+
+
 def _progress(enabled: bool):
     if not enabled:
         return lambda msg: None
@@ -50,7 +71,7 @@ def _progress(enabled: bool):
 def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
          in_shardings=None, out_shardings=None, search: bool = True, logical_axis_rules=None,
          time_limit_s: float = 60.0, tie_state: bool = True, axis_level_overrides=None,
-         verbose: bool = False, _choice=None) -> Plan:
+         baseline_seeds: bool = True, verbose: bool = False, _choice=None) -> Plan:
     """Plan how to run ``fn`` on ``mesh``.
 
     Args:
@@ -79,6 +100,12 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
       tie_state: results that replace an argument (same pytree path, shape and dtype, such as
         new parameters) keep that argument's sharding.
       axis_level_overrides: e.g. ``{"data": "dcn"}``: which interconnect a mesh axis crosses.
+      baseline_seeds: also plan by propagation from each hand-written baseline's input
+        shardings that applies (data parallel, FSDP, Megatron, expert parallel; see
+        ``autopar.baselines``), under the annotations, and keep whichever plan, the ILP's or
+        one of these, is predicted fastest (``plan.stats["candidates_step_s"]`` lists them).
+        The ILP prices a resharding per consuming edge and runs under a time limit, so on
+        large or 3-D meshes propagation from a good start can beat it.
       verbose: print progress to stderr.
 
     Returns:
@@ -127,6 +154,8 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                           choice=_choice, search=search,
                           hint_labels_of=lambda _: (labels.get("in_shardings"),
                                                     labels.get("out_shardings")),
+                          seeds_of=(_baseline_seeds(example_args, jax_mesh, sizes)
+                                    if baseline_seeds else None),
                           memory_budget_bytes=(
                               memory_budget if memory_budget is not None
                               else default_memory_budget_bytes(profile)),

@@ -49,6 +49,8 @@ from autopar.errors import ArgumentError
 
 __all__ = [
     "Baseline",
+    "baseline_kinds",
+    "baseline_kwargs",
     "baseline_named_shardings",
     "baseline_shardings",
     "jit_baseline",
@@ -347,3 +349,30 @@ def _flatten_pairs(args, specs):
     flat_specs = jax.tree_util.tree_leaves(specs)
     assert len(flat_args) == len(flat_specs), (len(flat_args), len(flat_specs))
     return [(path, (leaf, spec)) for (path, leaf), spec in zip(flat_args, flat_specs)]
+
+
+def baseline_kinds(mesh, args) -> list[str]:
+    """The baselines that apply: DP and FSDP always; Megatron where the mesh has a `model`
+    axis (with vocab-parallel embedding too); expert parallel where params hold experts."""
+    kinds = ["dp", "fsdp"]
+    if "model" in mesh.axis_names:
+        kinds += ["megatron", "megatron_vocab"]
+    names = {n for p, _ in jax.tree_util.tree_flatten_with_path(args[0])[0]
+             for n in leaf_names(p)}
+    if "experts_in" in names:
+        kinds.append("expert")
+    return kinds
+
+
+def baseline_kwargs(mesh, kind: str) -> dict:
+    """The axes a baseline uses on ``mesh``: the batch over every axis (Megatron: every axis
+    but `model`); experts over `expert`, or the last axis."""
+    if kind.startswith("megatron"):
+        batch_axes = tuple(a for a in mesh.axis_names if a != "model")
+    else:
+        batch_axes = tuple(mesh.axis_names)
+    kw = {"batch_axes": batch_axes or tuple(mesh.axis_names)}
+    if kind == "expert":
+        kw["expert_axis"] = "expert" if "expert" in mesh.axis_names else mesh.axis_names[-1]
+        kw["batch_axes"] = tuple(mesh.axis_names)
+    return kw

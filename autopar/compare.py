@@ -8,12 +8,16 @@ baselines for the same function and mesh, from abstract arguments, so nothing ru
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import jax
 
 from autopar import baselines
+from autopar.baselines import baseline_kinds
+from autopar.baselines import baseline_kwargs as _baseline_kwargs
 from autopar._mesh import as_auto_mesh
+from autopar.errors import ShardingConflictWarning
 from cost_model.hardware import get_profile
 from cost_model.hlo import HloSummary, analyze
 from cost_model.reference import reference_step_time_s
@@ -39,47 +43,31 @@ def measure(name: str, compiled, profile, dtype) -> Measured:
                     s.peak_memory_bytes, s)
 
 
-def baseline_kinds(mesh, args) -> list[str]:
-    """The baselines that apply: DP and FSDP always; Megatron where the mesh has a `model`
-    axis (with vocab-parallel embedding too); expert parallel where params hold experts."""
-    kinds = ["dp", "fsdp"]
-    if "model" in mesh.axis_names:
-        kinds += ["megatron", "megatron_vocab"]
-    names = {n for p, _ in jax.tree_util.tree_flatten_with_path(args[0])[0]
-             for n in baselines.leaf_names(p)}
-    if "experts_in" in names:
-        kinds.append("expert")
-    return kinds
-
-
-def _baseline_kwargs(mesh, kind: str) -> dict:
-    if kind.startswith("megatron"):
-        batch_axes = tuple(a for a in mesh.axis_names if a != "model")
-    else:
-        batch_axes = tuple(mesh.axis_names)
-    kw = {"batch_axes": batch_axes or tuple(mesh.axis_names)}
-    if kind == "expert":
-        kw["expert_axis"] = "expert" if "expert" in mesh.axis_names else mesh.axis_names[-1]
-        kw["batch_axes"] = tuple(mesh.axis_names)
-    return kw
-
-
 def compile_baseline(fn, args, mesh, kind: str):
     return baselines.jit_baseline(fn, args, mesh, kind,
                                   **_baseline_kwargs(mesh, kind)).lower(*args).compile()
 
 
-def predict_baselines(fn, args, mesh, *, hardware="h100", kinds=("dp", "fsdp"), **plan_kwargs):
-    """autopar's estimate for each baseline's shardings: a plan whose inputs and outputs are
-    pinned to the baseline's (nothing is compiled). Returns {kind: Plan}."""
+def predict_baselines(fn, args, mesh, *, hardware="h100", kinds=("dp", "fsdp"), search=False,
+                      **plan_kwargs):
+    """autopar's estimate for each hand-written baseline (``jax.jit`` with the baseline's input
+    and output shardings, :func:`compile_baseline`). With ``search=False`` (the default) the
+    inside of the program comes from propagating those shardings, as XLA's propagation does
+    for the hand-written jit, so the plan predicts the baseline's own program; with
+    ``search=True`` the ILP plans the inside, the best program with the baseline's inputs and
+    outputs. Nothing is compiled. Returns {kind: Plan}."""
     import autopar
     jax_mesh = as_auto_mesh(mesh)
     out = {}
     for kind in kinds:
         ins, outs = baselines.baseline_io_shardings(fn, args, jax_mesh, kind,
                                                     **_baseline_kwargs(jax_mesh, kind))
-        out[kind] = autopar.plan(fn, *args, mesh=jax_mesh, hardware=hardware,
-                                 in_shardings=ins, out_shardings=outs, **plan_kwargs)
+        with warnings.catch_warnings():
+            # The baseline's own shardings meeting: XLA reshards there too, nothing to tell.
+            warnings.simplefilter("ignore", ShardingConflictWarning)
+            out[kind] = autopar.plan(fn, *args, mesh=jax_mesh, hardware=hardware,
+                                     in_shardings=ins, out_shardings=outs, search=search,
+                                     **plan_kwargs)
     return out
 
 

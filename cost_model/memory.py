@@ -175,3 +175,4 @@ def _resharded_copies_bytes(graph: Graph, node, value_specs, operand_specs, axis
         if vid is not None and spec is not None and spec != value_specs[vid]:
             total += value_bytes(graph, vid, spec, axis_sizes)
     return total
+

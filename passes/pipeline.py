@@ -17,7 +17,7 @@ from passes.cluster import cluster
 from passes.dedup import node_keys, structural_colors, tie_groups
 from passes.emit import build_flat_fn
 from passes.ir import Graph
-from passes.propagate import better_of, propagate
+from passes.propagate import best_of, propagate
 from passes.memory_budget import input_labels
 from passes.solve import Solution, solve
 from passes.strategies import MeshContext, Strategy, build_strategies
@@ -43,11 +43,13 @@ class PipelineResult:
 def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
                  out_specs_of=None, ties_of=None, time_limit_s: float = 60.0,
                  progress=lambda msg: None, choice=None, search: bool = True,
-                 hint_labels_of=None, dedup_layers: bool = True,
+                 hint_labels_of=None, seeds_of=None, dedup_layers: bool = True,
                  memory_budget_bytes: float | None = None, strict_budget: bool = True
                  ) -> PipelineResult:
     """in_specs_of(traced) / out_specs_of(traced) give the pinned Spec (or None) per flat leaf;
     hint_labels_of(traced) gives (in labels, out labels) naming those leaves in messages;
+    seeds_of(traced) gives name -> a Spec (or None) per flat input leaf: starting points whose
+    propagated plans compete with the ILP's (``passes.propagate.best_of``);
     ties_of(traced) gives (output leaf, input leaf) pairs that must share a sharding.
     ``search=False``: annotations plus propagation only (no ILP); free values are replicated.
     ``choice``: a strategy index per node from an earlier solve of the same program (a plan
@@ -112,9 +114,15 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
                  f"constraints, {solution.edges_after} edge classes "
                  f"({solution.edges_before} edges); {solution.status} in "
                  f"{solution.solve_time_s:.2f}s")
-        if labels:
-            solution = better_of(solution, graph, strats, mesh_ctx, labels, ties,
-                                 memory_budget_bytes)
+        seeds = {}
+        for name, leaf_specs in (seeds_of(traced) if seeds_of else {}).items():
+            seeds[name] = {graph.input_nodes[i]: spec for i, spec in enumerate(leaf_specs)
+                           if spec is not None}
+        if labels or seeds:
+            progress(f"comparing the ILP's plan with {len(seeds) + bool(labels)} propagated "
+                     "ones")
+            solution, ilp_stats["candidates_step_s"] = best_of(
+                solution, graph, strats, mesh_ctx, labels, ties, seeds, memory_budget_bytes)
     timings["solve"] = time.perf_counter() - t
 
     specs = value_specs(graph, strats, solution.choice)

@@ -99,10 +99,16 @@ class Propagation:
         self.origins[vid] = origin
 
 
-def seed(graph: Graph, labels: dict[int, str]) -> Propagation:
+def seed(graph: Graph, labels: dict[int, str], extra: dict[int, Spec] | None = None
+         ) -> Propagation:
     """The values user annotations fix: pinned inputs and sharding constraints fix their result,
-    a pinned output fixes the value it returns (when nothing else already fixed it)."""
+    a pinned output fixes the value it returns (when nothing else already fixed it).
+    ``extra``: input node id -> a spec to start from that is not the user's (a candidate
+    plan's seed, see :func:`best_of`); a user annotation of the same input wins."""
     prop = Propagation()
+    for node_id, spec in (extra or {}).items():
+        if graph.nodes[node_id].pinned is None:
+            prop.fix(graph.nodes[node_id].outs[0], spec, Origin("a candidate's seed", False))
     for node in graph.nodes:
         if node.pinned is None or node.kind is NodeKind.OUTPUT:
             continue
@@ -357,12 +363,13 @@ def pin_forced(graph: Graph, strats, prop: Propagation) -> int:
 
 
 def propagate(graph: Graph, strats: list[list[Strategy]], mesh: MeshContext,
-              labels: dict[int, str], ties=(), *, complete: bool, warn: bool = True
-              ) -> Propagation:
+              labels: dict[int, str], ties=(), *, complete: bool, warn: bool = True,
+              extra: dict[int, Spec] | None = None) -> Propagation:
     """Run the pass. ``labels``: node id -> the annotation that pinned it (for messages);
-    ``ties``: (output node, input node) pairs sharing a sharding. In forced mode ``strats`` is
-    cut in place; in complete mode the result holds every node's strategy."""
-    prop = seed(graph, labels)
+    ``ties``: (output node, input node) pairs sharing a sharding; ``extra``: see :func:`seed`.
+    In forced mode ``strats`` is cut in place; in complete mode the result holds every node's
+    strategy."""
+    prop = seed(graph, labels, extra)
     run_sweeps(graph, strats, prop, complete, ties)
     prop.conflicts = find_conflicts(graph, strats, prop, labels)
     for message in prop.conflicts if warn else ():
@@ -374,18 +381,33 @@ def propagate(graph: Graph, strats: list[list[Strategy]], mesh: MeshContext,
     return prop
 
 
-def better_of(solution, graph: Graph, strats, mesh: MeshContext, labels: dict[int, str],
-              ties=(), memory_budget_bytes: float | None = None):
-    """The ILP's solution, or propagation's complete plan for the same annotations where that
-    is predicted faster and fits ``memory_budget_bytes`` (the ILP's clustering and time limit
-    can miss it): with annotations, search never does worse than ``search=False``."""
-    plain = propagate(graph, strats, mesh, labels, ties, complete=True, warn=False).choice
-
+def best_of(solution, graph: Graph, strats, mesh: MeshContext, labels: dict[int, str],
+            ties=(), seeds: dict[str, dict[int, Spec]] | None = None,
+            memory_budget_bytes: float | None = None):
+    """The plan predicted fastest among the ILP's ``solution`` and the complete propagation
+    plans of the annotations, alone and with each of ``seeds`` (name -> input node id -> spec:
+    a hand-written baseline's input shardings, say) added under them. A candidate must fit
+    ``memory_budget_bytes``. The ILP's clustering, its per-edge pricing and its time limit can
+    miss a plan that propagation from a good start finds; so with annotations, search never
+    does worse than ``search=False``, and it never does worse than the seeds' plans, all by
+    the estimate (``cost_model.estimate``). Returns (solution, predicted step time per
+    candidate name)."""
     def predicted(choice):
         return estimate(graph, strats, choice, mesh, plan_collectives(graph, strats, choice, mesh))
 
-    ilp, alt = predicted(solution.choice), predicted(plain)
-    fits = memory_budget_bytes is None or alt.peak_memory_bytes <= memory_budget_bytes
-    if fits and alt.step_time_s < ilp.step_time_s:
-        return dataclasses.replace(solution, choice=plain, status="propagated")
-    return solution
+    candidates = {}
+    if labels:
+        candidates["propagated"] = None
+    for name, extra in (seeds or {}).items():
+        candidates[f"propagated ({name})"] = extra
+    times = {solution.status: predicted(solution.choice).step_time_s}
+    best, best_s = solution, times[solution.status]
+    for name, extra in candidates.items():
+        choice = propagate(graph, strats, mesh, labels, ties, complete=True, warn=False,
+                           extra=extra).choice
+        e = predicted(choice)
+        times[name] = e.step_time_s
+        fits = memory_budget_bytes is None or e.peak_memory_bytes <= memory_budget_bytes
+        if fits and e.step_time_s < best_s:
+            best, best_s = dataclasses.replace(solution, choice=choice, status=name), e.step_time_s
+    return best, times

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import itertools
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -209,11 +210,20 @@ def _collectives(partial, finishes, pre_specs, node: Node, graph: Graph, mesh: M
 
 
 def is_gradient_reduction(node: Node, graph: Graph, input_shapes: frozenset) -> bool:
-    """A contraction or sum whose result has the shape of an argument: in a train step, the
-    gradient of a parameter. Such reductions do not depend on one another, and XLA's combiner
-    merges them into few collectives, so each pays bandwidth but no latency of its own."""
-    return (node.prim in ("dot_general", "reduce_sum", "conv_general_dilated")
-            and bool(node.outs) and graph.values[node.outs[0]].shape in input_shapes)
+    """A contraction, sum or scatter-add whose result has as many elements as an argument: in a
+    train step, the gradient of a parameter, perhaps before a reshape or transpose (a fused qkv
+    kernel, a transposed router, an embedding's scatter-add). Such reductions do not depend on
+    one another, and XLA's combiner merges them into few collectives, so each pays bandwidth
+    but no latency of its own."""
+    return (node.prim in ("dot_general", "reduce_sum", "conv_general_dilated", "scatter-add",
+                          "scatter_add")
+            and bool(node.outs)
+            and math.prod(graph.values[node.outs[0]].shape) in _element_counts(input_shapes))
+
+
+@functools.lru_cache(maxsize=8)
+def _element_counts(shapes: frozenset) -> frozenset:
+    return frozenset(math.prod(s) for s in shapes)
 
 
 def node_strategies(node: Node, graph: Graph, mesh: MeshContext,

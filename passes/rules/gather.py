@@ -5,7 +5,10 @@ operand's window dimensions taken whole, and, for a scatter, the operand's index
 (each device applies the updates that land in its rows). A gather from an operand split on its
 indexed dimension (a vocab-parallel embedding) is not offered: XLA lowers it in ways that vary
 with the shardings (masked gather plus all-reduce, permutes, all-to-alls), which the cost
-model cannot yet predict; the planner all-gathers the table instead.
+model cannot yet predict; the planner all-gathers the table instead. (Offering the masked
+gather plus all-reduce makes propagation reproduce the hand-written vocab-parallel program's
+collectives exactly, but the ILP then picks MoE plans whose XLA:CPU memory the model predicts
+18% low; tests/cost_model/test_ranking.py keeps that gap visible.)
 """
 
 from passes.rules import DimMap, Reduce, RuleContext, register

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import autopar
 from autopar._mesh import as_auto_mesh
-from autopar.compare import baseline_kinds, predict_baselines
+from autopar.compare import baseline_kinds, compile_baseline, predict_baselines
 from cost_model.hardware import get_profile
 from cost_model.hlo import HloSummary, analyze
 from examples.models.workloads import abstract_train_step
@@ -33,11 +33,24 @@ def autopar_case(model: str, mesh: str) -> Case:
 
 @functools.cache
 def baseline_cases(model: str, mesh: str) -> dict[str, Case]:
-    """For each hand-written baseline that applies (``autopar.compare.baseline_kinds``), the
-    plan whose inputs and outputs are pinned to that baseline's shardings
-    (``autopar.compare.predict_baselines``), with its compiled program."""
+    """For each hand-written baseline that applies (``autopar.baselines.baseline_kinds``): the
+    hand-written program (``jax.jit`` with the baseline's shardings) compiled, beside autopar's
+    prediction of it (``autopar.compare.predict_baselines``: the baseline's shardings
+    propagated, ``search=False``)."""
     fn, args = abstract_train_step(model)
     jax_mesh = as_auto_mesh(MESHES[mesh])
     plans = predict_baselines(fn, args, jax_mesh, hardware=H100,
                               kinds=baseline_kinds(jax_mesh, args))
-    return {kind: Case(p, analyze(p.compile())) for kind, p in plans.items()}
+    return {kind: Case(p, analyze(compile_baseline(fn, args, jax_mesh, kind)))
+            for kind, p in plans.items()}
+
+
+@functools.cache
+def pinned_cases(model: str, mesh: str, kinds: tuple[str, ...]) -> dict[str, Case]:
+    """For each baseline in ``kinds``: autopar's plan with its inputs and outputs pinned to the
+    baseline's shardings and the inside searched (``predict_baselines(search=True)``), with
+    that plan's compiled program."""
+    fn, args = abstract_train_step(model)
+    jax_mesh = as_auto_mesh(MESHES[mesh])
+    plans = predict_baselines(fn, args, jax_mesh, hardware=H100, kinds=kinds, search=True)
+    return {f"{kind} (pinned)": Case(p, analyze(p.compile())) for kind, p in plans.items()}

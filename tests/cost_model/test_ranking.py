@@ -1,46 +1,49 @@
-"""The cost model ranks plans as their compiled programs rank.
+"""The cost model ranks programs as their compiled versions rank.
 
-Candidates, on the (2, 4) mesh and the ``h100`` profile: autopar's plan, and for every
-hand-written baseline that applies (``autopar.compare.baseline_kinds``: dp, fsdp, megatron,
-megatron_vocab, and expert on MoE) the plan whose inputs and outputs are pinned to that
-baseline's shardings (``autopar.compare.predict_baselines``). A candidate's *predicted* step
-time is its ``plan.estimate``; its *reference* step time is computed from its own compiled HLO
-(``cost_model.reference``: the compiled flops at the profile's matmul rate plus the
-alpha-beta time of every compiled collective). Realistic shapes (``examples/models/
-workloads.py``), compiled from ShapeDtypeStruct arguments, never run.
+Candidates, on the (2, 4) mesh and the ``h100`` profile: autopar's plan and the hand-written
+baselines that apply (``autopar.baselines.baseline_kinds``). A baseline whose own program
+autopar predicts (:data:`OWN_PROGRAM`: ``jax.jit`` with the baseline's input and output
+shardings, the inside left to XLA's propagation, ``autopar.compare.compile_baseline``) is a
+candidate as that program, predicted by propagating its shardings (``predict_baselines``,
+``search=False``). FSDP, Megatron with a vocab-parallel embedding and expert parallelism are
+not yet predicted as XLA compiles them (see
+:func:`test_baseline_programs_are_predicted_by_propagation`), so they are candidates as
+the plan with the baseline's inputs and outputs pinned and the inside searched
+(``search=True``), predicted by its estimate and compiled as planned.
+
+A candidate's *predicted* step time is autopar's estimate; its *reference* step time is
+computed from its compiled HLO (``cost_model.reference``: the compiled flops at the profile's
+matmul rate plus the alpha-beta time of every compiled collective). Realistic shapes
+(``examples/models/workloads.py``), compiled from ShapeDtypeStruct arguments, never run.
 
 Tolerance: two candidates whose reference times are within ``TIE`` (5%) of each other may be
 predicted in either order. The reference is itself a model, and a coarser one than the
 estimate on exactly the terms that separate such candidates: it prices every flop at one rate
 (no tile padding, no memory-bound elementwise time), and it takes XLA:CPU's collective
-combining as it compiled (a GPU build combines differently). On the GPT below, the dp and
-megatron candidates are 3.8% apart by reference (1.273 and 1.322 ms) and 0.6% by prediction
-(1.620 and 1.629 ms): megatron computes 17% more flops and moves 14% fewer wire bytes, so
-their order turns on those terms. (It did swap while the estimate charged no latency at all
-for the gradient all-reduces XLA merges into one; it now charges one per merged group, see
-``cost_model.estimate``.) Measured now, the GPT's five and the MoE's six candidates come out in the
-same order by prediction and by reference. Any pair further apart than 5% must be predicted
-in the reference's order, and autopar's plan must be the best by both.
-
-Not covered: the hand-written baseline's own program, whose inner shardings XLA's
-propagation picks. With only its inputs and outputs pinned, autopar plans the inside
-differently (on the GPT, the data-parallel baseline's own program moves 396 MiB of wire bytes,
-the pinned plan 360 MiB); predicting XLA's choice needs the propagation pass (``search=False``).
+combining as it compiled (a GPU build combines differently). Any pair further apart than 5%
+must be predicted in the reference's order, and autopar's plan must be the best by both.
 """
 
 import jax.numpy as jnp
 import pytest
 
 from cost_model.reference import reference_step_time_s
-from tests.cost_model.compiled_cases import H100, autopar_case, baseline_cases
+from tests.cost_model.compiled_cases import H100, autopar_case, baseline_cases, pinned_cases
 
 #: Reference step times closer than this (relative) are a tie: see the module docstring.
 TIE = 0.05
 
+#: Baselines whose hand-written program autopar's propagation reproduces (the test below).
+OWN_PROGRAM = ("dp", "megatron")
+
 
 def _times(model: str) -> dict[str, tuple[float, float]]:
     """Candidate -> (predicted, reference) step time in seconds."""
-    cases = {"autopar": autopar_case(model, "2d"), **baseline_cases(model, "2d")}
+    own = baseline_cases(model, "2d")
+    others = tuple(k for k in own if k not in OWN_PROGRAM)
+    cases = {"autopar": autopar_case(model, "2d"),
+             **{k: c for k, c in own.items() if k in OWN_PROGRAM},
+             **pinned_cases(model, "2d", others)}
     return {name: (c.plan.estimate.step_time_s,
                    reference_step_time_s(c.truth, H100, jnp.bfloat16))
             for name, c in cases.items()}
@@ -58,3 +61,27 @@ def test_predicted_ranking_equals_compiled_ranking(model, n_baselines):
                 assert pa < pb, f"{a} compiles faster than {b} but is predicted slower\n{table}"
     assert min(times, key=lambda k: times[k][0]) == "autopar", table
     assert min(times, key=lambda k: times[k][1]) == "autopar", table
+
+
+_NOT_YET = pytest.mark.xfail(strict=True, reason=(
+    "known gap: where the baseline's shardings conflict (FSDP's sharded weights meeting a "
+    "batch-sharded activation, expert weights meeting routed tokens), propagation resolves "
+    "the conflict differently from XLA, and XLA falls back to replicating some tensors; a "
+    "gather from a vocab-sharded table has no rule (passes/rules/gather.py says why), so "
+    "propagation all-gathers the table where XLA gathers locally and all-reduces"))
+
+
+@pytest.mark.parametrize("model, kind", [
+    ("gpt", "dp"), ("gpt", "megatron"), pytest.param("gpt", "megatron_vocab", marks=_NOT_YET),
+    pytest.param("gpt", "fsdp", marks=_NOT_YET),
+    ("moe", "dp"), ("moe", "megatron"), pytest.param("moe", "megatron_vocab", marks=_NOT_YET),
+    pytest.param("moe", "fsdp", marks=_NOT_YET), pytest.param("moe", "expert", marks=_NOT_YET),
+])
+def test_baseline_programs_are_predicted_by_propagation(model, kind):
+    """search=False with a baseline's shardings predicts the hand-written program XLA compiles:
+    its wire bytes within 10% (and 1 MiB) and its flops within 5%."""
+    case = baseline_cases(model, "2d")[kind]
+    e, truth = case.plan.estimate, case.truth
+    assert abs(e.comm_bytes - truth.wire_bytes) <= 0.10 * truth.wire_bytes + 2**20, \
+        (e.comm_bytes / 2**20, truth.wire_bytes / 2**20)
+    assert abs(e.flops - truth.flops) <= 0.05 * truth.flops, (e.flops, truth.flops)
