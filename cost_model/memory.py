@@ -65,7 +65,7 @@ def value_bytes(graph: Graph, vid: int, spec, axis_sizes) -> int:
     return local_bytes(spec, v.shape, v.itemsize, axis_sizes)
 
 
-def _consumers(graph: Graph) -> dict[int, list]:
+def consumers(graph: Graph) -> dict[int, list]:
     users: dict[int, list] = {}
     for node in graph.nodes:
         for vid in node.ins:
@@ -74,7 +74,7 @@ def _consumers(graph: Graph) -> dict[int, list]:
     return users
 
 
-def _materialized(graph: Graph, node, users: dict[int, list]) -> list[int]:
+def materialized(graph: Graph, node, users: dict[int, list]) -> list[int]:
     """The values of ``node`` that XLA keeps in memory."""
     if node.prim == "iota" or recomputable(graph, node):  # fused into the consumers
         return []
@@ -127,7 +127,7 @@ def memory_timeline(graph: Graph, value_specs: dict, axis_sizes, donated=frozens
                     results_held: bool = False, operand_specs: dict | None = None
                     ) -> tuple[int, list[int]]:
     """(bytes held for the whole call, bytes of the other live buffers at each node)."""
-    users = _consumers(graph)
+    users = consumers(graph)
     last_use = {vid: max(u.id for u in us) for vid, us in users.items()}
 
     def size(vid, spec=None):
@@ -154,7 +154,7 @@ def memory_timeline(graph: Graph, value_specs: dict, axis_sizes, donated=frozens
             if not results_held:  # the resharded copy is live from here to the end
                 live += copies_out.get(node.id, 0)
         elif node.kind is not NodeKind.INPUT:
-            for vid in _materialized(graph, node, users):
+            for vid in materialized(graph, node, users):
                 if results_held and vid in in_place:
                     continue
                 b = size(vid)

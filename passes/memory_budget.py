@@ -26,20 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cost_model.estimate import value_specs
-from cost_model.memory import FUSIBLE, memory_timeline, value_bytes
-from passes.ir import Graph, NodeKind, recomputable
+from cost_model.memory import consumers, materialized, memory_timeline, value_bytes
+from passes.ir import Graph, NodeKind
 
 #: Rounds of adding rows before giving up on a plan that keeps exceeding the budget.
 MAX_ROUNDS = 12
-
-
-def _users(graph: Graph) -> dict[int, list]:
-    users: dict[int, list] = {}
-    for node in graph.nodes:
-        for vid in node.ins:
-            if vid is not None:
-                users.setdefault(vid, []).append(node)
-    return users
 
 
 @dataclass
@@ -55,7 +46,7 @@ class Liveness:
 
 
 def liveness(graph: Graph, results_held: bool) -> Liveness:
-    users = _users(graph)
+    users = consumers(graph)
     results = {graph.nodes[n].ins[0] for n in graph.output_nodes
                if graph.nodes[n].ins and graph.nodes[n].ins[0] is not None}
     held = [v for n in graph.input_nodes for v in graph.nodes[n].outs]
@@ -66,23 +57,13 @@ def liveness(graph: Graph, results_held: bool) -> Liveness:
     for node in graph.nodes:
         if node.kind is NodeKind.INPUT:
             continue
-        for vid in _materialized(graph, node, users):
+        for vid in materialized(graph, node, users):
             if results_held and vid in results:
                 continue
             born[vid] = node.id
             dies[vid] = end if vid in results else max(
                 (u.id for u in users.get(vid, ())), default=node.id)
     return Liveness(held, born, dies, results)
-
-
-def _materialized(graph: Graph, node, users) -> list[int]:
-    if node.prim == "iota" or recomputable(graph, node):
-        return []
-    if node.kind is NodeKind.OP and node.prim in FUSIBLE:
-        return [vid for vid in node.outs
-                if not all(u.kind is NodeKind.OP and u.prim in FUSIBLE
-                           for u in users.get(vid, ()))]
-    return list(node.outs)
 
 
 def plan_peak(graph: Graph, strats, choice, mesh) -> tuple[int, int, int]:

@@ -296,7 +296,8 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
             break
         if res.x is None:
             warnings.warn(f"autopar: the ILP found no solution in {time_limit_s:.0f}s "
-                          f"({res.message}); using a greedy plan. Raise `time_limit_s` for a "
+                          f"({res.message}); using a greedy plan (or a propagated one predicted faster, "
+                          "with baseline_seeds). Raise `time_limit_s` for a "
                           "better one.", SolverFallbackWarning, stacklevel=3)
             choice = greedy(graph, strats, groups, mesh)
             return Solution(choice, float("nan"), "greedy", builder.n, len(builder.rows),

@@ -79,12 +79,21 @@ def test_indivisible_shapes_still_plan():
     assert jnp.allclose(plan.jit()(w, x), _fn(w, x))
 
 
-def test_ilp_time_limit_falls_back_and_says_so():
+@pytest.mark.parametrize("seeds", [False, True])
+def test_ilp_time_limit_falls_back_and_says_so(seeds):
+    """Without a solution in time the plan is greedy; with baseline seeds, a propagated plan
+    replaces it where predicted faster. Either way it computes what one device does."""
     from examples.models import mlp
     fn, args = mlp.make_train_step(mlp.TINY)
     with pytest.warns(UserWarning, match="greedy plan"):
-        plan = autopar.plan(fn, *args, mesh={"data": 2, "model": 4}, time_limit_s=0.01)
-    assert plan.stats["solver_status"] == "greedy"
+        plan = autopar.plan(fn, *args, mesh={"data": 2, "model": 4}, time_limit_s=0.01,
+                            baseline_seeds=seeds)
+    times = plan.stats.get("candidates_step_s", {})
+    if seeds:
+        assert plan.stats["solver_status"] in times
+        assert times[plan.stats["solver_status"]] == min(times.values()) <= times["greedy"]
+    else:
+        assert plan.stats["solver_status"] == "greedy"
     expected = jax.tree_util.tree_leaves(fn(*args))
     got = jax.tree_util.tree_leaves(plan.jit()(*args))
     for a, b in zip(got, expected):
