@@ -90,6 +90,9 @@ class Propagation:
     choice: list[int] | None = None
     conflicts: list[str] = field(default_factory=list)
     sweeps: int = 0
+    stamp: int = 0                                          # fixes made so far
+    fixed_at: dict[int, int] = field(default_factory=dict)  # value -> stamp of its last fix
+    compatible_cache: dict = field(default_factory=dict, repr=False)  # see compatible()
 
     def exact(self, vid: int) -> bool:
         return isinstance(self.specs.get(vid), Spec)
@@ -97,6 +100,8 @@ class Propagation:
     def fix(self, vid: int, spec: Spec | Splits, origin: Origin) -> None:
         self.specs[vid] = spec
         self.origins[vid] = origin
+        self.stamp += 1
+        self.fixed_at[vid] = self.stamp
 
 
 def seed(graph: Graph, labels: dict[int, str], extra: dict[int, Spec] | None = None
@@ -131,13 +136,22 @@ def _operands(node: Node):
     return [(pos, vid) for pos, vid in enumerate(node.ins) if vid is not None]
 
 
-def compatible(node: Node, strats: list[Strategy], specs: dict) -> list[int]:
-    """Indices of the strategies that keep every fixed operand and result of ``node``."""
-    fixed_in = [(pos, specs[vid]) for pos, vid in _operands(node) if vid in specs]
-    fixed_out = [(k, specs[vid]) for k, vid in enumerate(node.outs) if vid in specs]
-    return [i for i, s in enumerate(strats)
+def compatible(node: Node, strats: list[Strategy], specs: dict, cache: dict | None = None
+               ) -> list[int]:
+    """Indices of the strategies that keep every fixed operand and result of ``node``.
+    ``cache``: answers by (strategy list, fixed values), shared by the copies of a layer
+    (identical nodes share one strategy list)."""
+    fixed_in = tuple((pos, specs[vid]) for pos, vid in _operands(node) if vid in specs)
+    fixed_out = tuple((k, specs[vid]) for k, vid in enumerate(node.outs) if vid in specs)
+    key = (id(strats), fixed_in, fixed_out)
+    if cache is not None and key in cache:
+        return cache[key][1]
+    fits = [i for i, s in enumerate(strats)
             if all(_admits(f, s.in_specs[p]) for p, f in fixed_in)
             and all(_admits(f, s.out_specs[k]) for k, f in fixed_out)]
+    if cache is not None:
+        cache[key] = (strats, fits)  # holding the list keeps its id from being reused
+    return fits
 
 
 def _targets(node: Node, prop: Propagation, forward: bool) -> list[tuple[str, int, int]]:
@@ -176,7 +190,7 @@ def visit(node: Node, strats: list[Strategy], prop: Propagation, forward: bool,
              if v in prop.specs and (sources is None or v in sources)}
     if not known:
         return False
-    fits = compatible(node, strats, known)
+    fits = compatible(node, strats, known, prop.compatible_cache)
     if not fits:
         return False  # a conflict: resolved when the node picks its strategy
     origin = _origin_of(node, prop.specs, prop.origins)
@@ -237,17 +251,30 @@ def _one_tensor(graph: Graph, node: Node) -> frozenset | None:
 
 def _sweeps(graph: Graph, strats, prop: Propagation, complete: bool, ties=(),
             max_sweeps: int = 50, local: bool = False) -> None:
+    """Forward and backward sweeps to a fixed point. A visit reads only the node's neighbours'
+    fixed specs, so a node none of whose neighbours was fixed since its last visit in that
+    direction is skipped: it would fix nothing new (this keeps deep models fast)."""
     nodes = graph.nodes
     reach = [_one_tensor(graph, node) if local else None for node in nodes]
+    neighbours = [[v for _, v in _operands(node)] + list(node.outs) for node in nodes]
+    last = {True: [-1] * len(nodes), False: [-1] * len(nodes)}  # direction -> stamp at visit
+
+    def sweep(order, forward: bool) -> bool:
+        changed = False
+        for node in order:
+            newest = max((prop.fixed_at.get(v, 0) for v in neighbours[node.id]), default=0)
+            if newest <= last[forward][node.id]:
+                continue
+            last[forward][node.id] = prop.stamp
+            changed |= visit(node, strats[node.id], prop, forward, complete, reach[node.id])
+        return changed
+
     for _ in range(max_sweeps):
         prop.sweeps += 1
-        changed = False
-        for node in nodes:
-            changed |= visit(node, strats[node.id], prop, True, complete, reach[node.id])
+        changed = sweep(nodes, True)
         if complete:
             changed |= _tie(prop, graph, ties)
-        for node in reversed(nodes):
-            changed |= visit(node, strats[node.id], prop, False, complete, reach[node.id])
+        changed |= sweep(reversed(nodes), False)
         if complete:
             changed |= _tie(prop, graph, ties)
         if not changed:
