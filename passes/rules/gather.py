@@ -2,13 +2,13 @@
 
 Splits offered: the batch dimensions of the indices (each device gathers its own rows), the
 operand's window dimensions taken whole, and, for a scatter, the operand's indexed dimension
-(each device applies the updates that land in its rows). A gather from an operand split on its
-indexed dimension (a vocab-parallel embedding) is not offered: XLA lowers it in ways that vary
-with the shardings (masked gather plus all-reduce, permutes, all-to-alls), which the cost
-model cannot yet predict; the planner all-gathers the table instead. (Offering the masked
-gather plus all-reduce makes propagation reproduce the hand-written vocab-parallel program's
-collectives exactly, but the ILP then picks MoE plans whose XLA:CPU memory the model predicts
-18% low; tests/cost_model/test_ranking.py keeps that gap visible.)
+(each device applies the updates that land in its rows). A gather from an operand split on an
+indexed dimension it takes one element of at a time (a vocab-parallel embedding lookup, or the
+loss's take_along_axis on vocab-sharded logits) is offered too: each device gathers what it
+holds, zeros the rest, and the partial results are summed (an all-reduce). That is how XLA's
+SPMD partitioner lowers a gather from a trivially sliced operand dimension, and what the
+hand-written vocab-parallel Megatron program compiles to (``tests/cost_model/
+test_ranking.py`` checks the collectives match).
 """
 
 from passes.rules import DimMap, Reduce, RuleContext, register
@@ -35,6 +35,9 @@ def gather(ctx: RuleContext, *, dimension_numbers, slice_sizes, **_):
     for k, op_dim in enumerate(window_operand):
         if slice_sizes[op_dim] == operand[op_dim] and op_dim not in dn.start_index_map:
             maps.append(DimMap((op_dim, None), (dn.offset_dims[k],)))
+    for op_dim in dn.collapsed_slice_dims:
+        if slice_sizes[op_dim] == 1 and op_dim in dn.start_index_map:
+            maps.append(DimMap((op_dim, None), (Reduce.SUM,)))
     return maps
 
 

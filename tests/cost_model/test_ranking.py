@@ -5,9 +5,8 @@ baselines that apply (``autopar.baselines.baseline_kinds``). A baseline whose ow
 autopar predicts (:data:`OWN_PROGRAM`: ``jax.jit`` with the baseline's input and output
 shardings, the inside left to XLA's propagation, ``autopar.compare.compile_baseline``) is a
 candidate as that program, predicted by propagating its shardings (``predict_baselines``,
-``search=False``). FSDP, Megatron with a vocab-parallel embedding and expert parallelism are
-not yet predicted as XLA compiles them (see
-:func:`test_baseline_programs_are_predicted_by_propagation`), so they are candidates as
+``search=False``). FSDP and expert parallelism are not yet predicted as XLA compiles them
+(see :func:`test_baseline_programs_are_predicted_by_propagation`), so they are candidates as
 the plan with the baseline's inputs and outputs pinned and the inside searched
 (``search=True``), predicted by its estimate and compiled as planned.
 
@@ -34,7 +33,7 @@ from tests.cost_model.compiled_cases import H100, autopar_case, baseline_cases, 
 TIE = 0.05
 
 #: Baselines whose hand-written program autopar's propagation reproduces (the test below).
-OWN_PROGRAM = ("dp", "megatron")
+OWN_PROGRAM = ("dp", "megatron", "megatron_vocab")
 
 
 def _times(model: str) -> dict[str, tuple[float, float]]:
@@ -66,15 +65,13 @@ def test_predicted_ranking_equals_compiled_ranking(model, n_baselines):
 _NOT_YET = pytest.mark.xfail(strict=True, reason=(
     "known gap: where the baseline's shardings conflict (FSDP's sharded weights meeting a "
     "batch-sharded activation, expert weights meeting routed tokens), propagation resolves "
-    "the conflict differently from XLA, and XLA falls back to replicating some tensors; a "
-    "gather from a vocab-sharded table has no rule (passes/rules/gather.py says why), so "
-    "propagation all-gathers the table where XLA gathers locally and all-reduces"))
+    "the conflict differently from XLA, and XLA falls back to replicating some tensors"))
 
 
 @pytest.mark.parametrize("model, kind", [
-    ("gpt", "dp"), ("gpt", "megatron"), pytest.param("gpt", "megatron_vocab", marks=_NOT_YET),
+    ("gpt", "dp"), ("gpt", "megatron"), ("gpt", "megatron_vocab"),
     pytest.param("gpt", "fsdp", marks=_NOT_YET),
-    ("moe", "dp"), ("moe", "megatron"), pytest.param("moe", "megatron_vocab", marks=_NOT_YET),
+    ("moe", "dp"), ("moe", "megatron"), ("moe", "megatron_vocab"),
     pytest.param("moe", "fsdp", marks=_NOT_YET), pytest.param("moe", "expert", marks=_NOT_YET),
 ])
 def test_baseline_programs_are_predicted_by_propagation(model, kind):
