@@ -14,7 +14,7 @@ from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar._plan import Plan
 from autopar._cache import PlanCache, graph_fingerprint
 from autopar.baselines import baseline_kinds, baseline_kwargs, baseline_shardings
-from autopar.errors import ArgumentError
+from autopar.errors import ArgumentError, InfeasiblePlanError
 from cost_model.estimate import estimate, plan_collectives
 from cost_model.hardware import axis_levels, get_profile
 from passes.memory_budget import default_memory_budget_bytes
@@ -163,6 +163,12 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
     graph, strats, choice = result.graph, result.strats, result.solution.choice
     comms = plan_collectives(graph, strats, choice, mesh_ctx)
     est = estimate(graph, strats, choice, mesh_ctx, comms)
+    if not search and memory_budget is not None and est.peak_memory_bytes > memory_budget:
+        raise InfeasiblePlanError(
+            f"with search=False the propagated plan peaks at {est.peak_memory_bytes / 2**20:.1f} "
+            f"MiB per device, over memory_budget={memory_budget / 2**20:.1f} MiB; propagation "
+            "does not search for a plan that fits. Use search=True (the default) to let the "
+            "ILP fit the budget, or annotate more of the program (e.g. shard the parameters).")
     traced = result.traced
 
     def shardings(node_ids, tree, side):

@@ -39,7 +39,8 @@ def render_text(plan, baselines: dict | None = None) -> str:
         lines.append(f"  donated      argument(s) {', '.join(map(str, plan.donate_argnums))}: "
                      "their buffers are reused for the results")
     if baselines:
-        lines += ["", "Beside hand-written baselines (autopar's estimate for their shardings):",
+        lines += ["",
+                  "Beside hand-written baselines (autopar's prediction of each jax.jit program):",
                   f"  {'plan':<16}{'step time':>12}{'compute':>12}{'comm':>12}{'peak memory':>14}"]
         for name, p in [("autopar", plan)] + list(baselines.items()):
             b = p.estimate

@@ -71,3 +71,14 @@ def test_bad_budget_is_an_argument_error(bad):
     fn, args = mlp.make_train_step(mlp.TINY, abstract=True)
     with pytest.raises(ArgumentError, match="memory_budget"):
         autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget=bad)
+
+
+def test_budget_with_search_false_is_checked_not_ignored(wide_mlp):
+    """Propagation alone cannot search for a plan that fits: over the budget it says so."""
+    fn, args, dp_peak = wide_mlp
+    with pytest.raises(InfeasiblePlanError, match="search=False.*over memory_budget"):
+        autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget=0.05 * dp_peak,
+                     search=False)
+    plan = autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget=2 * dp_peak,
+                        search=False)
+    assert plan.estimate.peak_memory_bytes <= 2 * dp_peak
