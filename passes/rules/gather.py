@@ -37,7 +37,9 @@ def gather(ctx: RuleContext, *, dimension_numbers, slice_sizes, **_):
             maps.append(DimMap((op_dim, None), (dn.offset_dims[k],)))
     for op_dim in dn.collapsed_slice_dims:
         if slice_sizes[op_dim] == 1 and op_dim in dn.start_index_map:
-            maps.append(DimMap((op_dim, None), (Reduce.SUM,)))
+            # finished by an all-reduce only: XLA does not lower a masked gather's sum as a
+            # reduce-scatter into a result dim (tests/passes/test_rules_hlo.py)
+            maps.append(DimMap((op_dim, None), (Reduce.SUM,), scatter_to=()))
     return maps
 
 
