@@ -18,7 +18,9 @@ from autopar.errors import ArgumentError, InfeasiblePlanError
 from cost_model.estimate import estimate, plan_collectives
 from cost_model.hardware import axis_levels, get_profile
 from passes.memory_budget import default_memory_budget_bytes
-from passes.pipeline import run_pipeline
+from passes.emit import compiler_options
+from passes.pipeline import Remat, run_pipeline
+from passes.remat import RematPolicy
 from passes.annotate import flatten_hints, to_spec
 from passes.flax_metadata import merge as merge_hints
 from passes.flax_metadata import check as check_metadata
@@ -62,6 +64,17 @@ def _baseline_seeds(example_args, jax_mesh, sizes):
     return of
 
 
+def _remat_option(remat) -> dict | None:
+    """``plan(remat=...)`` as a forced :class:`passes.pipeline.Remat` (as a dict), or None."""
+    if isinstance(remat, bool):
+        return None
+    names = [p.value for p in RematPolicy]
+    if remat not in names:
+        raise ArgumentError(f"`remat` must be True, False or a policy name ({', '.join(names)}), "
+                            f"got {remat!r}")
+    return {"layers": None, "policy": remat}
+
+
 def _progress(enabled: bool):
     if not enabled:
         return lambda msg: None
@@ -71,7 +84,8 @@ def _progress(enabled: bool):
 def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
          in_shardings=None, out_shardings=None, search: bool = True, logical_axis_rules=None,
          time_limit_s: float = 60.0, tie_state: bool = True, axis_level_overrides=None,
-         baseline_seeds: bool = True, verbose: bool = False, _choice=None) -> Plan:
+         baseline_seeds: bool = True, remat: bool | str = True, verbose: bool = False,
+         _choice=None, _remat=None) -> Plan:
     """Plan how to run ``fn`` on ``mesh``.
 
     Args:
@@ -84,9 +98,10 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         a profile JSON from ``autopar profile``. Default: the current backend's profile.
       memory_budget: per-device bytes the plan's peak memory must fit in (as
         ``plan.estimate.peak_memory_bytes`` predicts it). Default: the profile's HBM capacity
-        minus a margin (``passes.memory_budget.DEFAULT_MARGIN``). When no plan fits a given
-        budget, ``InfeasiblePlanError`` names the smallest peak found and what dominates it;
-        when none fits the default one, a ``MemoryBudgetWarning`` says so.
+        minus a margin (``passes.memory_budget.DEFAULT_MARGIN``). When no sharding fits, layers
+        are rematerialized (see ``remat``); when still none fits a given budget,
+        ``InfeasiblePlanError`` names the smallest peak found and what dominates it; when none
+        fits the default one, a ``MemoryBudgetWarning`` says so.
       in_shardings / out_shardings: hints, a pytree (or prefix) of PartitionSpec, NamedSharding
         or None ("autopar decides") shaped like the arguments / results. A hint is always kept.
       logical_axis_rules: MaxText-style ``[("batch", "data"), ("mlp", "model"), ...]``: how
@@ -106,6 +121,12 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         one of these, is predicted fastest (``plan.stats["candidates_step_s"]`` lists them).
         The ILP prices a resharding per consuming edge and runs under a time limit, so on
         large or 3-D meshes propagation from a good start can beat it.
+      remat: True: when no sharding plan fits the memory budget, let the planner
+        rematerialize layers of a train step (``passes.remat``: as ``jax.checkpoint`` with the
+        ``dots_saveable`` policy, else ``nothing_saveable``): the fewest layers, largest
+        activations first, that make a plan fit. A policy name (``"dots_saveable"`` or
+        ``"nothing_saveable"``): rematerialize every layer with it. False: never.
+        ``plan.stats["remat"]`` and the report say which layers.
       verbose: print progress to stderr.
 
     Returns:
@@ -121,6 +142,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                                           and memory_budget > 0):
         raise ArgumentError(f"`memory_budget` must be a positive number of bytes per device, "
                             f"got {memory_budget!r}")
+    forced = _remat if _remat is not None else _remat_option(remat)
     jax_mesh = as_auto_mesh(mesh)
     sizes = axis_sizes(jax_mesh)
     profile = get_profile(hardware)
@@ -159,7 +181,8 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                           memory_budget_bytes=(
                               memory_budget if memory_budget is not None
                               else default_memory_budget_bytes(profile)),
-                          strict_budget=memory_budget is not None)
+                          strict_budget=memory_budget is not None, remat=remat is True,
+                          remat_choice=None if forced is None else Remat.from_dict(forced))
     graph, strats, choice = result.graph, result.strats, result.solution.choice
     comms = plan_collectives(graph, strats, choice, mesh_ctx)
     est = estimate(graph, strats, choice, mesh_ctx, comms)
@@ -183,12 +206,14 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
     stats = {"nodes": len(graph.nodes), "ilp_groups": result.ilp_groups,
              "fingerprint": graph_fingerprint(graph),
              "ilp_variables": sol.num_variables, "ilp_constraints": sol.num_constraints,
-             "solver_status": sol.status, "timings_s": result.timings_s, **result.ilp_stats}
+             "solver_status": sol.status, "timings_s": result.timings_s, **result.ilp_stats,
+             "remat": result.remat.to_dict() if result.remat else None}
     return Plan(jax_mesh, shardings(graph.input_nodes, traced.in_tree, "in"),
                 shardings(graph.output_nodes, traced.out_tree, "out"), est, profile.name,
                 _paths(traced.in_tree), _paths(traced.out_tree), result.fallbacks, stats,
                 result.flat_fn, traced.in_tree, traced.out_tree, traced.in_avals,
-                (graph, strats, choice, comms))
+                (graph, strats, choice, comms),
+                compiler_options=compiler_options(graph, jax_mesh.devices.flat[0].platform))
 
 
 class Parallelized:
@@ -265,7 +290,8 @@ class Parallelized:
             entry = self._disk.load(disk_key)
             if entry is not None:
                 try:
-                    p = plan(bound, *dynamic, **self._kwargs, _choice=entry["choice"])
+                    p = plan(bound, *dynamic, **self._kwargs, _choice=entry["choice"],
+                             _remat=entry.get("remat"))
                 except ValueError:
                     p = None
                 if p is not None and p.stats["fingerprint"] == entry["fingerprint"]:

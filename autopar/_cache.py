@@ -1,9 +1,9 @@
 """The on-disk plan cache of :func:`autopar.parallelize` (``cache_dir=``).
 
 A restart should not solve the ILP again. An entry holds the solved strategy index of every
-node of the planned program, keyed by the function (module, name and source), the mesh, the
-hardware, the input signature, the static arguments, the planning options and the autopar
-version. Loading re-traces the function and re-emits the program with the stored choice, which
+node of the planned program and the layers it rematerializes, keyed by the function (module,
+name and source), the mesh, the hardware, the input signature, the static arguments, the
+planning options and the autopar version. Loading re-traces the function and re-emits the program with the stored choice, which
 skips the solve (the slow part). An entry whose program no longer matches (its graph
 fingerprint differs), or a file that does not parse, is ignored with a
 :class:`StalePlanCacheWarning`, and the function is planned again.
@@ -95,7 +95,8 @@ class PlanCache:
     def store(self, key: str, plan) -> None:
         choice = plan._details[2]
         entry = {"format_version": FORMAT_VERSION, "key": key,
-                 "fingerprint": plan.stats["fingerprint"], "choice": [int(c) for c in choice]}
+                 "fingerprint": plan.stats["fingerprint"], "choice": [int(c) for c in choice],
+                 "remat": plan.stats.get("remat")}
         tmp = self._path(key) + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(entry, f)

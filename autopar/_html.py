@@ -14,6 +14,7 @@ from autopar._report import (
     _collective_lines,
     _fmt_bytes,
     _fmt_s,
+    _remat_lines,
     _spec_str,
     outside_layers,
 )
@@ -120,6 +121,8 @@ def render_html(plan, baselines: dict | None = None) -> str:
         (f'<div class="legend"><span style="background:{_COMPUTE}"></span>compute'
          f'<span style="background:{_COMM}"></span>communication</div>'), _bars_svg(rows),
         "<h2>Memory over the program</h2>", _memory_svg(held, live),
+        ("<pre>" + html.escape("\n".join(_remat_lines(plan.stats.get("remat"))[1:])) + "</pre>"
+         if plan.stats.get("remat") else ""),
         "<h2>Per layer</h2>", layers,
         "<h2>Parameter shardings</h2>", params,
         "<h2>Other inputs and outputs</h2>", others,

@@ -39,6 +39,10 @@ class Plan:
       donate_argnums: the arguments whose buffers the program reuses for its results (set by
         ``parallelize(donate_argnums=...)`` or :meth:`with_donation`); the peak memory
         estimate counts them.
+      compiler_options: XLA options :meth:`jit` compiles the program with (on XLA:CPU, a
+        rematerialized plan keeps its optimization barriers: ``passes.emit.compiler_options``).
+      stats: planner statistics; ``stats["remat"]`` names the rematerialized layers and the
+        policy when the plan needed rematerialization to fit its memory budget, else None.
     """
     mesh: Any
     in_shardings: Any
@@ -55,6 +59,7 @@ class Plan:
     _arg_avals: tuple = ()
     _details: Any = None   # (graph, strategies, choice, comms) for the report
     donate_argnums: tuple[int, ...] = ()
+    compiler_options: dict = field(default_factory=dict)  # XLA options the program needs
 
     # ----- running
     def _require_program(self):
@@ -75,7 +80,7 @@ class Plan:
         flat_out = jax.tree_util.tree_leaves(self.out_shardings)
         donate = _flat_donation(self._in_tree, donate_argnums)
         jitted = jax.jit(self._flat_fn, in_shardings=flat_in, out_shardings=flat_out,
-                         donate_argnums=donate)
+                         donate_argnums=donate, compiler_options=self.compiler_options or None)
         in_tree, out_tree = self._in_tree, self._out_tree
 
         def run(*args):

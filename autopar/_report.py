@@ -38,6 +38,7 @@ def render_text(plan, baselines: dict | None = None) -> str:
     if plan.donate_argnums:
         lines.append(f"  donated      argument(s) {', '.join(map(str, plan.donate_argnums))}: "
                      "their buffers are reused for the results")
+    lines += _remat_lines(plan.stats.get("remat"))
     if baselines:
         lines += ["",
                   "Beside hand-written baselines (autopar's prediction of each jax.jit program):",
@@ -76,6 +77,16 @@ def render_text(plan, baselines: dict | None = None) -> str:
                       f"constraints; solver {st.get('solver_status')}; times "
                       + ", ".join(f"{k} {v:.2f}s" for k, v in st.get("timings_s", {}).items())]
     return "\n".join(lines)
+
+
+def _remat_lines(remat: dict | None) -> list[str]:
+    if not remat:
+        return []
+    from passes.remat import RematPolicy
+    policy = RematPolicy(remat["policy"])
+    return ["", "Rematerialized layers (recomputed in the backward pass):",
+            f"  {', '.join(remat['layers'])}",
+            f"  policy {policy.value}: {policy.described}"]
 
 
 def outside_layers(plan, param_paths: set[str]) -> tuple[list, list]:

@@ -11,7 +11,7 @@ _FREE = frozenset({
     "copy", "copy_p", "input", "output", "const", "carry", "scan_in", "scan_out", "merge",
     "convert_element_type", "sharding_constraint", "stop_gradient", "bitcast_convert_type",
     "dynamic_slice", "concatenate", "pad", "rev", "select_n", "gather", "scatter-add", "scatter",
-    "dynamic_update_slice", "split",
+    "dynamic_update_slice", "split", "optimization_barrier",
 })
 
 

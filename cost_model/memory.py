@@ -8,7 +8,8 @@ Three kinds of buffers make up a device's memory during one call:
   written straight into its output buffer; one resharded on its way out is a temporary, and
   its resharded copy is the output;
 * **temporaries**: every other value XLA materializes, live from the node that makes it to
-  its last use, plus an operand's resharded copy while the node that wants it runs.
+  its last use, plus an operand's resharded copy from the first node that wants it in that
+  spec to the last (XLA makes it once).
 
 XLA fuses elementwise chains: a value made by an elementwise (or broadcast/reshape-like) op
 whose every consumer is also such an op never reaches memory, and neither do iotas and
@@ -58,6 +59,9 @@ from passes.spec import local_bytes
 #: Ops XLA fuses into their consumers when those are fusible too.
 FUSIBLE = frozenset(UNARY_AND_NARY) | {
     "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "iota"}
+#: Ops whose result is their operand's buffer (an optimization barrier, one node per operand):
+#: no new buffer, but the operand's lives until the result's last use.
+ALIASING = frozenset({"optimization_barrier"})
 
 
 def value_bytes(graph: Graph, vid: int, spec, axis_sizes) -> int:
@@ -74,10 +78,20 @@ def consumers(graph: Graph) -> dict[int, list]:
     return users
 
 
+def last_uses(graph: Graph, users: dict[int, list]) -> dict[int, int]:
+    """value -> the last node that reads it or, through :data:`ALIASING` ops, its buffer."""
+    last = {vid: max(u.id for u in us) for vid, us in users.items()}
+    for node in reversed(graph.nodes):
+        if node.prim in ALIASING:
+            for vin, vout in zip(node.ins, node.outs):
+                last[vin] = max(last.get(vin, node.id), last.get(vout, node.id))
+    return last
+
+
 def materialized(graph: Graph, node, users: dict[int, list]) -> list[int]:
     """The values of ``node`` that XLA keeps in memory."""
-    if node.prim == "iota" or recomputable(graph, node):  # fused into the consumers
-        return []
+    if node.prim == "iota" or node.prim in ALIASING or recomputable(graph, node):
+        return []  # fused into the consumers, or an operand's buffer
     if node.kind is NodeKind.OP and node.prim in FUSIBLE:
         return [vid for vid in node.outs
                 if not all(u.kind is NodeKind.OP and u.prim in FUSIBLE
@@ -128,7 +142,7 @@ def memory_timeline(graph: Graph, value_specs: dict, axis_sizes, donated=frozens
                     ) -> tuple[int, list[int]]:
     """(bytes held for the whole call, bytes of the other live buffers at each node)."""
     users = consumers(graph)
-    last_use = {vid: max(u.id for u in us) for vid, us in users.items()}
+    last_use = last_uses(graph, users)
 
     def size(vid, spec=None):
         return value_bytes(graph, vid, value_specs[vid] if spec is None else spec, axis_sizes)
@@ -161,18 +175,39 @@ def memory_timeline(graph: Graph, value_specs: dict, axis_sizes, donated=frozens
                 live += b
                 die = end if vid in in_place else last_use.get(vid, node.id)
                 frees[die] = frees.get(die, 0) + b
-        timeline.append(live + _resharded_copies_bytes(graph, node, value_specs, operand_specs,
-                                                       axis_sizes))
+        timeline.append(live)
         live -= frees.pop(node.id, 0)
-    return held, timeline
+    copies = resharded_copies_bytes(graph, value_specs, operand_specs, axis_sizes)
+    return held, [t + c for t, c in zip(timeline, copies)]
 
 
-def _resharded_copies_bytes(graph: Graph, node, value_specs, operand_specs, axis_sizes) -> int:
-    if not operand_specs or node.id not in operand_specs or node.kind is NodeKind.OUTPUT:
-        return 0  # a result's copy is its output buffer, counted with the results
-    total = 0
-    for vid, spec in zip(node.ins, operand_specs[node.id]):
-        if vid is not None and spec is not None and spec != value_specs[vid]:
-            total += value_bytes(graph, vid, spec, axis_sizes)
-    return total
+def resharded_copies_bytes(graph: Graph, value_specs: dict, operand_specs: dict | None,
+                           axis_sizes) -> list[int]:
+    """Per node, the bytes of operand copies resharded for the nodes that want them and live
+    there. XLA makes one copy per (value, spec) and keeps it from its first reader to its last
+    (the all-gather of a sharded weight in the forward pass serves the backward pass too); a
+    broadcast of a scalar is rebuilt at each reader instead. A result's copy is its output
+    buffer, counted with the results."""
+    delta = [0] * (len(graph.nodes) + 1)
+    if not operand_specs:
+        return delta[:-1]
+    spans: dict = {}  # (value, spec) -> [first reader, last reader, bytes]
+    for node in graph.nodes:
+        if node.kind is NodeKind.OUTPUT or node.id not in operand_specs:
+            continue
+        for vid, spec in zip(node.ins, operand_specs[node.id]):
+            if vid is None or spec is None or spec == value_specs[vid]:
+                continue
+            key = (vid, spec) if not graph.values[vid].recomputable else (vid, spec, node.id)
+            span = spans.setdefault(key, [node.id, node.id, 0])
+            span[1] = node.id
+            span[2] = value_bytes(graph, vid, spec, axis_sizes)
+    for first, last, nbytes in spans.values():
+        delta[first] += nbytes
+        delta[last + 1] -= nbytes
+    out, running = [], 0
+    for d in delta[:-1]:
+        running += d
+        out.append(running)
+    return out
 

@@ -200,3 +200,13 @@ def build_flat_fn(traced: Traced, value_specs, node_in_specs, mesh) -> Callable:
         return [emitter.feed([x], (), [a], n, [0])[0]
                 for x, a, n in zip(outs, closed.jaxpr.outvars, graph.output_nodes)]
     return flat_fn
+
+
+def compiler_options(graph: Graph, platform: str) -> dict:
+    """XLA options the planned program needs on ``platform``. XLA:CPU expands optimization
+    barriers early and then merges a rematerialized computation with its original (CSE), so
+    rematerialization (``passes.remat``, or ``jax.checkpoint`` in the program) would save no
+    memory there; keeping the barriers makes it behave as XLA:GPU and XLA:TPU do."""
+    if platform == "cpu" and any(n.prim == "optimization_barrier" for n in graph.nodes):
+        return {"xla_disable_hlo_passes": "cse_barrier_expander"}
+    return {}

@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cost_model.estimate import value_specs
-from cost_model.memory import consumers, materialized, memory_timeline, value_bytes
+from cost_model.memory import (consumers, last_uses, materialized, memory_timeline,
+                               resharded_copies_bytes, value_bytes)
 from passes.ir import Graph, NodeKind
 
 #: Rounds of adding rows before giving up on a plan that keeps exceeding the budget.
@@ -47,6 +48,7 @@ class Liveness:
 
 def liveness(graph: Graph, results_held: bool) -> Liveness:
     users = consumers(graph)
+    last = last_uses(graph, users)
     results = {graph.nodes[n].ins[0] for n in graph.output_nodes
                if graph.nodes[n].ins and graph.nodes[n].ins[0] is not None}
     held = [v for n in graph.input_nodes for v in graph.nodes[n].outs]
@@ -61,8 +63,7 @@ def liveness(graph: Graph, results_held: bool) -> Liveness:
             if results_held and vid in results:
                 continue
             born[vid] = node.id
-            dies[vid] = end if vid in results else max(
-                (u.id for u in users.get(vid, ())), default=node.id)
+            dies[vid] = end if vid in results else last.get(vid, node.id)
     return Liveness(held, born, dies, results)
 
 
@@ -76,9 +77,7 @@ def plan_peak(graph: Graph, strats, choice, mesh) -> tuple[int, int, int]:
     if not live:
         return held, 0, 0
     t = max(range(len(live)), key=live.__getitem__)
-    copies = sum(value_bytes(graph, vid, spec, mesh.axis_sizes)
-                 for vid, spec in zip(graph.nodes[t].ins, operand[t])
-                 if vid is not None and spec is not None and spec != specs[vid])
+    copies = resharded_copies_bytes(graph, specs, operand, mesh.axis_sizes)[t]
     return held + live[t], t, copies
 
 

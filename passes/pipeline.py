@@ -1,14 +1,17 @@
 """The pass pipeline. :func:`run_pipeline` lists the passes in order:
 
-trace -> annotate -> strategies -> propagate -> cluster -> solve -> emit
+trace -> [remat] -> annotate -> strategies -> propagate -> cluster -> solve -> emit
 
 With ``search=False`` propagation gives the whole plan and cluster/solve do not run (plain
-GSPMD). Pipeline stages and collective overlap are not in this version; see README.
+GSPMD). When no plan fits the memory budget, the passes after trace run again on the program
+with layers rematerialized (``passes.remat``), as few and as cheaply as makes a plan fit.
+Pipeline stages and collective overlap are not in this version; see README.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 from cost_model.estimate import value_specs
@@ -17,11 +20,27 @@ from passes.cluster import cluster
 from passes.dedup import node_keys, structural_colors, tie_groups
 from passes.emit import build_flat_fn
 from passes.ir import Graph
-from passes.propagate import best_of, propagate
 from passes.memory_budget import input_labels
-from passes.solve import Solution, solve
+from passes.propagate import best_of, propagate
+from passes.remat import RematPolicy, rematerialize, residual_bytes
+from passes.solve import Groups, MemoryBudgetWarning, Solution, over_budget_error, solve
 from passes.strategies import MeshContext, Strategy, build_strategies
 from passes.trace import Traced, trace
+
+
+@dataclass(frozen=True)
+class Remat:
+    """Layers rematerialized (None: every layer), and the policy (``passes.remat``)."""
+    layers: tuple[str, ...] | None
+    policy: RematPolicy
+
+    def to_dict(self) -> dict:
+        return {"layers": None if self.layers is None else list(self.layers),
+                "policy": self.policy.value}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Remat:
+        return cls(None if d["layers"] is None else tuple(d["layers"]), RematPolicy(d["policy"]))
 
 
 @dataclass
@@ -30,22 +49,41 @@ class PipelineResult:
     strats: list[list[Strategy]]
     solution: Solution
     fallbacks: dict[str, int]
-    flat_fn: object
+    flat_fn: object = None
     timings_s: dict[str, float] = field(default_factory=dict)
     ilp_groups: int = 0
     ilp_stats: dict = field(default_factory=dict)  # ILP size before and after coarsening
+    groups: Groups | None = None
+    remat: Remat | None = None
 
     @property
     def graph(self) -> Graph:
         return self.traced.graph
 
 
+@dataclass(frozen=True)
+class _Options:
+    """What every planning attempt of one call shares (see :func:`run_pipeline`)."""
+    mesh_ctx: MeshContext
+    in_specs_of: object
+    out_specs_of: object
+    ties_of: object
+    time_limit_s: float
+    progress: object
+    choice: list[int] | None
+    search: bool
+    hint_labels_of: object
+    seeds_of: object
+    dedup_layers: bool
+    memory_budget_bytes: float | None
+
+
 def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
                  out_specs_of=None, ties_of=None, time_limit_s: float = 60.0,
                  progress=lambda msg: None, choice=None, search: bool = True,
                  hint_labels_of=None, seeds_of=None, dedup_layers: bool = True,
-                 memory_budget_bytes: float | None = None, strict_budget: bool = True
-                 ) -> PipelineResult:
+                 memory_budget_bytes: float | None = None, strict_budget: bool = True,
+                 remat: bool = True, remat_choice: Remat | None = None) -> PipelineResult:
     """in_specs_of(traced) / out_specs_of(traced) give the pinned Spec (or None) per flat leaf;
     hint_labels_of(traced) gives (in labels, out labels) naming those leaves in messages;
     seeds_of(traced) gives name -> a Spec (or None) per flat input leaf: starting points whose
@@ -53,81 +91,152 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
     ties_of(traced) gives (output leaf, input leaf) pairs that must share a sharding.
     ``search=False``: annotations plus propagation only (no ILP); free values are replicated.
     ``choice``: a strategy index per node from an earlier solve of the same program (a plan
-    cache); the solve is skipped. ValueError if it does not fit this graph's strategies.
+    cache), with ``remat_choice`` its rematerialized layers; the solve is skipped. ValueError
+    if it does not fit this graph's strategies.
     ``dedup_layers``: structurally identical nodes (copies of a layer) share one decision
     (``passes.dedup``). ``memory_budget_bytes``: the per-device peak the plan must fit in
-    (``passes.memory_budget``); ``strict_budget=False`` warns instead of raising when no
-    plan fits it."""
-    timings = {}
+    (``passes.memory_budget``); when no plan fits, with ``remat`` layers are rematerialized
+    until one does; if none still fits, InfeasiblePlanError, or with
+    ``strict_budget=False`` a MemoryBudgetWarning and the plan that ignores the budget."""
     t0 = time.perf_counter()
     progress("tracing")
     traced = trace(fn, args)
-    graph = traced.graph
-    timings["trace"] = time.perf_counter() - t0
+    trace_s = time.perf_counter() - t0
+    opts = _Options(mesh_ctx, in_specs_of, out_specs_of, ties_of, time_limit_s, progress,
+                    choice, search, hint_labels_of, seeds_of, dedup_layers, memory_budget_bytes)
+    if remat_choice is not None:
+        layers = remat_choice.layers or tuple(residual_bytes(traced, remat_choice.policy))
+        remat_choice = Remat(layers, remat_choice.policy)
+        traced = rematerialize(traced, list(layers), remat_choice.policy)
+    result = _plan(traced, opts)
+    result.remat = remat_choice
+    if not result.solution.fits_budget:
+        fitting = _remat_search(traced, opts) if remat and search and choice is None else None
+        if fitting is not None:
+            result = fitting
+        else:
+            error = over_budget_error(
+                result.graph, result.strats, result.groups, mesh_ctx, memory_budget_bytes,
+                input_labels(traced.in_tree), time_limit_s, result.solution.choice,
+                " (rematerializing every layer did not make one fit either)"
+                if remat and search and residual_bytes(traced, RematPolicy.NOTHING) else "")
+            if strict_budget:
+                raise error
+            warnings.warn(f"autopar: {error} The plan below ignores the default budget.",
+                          MemoryBudgetWarning, stacklevel=3)
 
+    graph, strats, solution = result.graph, result.strats, result.solution
+    specs = value_specs(graph, strats, solution.choice)
+    node_in_specs = {n.id: strats[n.id][solution.choice[n.id]].in_specs for n in graph.nodes}
+    result.flat_fn = build_flat_fn(result.traced, specs, node_in_specs, jax_mesh)
+    result.timings_s = {"trace": trace_s, **result.timings_s,
+                        "total": time.perf_counter() - t0}
+    return result
+
+
+def _plan(traced: Traced, o: _Options) -> PipelineResult:
+    """The passes after trace, on one traced program: its strategies and chosen solution."""
+    timings = {}
+    graph = traced.graph
     t = time.perf_counter()
-    in_specs = in_specs_of(traced) if in_specs_of else []
-    out_specs = out_specs_of(traced) if out_specs_of else []
-    in_labels, out_labels = hint_labels_of(traced) if hint_labels_of else (None, None)
-    labels = annotate(graph, in_specs, out_specs, mesh_ctx.axis_sizes, in_labels, out_labels)
-    progress(f"building strategies for {len(graph.nodes)} nodes")
+    in_specs = o.in_specs_of(traced) if o.in_specs_of else []
+    out_specs = o.out_specs_of(traced) if o.out_specs_of else []
+    in_labels, out_labels = o.hint_labels_of(traced) if o.hint_labels_of else (None, None)
+    labels = annotate(graph, in_specs, out_specs, o.mesh_ctx.axis_sizes, in_labels, out_labels)
+    o.progress(f"building strategies for {len(graph.nodes)} nodes")
     keys = node_keys(graph)
-    strats, fallbacks = build_strategies(graph, mesh_ctx, keys)
+    strats, fallbacks = build_strategies(graph, o.mesh_ctx, keys)
     timings["strategies"] = time.perf_counter() - t
 
     ties = []
-    if ties_of is not None:
-        ties = [(graph.output_nodes[o], graph.input_nodes[i]) for o, i in ties_of(traced)]
+    if o.ties_of is not None:
+        ties = [(graph.output_nodes[out], graph.input_nodes[i]) for out, i in o.ties_of(traced)]
     t = time.perf_counter()
-    progress("propagating annotations")
-    prop = propagate(graph, strats, mesh_ctx, labels, ties, complete=not search)
+    o.progress("propagating annotations")
+    prop = propagate(graph, strats, o.mesh_ctx, labels, ties, complete=not o.search)
     timings["propagate"] = time.perf_counter() - t
 
     t = time.perf_counter()
     groups, ilp_stats = None, {}
-    if search:
-        groups = cluster(graph, strats, mesh_ctx, ties)
+    if o.search:
+        groups = cluster(graph, strats, o.mesh_ctx, ties)
         ilp_stats = {"ilp_nodes_before": len(graph.nodes),
                      "ilp_groups_followed": len(groups.members)}
-        if dedup_layers:
+        if o.dedup_layers:
             groups = tie_groups(groups, structural_colors(graph, keys))
         ilp_stats["ilp_groups"] = len(groups.members)
     timings["cluster"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    if not search:
+    if not o.search:
         solution = Solution(prop.choice, 0.0, "propagated", 0, 0, 0.0)
-    elif choice is not None:
-        if len(choice) != len(strats) or any(not 0 <= c < len(s) for c, s in zip(choice, strats)):
+    elif o.choice is not None:
+        if len(o.choice) != len(strats) or any(not 0 <= c < len(s)
+                                               for c, s in zip(o.choice, strats)):
             raise ValueError("the cached choice does not fit this program's strategies")
-        solution = Solution(list(choice), 0.0, "cached", 0, 0, 0.0)
+        solution = Solution(list(o.choice), 0.0, "cached", 0, 0, 0.0)
     else:
-        progress(f"solving the ILP over {len(groups.members)} groups "
-                 f"({len(graph.nodes)} nodes before coarsening)")
-        solution = solve(graph, strats, groups, mesh_ctx, time_limit_s=time_limit_s,
-                         memory_budget_bytes=memory_budget_bytes, strict_budget=strict_budget,
-                         input_labels=input_labels(traced.in_tree), progress=progress)
-        ilp_stats.update(ilp_edges_before=solution.edges_before,
-                         ilp_edges=solution.edges_after, memory_rows=solution.memory_rows,
-                         memory_budget_bytes=memory_budget_bytes)
-        progress(f"ILP: {solution.num_variables} variables, {solution.num_constraints} "
-                 f"constraints, {solution.edges_after} edge classes "
-                 f"({solution.edges_before} edges); {solution.status} in "
-                 f"{solution.solve_time_s:.2f}s")
-        seeds = {}
-        for name, leaf_specs in (seeds_of(traced) if seeds_of else {}).items():
-            seeds[name] = {graph.input_nodes[i]: spec for i, spec in enumerate(leaf_specs)
-                           if spec is not None}
-        if labels or seeds:
-            progress(f"comparing the ILP's plan with {len(seeds) + bool(labels)} propagated "
-                     "ones")
-            solution, ilp_stats["candidates_step_s"] = best_of(
-                solution, graph, strats, mesh_ctx, labels, ties, seeds, memory_budget_bytes)
+        solution = _solve(traced, strats, groups, labels, ties, o, ilp_stats)
     timings["solve"] = time.perf_counter() - t
+    return PipelineResult(traced, strats, solution, fallbacks, timings_s=timings,
+                          ilp_groups=len(groups.members) if groups else 0,
+                          ilp_stats=ilp_stats, groups=groups)
 
-    specs = value_specs(graph, strats, solution.choice)
-    node_in_specs = {n.id: strats[n.id][solution.choice[n.id]].in_specs for n in graph.nodes}
-    flat_fn = build_flat_fn(traced, specs, node_in_specs, jax_mesh)
-    timings["total"] = time.perf_counter() - t0
-    return PipelineResult(traced, strats, solution, fallbacks, flat_fn, timings,
-                          len(groups.members) if groups else 0, ilp_stats)
+
+def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
+           ilp_stats: dict) -> Solution:
+    """The ILP's plan, then the best of it and the propagated candidates."""
+    graph = traced.graph
+    o.progress(f"solving the ILP over {len(groups.members)} groups "
+               f"({len(graph.nodes)} nodes before coarsening)")
+    solution = solve(graph, strats, groups, o.mesh_ctx, time_limit_s=o.time_limit_s,
+                     memory_budget_bytes=o.memory_budget_bytes, progress=o.progress)
+    ilp_stats.update(ilp_edges_before=solution.edges_before, ilp_edges=solution.edges_after,
+                     memory_rows=solution.memory_rows,
+                     memory_budget_bytes=o.memory_budget_bytes)
+    o.progress(f"ILP: {solution.num_variables} variables, {solution.num_constraints} "
+               f"constraints, {solution.edges_after} edge classes "
+               f"({solution.edges_before} edges); {solution.status} in "
+               f"{solution.solve_time_s:.2f}s")
+    seeds = {}
+    for name, leaf_specs in (o.seeds_of(traced) if o.seeds_of else {}).items():
+        seeds[name] = {graph.input_nodes[i]: spec for i, spec in enumerate(leaf_specs)
+                       if spec is not None}
+    if labels or seeds:
+        o.progress(f"comparing the ILP's plan with {len(seeds) + bool(labels)} propagated ones")
+        solution, ilp_stats["candidates_step_s"] = best_of(
+            solution, graph, strats, o.mesh_ctx, labels, ties, seeds, o.memory_budget_bytes)
+    return solution
+
+
+def _remat_search(traced: Traced, o: _Options) -> PipelineResult | None:
+    """The plan of the program with the fewest layers rematerialized, by the cheaper policy
+    first, that fits the memory budget; None when even every layer does not make one fit.
+    Layers are taken largest residuals first; their number is found by bisection, since more
+    rematerialized layers only lower the peak."""
+    for policy in (RematPolicy.DOTS, RematPolicy.NOTHING):
+        saved = residual_bytes(traced, policy)
+        order = sorted(saved, key=lambda name: -saved[name])
+        if not order:
+            return None
+
+        def attempt(k: int) -> PipelineResult:
+            o.progress(f"rematerializing {k} of {len(order)} layers ({policy.value}) to fit "
+                       "the memory budget")
+            result = _plan(rematerialize(traced, order[:k], policy), o)
+            result.remat = Remat(tuple(order[:k]), policy)
+            return result
+
+        best = attempt(len(order))
+        if not best.solution.fits_budget:
+            continue
+        lo, hi = 0, len(order)  # k = lo does not fit, k = hi does
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            result = attempt(mid)
+            if result.solution.fits_budget:
+                hi, best = mid, result
+            else:
+                lo = mid
+        return best
+    return None

@@ -32,6 +32,7 @@ none a greedy plan is used and a warning says so.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
@@ -51,7 +52,7 @@ _US = 1e6
 MAX_EXACT_EDGE_PAIRS = 400
 # Relative optimality gap once memory rows are in: they weaken the LP bound, and closing the
 # last fraction of a percent can take HiGHS ten times as long.
-MEMORY_GAP = 1e-2
+MEMORY_GAP = 5e-2
 
 
 class SolverFallbackWarning(UserWarning):
@@ -86,6 +87,7 @@ class Solution:
     edges_before: int = 0      # graph edges
     edges_after: int = 0       # edge classes the ILP prices (passes.dedup)
     memory_rows: int = 0       # liveness rows the memory budget needed (passes.memory_budget)
+    fits_budget: bool = True   # False: no plan found fits the memory budget (this one ignores it)
 
 
 class IlpBuilder:
@@ -268,73 +270,152 @@ def _choice_of(x, graph: Graph, groups: Groups, offset: dict[int, int]) -> list[
 
 def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
           time_limit_s: float = 60.0, memory_budget_bytes: float | None = None,
-          strict_budget: bool = True, input_labels: list[str] | None = None,
           progress=lambda msg: None) -> Solution:
-    """The ILP's plan. With ``memory_budget_bytes``, memory rows are added until the plan's
-    peak (cost_model.memory) fits (passes.memory_budget). When none fits: with
-    ``strict_budget``, InfeasiblePlanError naming the smallest peak found and what dominates
-    it; else a MemoryBudgetWarning, and the plan without the budget."""
+    """The ILP's plan. With ``memory_budget_bytes``, a plan over the budget is refitted
+    (:func:`_fit_budget`). When none fits, the plan without the budget, marked
+    ``fits_budget=False`` (:func:`over_budget_error` says why)."""
     builder = IlpBuilder(graph, strats, groups, mesh)
     builder.add_groups()
     builder.add_node_costs()
     builder.add_edges()
+    c, A, lb, ub, integer = builder.matrices()
+    res, took = _milp(c, A, lb, ub, integer, time_limit_s)
+    progress(f"ILP: {took:.2f}s, {res.message}")
+    if res.status == 2:  # infeasible: pins are the only hard constraints
+        raise InfeasiblePlanError(
+            "no sharding plan satisfies the pinned shardings: two hints or "
+            "with_sharding_constraint calls contradict each other. Remove one of them.")
     budget = (None if memory_budget_bytes is None else
               BudgetRows(graph, strats, groups, mesh, memory_budget_bytes))
-    elapsed = 0.0
-    first = None
-    for _ in range(MAX_ROUNDS + 1):
-        res, took = _milp(*builder.matrices(), time_limit_s,
-                          gap=MEMORY_GAP if budget is not None and budget.cuts else 1e-3)
-        elapsed += took
-        progress(f"ILP round {len(budget.cuts) if budget else 0}: {took:.2f}s, {res.message}")
-        if res.status == 2 and not (budget and budget.cuts):
-            # infeasible without memory rows: pins are the only other hard constraints
-            raise InfeasiblePlanError(
-                "no sharding plan satisfies the pinned shardings: two hints or "
-                "with_sharding_constraint calls contradict each other. Remove one of them.")
-        if res.status == 2:
-            break
+    if res.x is None:
+        warnings.warn(f"autopar: the ILP found no solution in {time_limit_s:.0f}s "
+                      f"({res.message}); using a greedy plan (or a propagated one predicted "
+                      "faster, with baseline_seeds). Raise `time_limit_s` for a better one.",
+                      SolverFallbackWarning, stacklevel=3)
+        choice = greedy(graph, strats, groups, mesh)
+        fits = budget is None or plan_peak(graph, strats, choice, mesh)[0] <= budget.budget_bytes
+        return Solution(choice, float("nan"), "greedy", builder.n, len(builder.rows), took,
+                        *builder.edge_counts(), fits_budget=fits)
+    solution = _solution(res, graph, strats, groups, mesh, builder, took)
+    if budget is None:
+        return solution
+    peak, t, copies = plan_peak(graph, strats, solution.choice, mesh)
+    if peak <= budget.budget_bytes:
+        return solution
+    progress(f"memory: the plan peaks at {peak / 2**20:.1f} MiB at node {t}, over the budget "
+             f"of {budget.budget_bytes / 2**20:.1f} MiB")
+    budget.cuts.append((t, copies))
+    fitted = _fit_budget(builder, budget, time_limit_s, solution.choice, progress)
+    if fitted is None:
+        return dataclasses.replace(solution, fits_budget=False, memory_rows=len(budget.cuts))
+    choice, objective_us, took = fitted
+    _inputs_take_their_slices(graph, strats, groups, mesh, choice)
+    return dataclasses.replace(solution, choice=choice, objective_us=objective_us,
+                               solve_time_s=solution.solve_time_s + took,
+                               memory_rows=len(budget.cuts))
+
+
+def _solution(res, graph, strats, groups, mesh, builder: IlpBuilder, took: float) -> Solution:
+    choice = _choice_of(res.x, graph, groups, builder.offset)
+    _inputs_take_their_slices(graph, strats, groups, mesh, choice)
+    return Solution(choice, float(res.fun), "optimal" if res.status == 0 else "time_limit",
+                    builder.n, len(builder.rows), took, *builder.edge_counts())
+
+
+#: Penalty solves of :func:`_fit_budget` before it falls back to memory rows as constraints,
+#: and the time limit of each: a penalized objective has many near-ties, and proving one
+#: optimal can take HiGHS far longer than finding it; the penalty is a heuristic anyway.
+PENALTY_SOLVES = 8
+PENALTY_TIME_LIMIT_S = 5.0
+#: Solves that lower the penalty after the first plan that fits, for a faster one.
+PENALTY_REFINES = 2
+
+
+def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
+                start: list[int], progress):
+    """(choice, objective in us, seconds) of the cheapest plan found that fits the budget,
+    or None. ``start``: the plan that ignores the budget.
+
+    By penalty (Lagrangian relaxation): minimize time + lam * (bytes live at the rows of
+    ``budget.cuts``, the nodes where earlier plans peaked), raising lam until the plan fits and
+    then bisecting it down, adding the row of every node a plan peaks at. Each solve is an
+    ordinary ILP, fast. A penalty may miss a plan that exists; then the plan of least peak
+    (:func:`_smallest_peak`), if it fits."""
+    g, strats, groups, mesh = builder.g, builder.strats, builder.groups, builder.mesh
+    c, A, lb, ub, integer = builder.matrices()
+
+    def penalty() -> np.ndarray:
+        p = np.zeros(builder.n)
+        for t, _ in budget.cuts:
+            for i, coef in budget.row(t, builder.offset).items():
+                p[i] += coef
+        return p
+
+    def attempt(res) -> float:
+        """The plan's peak; the row where it peaks joins the cuts."""
+        choice = _choice_of(res.x, g, groups, builder.offset)
+        _inputs_take_their_slices(g, strats, groups, mesh, choice)
+        peak, t, copies = plan_peak(g, strats, choice, mesh)
+        if peak > budget.budget_bytes and (t, copies) not in budget.cuts:
+            budget.cuts.append((t, copies))
+        return peak
+
+    best, total, last_peak = None, 0.0, float("inf")
+    refine = PENALTY_REFINES
+    lam, lo, hi = max(float(np.abs(c).sum()), 1.0), 0.0, None  # lam in us per budget
+    for _ in range(PENALTY_SOLVES):
+        res, took = _milp(c + lam * penalty(), A, lb, ub, integer,
+                          min(time_limit_s, PENALTY_TIME_LIMIT_S), gap=MEMORY_GAP)
+        total += took
         if res.x is None:
-            warnings.warn(f"autopar: the ILP found no solution in {time_limit_s:.0f}s "
-                          f"({res.message}); using a greedy plan (or a propagated one predicted faster, "
-                          "with baseline_seeds). Raise `time_limit_s` for a "
-                          "better one.", SolverFallbackWarning, stacklevel=3)
-            choice = greedy(graph, strats, groups, mesh)
-            return Solution(choice, float("nan"), "greedy", builder.n, len(builder.rows),
-                            elapsed, *builder.edge_counts())
-        choice = _choice_of(res.x, graph, groups, builder.offset)
-        _inputs_take_their_slices(graph, strats, groups, mesh, choice)
-        status = "optimal" if res.status == 0 else "time_limit"
-        solution = Solution(choice, float(res.fun), status, builder.n, len(builder.rows),
-                            elapsed, *builder.edge_counts(), len(budget.cuts) if budget else 0)
-        first = first or solution
-        if budget is None:
-            return solution
-        peak, t, copies = plan_peak(graph, strats, choice, mesh)
-        if peak <= budget.budget_bytes:
-            return solution
-        progress(f"memory: the plan peaks at {peak / 2**20:.1f} MiB at node {t}, over the "
-                 f"budget of {budget.budget_bytes / 2**20:.1f} MiB; adding its liveness row")
-        budget.cuts.append((t, copies))
-        builder.rows.append((budget.row(t, builder.offset), -np.inf, budget.rhs(copies)))
-    error = _over_budget(graph, strats, groups, mesh, budget, input_labels or [], time_limit_s)
-    if strict_budget:
-        raise error
-    warnings.warn(f"autopar: {error} The plan below ignores the default budget.",
-                  MemoryBudgetWarning, stacklevel=3)
-    return first
+            break
+        peak = attempt(res)
+        fits = peak <= budget.budget_bytes
+        progress(f"memory penalty {lam:.3g} us per budget: {took:.2f}s, peak "
+                 f"{peak / 2**20:.1f} MiB")
+        if fits:
+            if best is None or c @ res.x < c @ best.x:
+                best = res
+            hi = lam
+            refine -= 1
+        else:
+            lo = lam
+        if refine < 0:
+            break
+        if hi is None:
+            if peak >= last_peak * 0.999:
+                break  # a larger penalty no longer lowers the peak
+            last_peak = peak
+            lam *= 8
+        elif hi / max(lo, hi / 64) < 1.5:
+            break
+        else:
+            lam = (max(lo, hi / 64) * hi) ** 0.5
+    if best is not None:
+        return _choice_of(best.x, g, groups, builder.offset), float(c @ best.x), total
+    # The least peak the ILP finds (memory only, see _smallest_peak): slower, and no faster
+    # plan is looked for, but it fits whenever a penalty failed to find a plan that does.
+    t0 = time.perf_counter()
+    peak, choice = _smallest_peak(g, strats, groups, mesh, budget, time_limit_s, start)
+    progress(f"least peak found: {peak / 2**20:.1f} MiB")
+    if peak > budget.budget_bytes:
+        return None
+    return choice, float("nan"), total + time.perf_counter() - t0
 
 
 def _smallest_peak(graph: Graph, strats, groups: Groups, mesh: MeshContext,
-                   budget: BudgetRows, time_limit_s: float) -> tuple[int, list[int]]:
+                   budget: BudgetRows, time_limit_s: float, start: list[int]
+                   ) -> tuple[int, list[int]]:
     """(peak, choice) of the plan with the least peak found: minimize M over the memory rows
-    (each <= M), adding the row where each plan peaks, as long as that lowers the peak."""
+    (each <= M), starting from the rows of ``budget.cuts`` and the one where plan ``start``
+    peaks, and adding the row where each plan found peaks, as long as that lowers the peak."""
     b = IlpBuilder(graph, strats, groups, mesh)
     b.add_groups()
     m = b._new_vars(1, False)
     b.cost[m] = 1.0
     best: tuple[int, list[int]] | None = None
-    cuts = list(budget.cuts)
+    _, t, copies = plan_peak(graph, strats, start, mesh)
+    cuts = list(dict.fromkeys([(t, copies)] + budget.cuts))
     for _ in range(MAX_ROUNDS):
         b.rows = b.rows[:len(groups.sizes)] + [
             ({**budget.row(t, b.offset), m: -1.0}, -np.inf, budget.rhs(copies) - 1.0)
@@ -342,7 +423,7 @@ def _smallest_peak(graph: Graph, strats, groups: Groups, mesh: MeshContext,
         c, A, lb, ub, integer = b.matrices()
         upper = np.ones(b.n)
         upper[m] = np.inf
-        res, _ = _milp(c, A, lb, ub, integer, time_limit_s, upper)
+        res, _ = _milp(c, A, lb, ub, integer, time_limit_s, upper, gap=MEMORY_GAP)
         if res.x is None:
             break
         choice = _choice_of(res.x, graph, groups, b.offset)
@@ -369,14 +450,19 @@ _ADVICE = {
 }
 
 
-def _over_budget(graph, strats, groups, mesh, budget: BudgetRows, input_labels,
-                 time_limit_s) -> InfeasiblePlanError:
-    peak, choice = _smallest_peak(graph, strats, groups, mesh, budget, time_limit_s)
+def over_budget_error(graph, strats, groups, mesh, budget_bytes: float, input_labels,
+                      time_limit_s: float, choice: list[int], tried: str = ""
+                      ) -> InfeasiblePlanError:
+    """The error for a program no plan of which fits ``budget_bytes`` (``choice``: the plan
+    found without it): the smallest peak found (a min-peak ILP) and what dominates it.
+    ``tried``: what else was tried, said in the message (rematerialization, say)."""
+    budget = BudgetRows(graph, strats, groups, mesh, budget_bytes)
+    peak, choice = _smallest_peak(graph, strats, groups, mesh, budget, time_limit_s, choice)
     parts = breakdown(graph, strats, choice, mesh, input_labels)
     detail = ", ".join(f"{name} {_gib(size)}" for name, size in parts if size)
     top = parts[0][0]
     error = InfeasiblePlanError(
-        f"no sharding plan fits `memory_budget` = {_gib(budget.budget_bytes)} per device: the "
+        f"no sharding plan fits `memory_budget` = {_gib(budget_bytes)} per device{tried}: the "
         f"smallest peak autopar found is {_gib(peak)} per device, dominated by {top} "
         f"({detail}). Raise `memory_budget`, plan on more devices, or shrink {top} "
         f"({_ADVICE.get(top, 'smaller or lower-precision arrays')}).")

@@ -22,7 +22,8 @@ from passes.ir import Graph, NodeKind
 # Calls whose body is inlined for planning. Value: how to find (jaxpr, consts) in the params.
 CALL_PRIMS = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
               "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
-# Primitives whose operands pass through one to one; planned as independent identities.
+# Primitives whose operands pass through one to one; planned as independent identities (one
+# node per operand, named after the primitive).
 MULTI_IDENTITY_PRIMS = ("optimization_barrier",)
 
 
@@ -58,13 +59,19 @@ def check_args(args) -> tuple[list, Any]:
 
 
 def trace(fn: Callable, args: tuple) -> Traced:
-    leaves, in_tree = check_args(args)
+    _, in_tree = check_args(args)
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
+    return from_jaxpr(closed, in_tree, out_tree, tuple(out_leaves))
+
+
+def from_jaxpr(closed, in_tree, out_tree, out_avals: tuple) -> Traced:
+    """The Graph IR of a closed jaxpr whose arguments and results flatten by ``in_tree`` and
+    ``out_tree`` (``trace``'s own, or a rewritten jaxpr of the same function: ``passes.remat``)."""
     graph = Graph()
     t = _Tracer(graph)
     jaxpr = closed.jaxpr
-    for var, leaf in zip(jaxpr.invars, leaves):
+    for var in jaxpr.invars:
         vid = graph.new_value(var.aval.shape, var.aval.dtype)
         node = graph.add_node(NodeKind.INPUT, "input", (), (), (vid,))
         graph.input_nodes.append(node.id)
@@ -77,8 +84,8 @@ def trace(fn: Callable, args: tuple) -> Traced:
         node = graph.add_node(NodeKind.OUTPUT, "output", (vid,), (_aval(atom),), ())
         graph.output_nodes.append(node.id)
     graph.verify()
-    return Traced(graph, closed, in_tree, out_tree,
-                  tuple(v.aval for v in jaxpr.invars), tuple(out_leaves))
+    return Traced(graph, closed, in_tree, out_tree, tuple(v.aval for v in jaxpr.invars),
+                  out_avals)
 
 
 def _aval(atom):
@@ -147,8 +154,8 @@ class _Tracer:
         outs = []
         for atom, var in zip(eqn.invars, eqn.outvars):
             vid = self.g.new_value(var.aval.shape, var.aval.dtype)
-            self.g.add_node(NodeKind.OP, "copy", (self.read(scope, atom),), (_aval(atom),),
-                            (vid,), trip_count=trip, where=_where(eqn))
+            self.g.add_node(NodeKind.OP, eqn.primitive.name, (self.read(scope, atom),),
+                            (_aval(atom),), (vid,), trip_count=trip, where=_where(eqn))
             outs.append(vid)
         self.bind_outputs(scope, eqn.outvars, outs)
 

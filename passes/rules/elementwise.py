@@ -26,3 +26,9 @@ def elementwise(ctx: RuleContext, **_):
                          for s in ctx.in_shapes),
                    (d,) * len(ctx.out_shapes))
             for d in range(len(out)) if out[d] > 1]
+
+
+# An optimization barrier passes each operand through unchanged (passes.trace gives it one
+# node per operand). It is not in UNARY_AND_NARY: XLA neither fuses across it nor lets a
+# follower merge into it, and its result shares its operand's buffer (cost_model.memory).
+register("optimization_barrier")(elementwise)

@@ -1,0 +1,98 @@
+"""The remat pass: a rematerialized train step computes the same thing, recomputes in the
+backward pass instead of keeping activations, and XLA's compiled program holds less."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from jax.extend import core as jcore
+
+from cost_model.hlo import analyze
+from cost_model.memory import consumers, last_uses, materialized, memory_timeline
+from examples.models import gpt, llama_nnx
+from passes.emit import compiler_options
+from passes.remat import RematPolicy, remat_layers, rematerialize, residual_bytes
+from passes.spec import Spec
+from passes.trace import trace
+
+#: Activations dominate: a 4-layer GPT at batch 32, sequence 256, hidden 256.
+WIDE = dataclasses.replace(gpt.TINY, batch=32, seq=256, hidden=256, heads=4, layers=4,
+                           vocab=1024)
+
+
+def _run(traced, args):
+    return jax.jit(jcore.jaxpr_as_fun(traced.closed_jaxpr))(*jax.tree_util.tree_leaves(args))
+
+
+def test_layers_are_the_parameters_top_level_modules():
+    fn, args = gpt.make_train_step(gpt.TINY, abstract=True)
+    assert [k for k in remat_layers(trace(fn, args)) if k.startswith("block")] == [
+        "block_0", "block_1"]
+    fn, args = llama_nnx.make_train_step(llama_nnx.TINY, abstract=True)
+    names = list(remat_layers(trace(fn, args)))
+    assert {"layers[0]", "layers[1]"} <= set(names), names
+
+
+@pytest.mark.parametrize("policy", list(RematPolicy))
+def test_rematerialized_step_matches_the_original(policy):
+    fn, args = gpt.make_train_step(gpt.TINY)
+    traced = trace(fn, args)
+    layers = list(remat_layers(traced))
+    remat = rematerialize(traced, layers, policy)
+    jcore.check_jaxpr(remat.closed_jaxpr.jaxpr)
+    barriers = [e for e in remat.closed_jaxpr.jaxpr.eqns
+                if e.primitive.name == "optimization_barrier"]
+    assert len(barriers) == len(residual_bytes(traced, policy)) >= 2
+    assert len(remat.closed_jaxpr.jaxpr.eqns) > len(traced.closed_jaxpr.jaxpr.eqns)
+    for got, want in zip(_run(remat, args), _run(traced, args)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def _replicated(graph):
+    specs = {v.id: Spec.replicated(v.rank) for v in graph.values}
+    return specs, {n.id: tuple(None if v is None else specs[v] for v in n.ins)
+                   for n in graph.nodes}
+
+
+def test_compiled_program_holds_less_and_recomputes():
+    """On one device, compiled from ShapeDtypeStruct arguments: keeping fewer activations
+    lowers XLA's temporaries (nothing_saveable below dots_saveable below none) and recomputes
+    (more flops). The memory model orders the three the same way; its absolute numbers for
+    these single-device programs are not checked here: XLA:CPU keeps more elementwise results
+    than it predicts (measured: 1329 / 616 / 296 MiB compiled against 649 / 521 / 201 MiB
+    predicted; see README, "Not yet")."""
+    fn, args = gpt.make_train_step(WIDE, abstract=True)
+    traced = trace(fn, args)
+    blocks = [k for k in remat_layers(traced) if k.startswith("block")]
+    temps, flops, predicted = {}, {}, {}
+    for policy in (None, RematPolicy.DOTS, RematPolicy.NOTHING):
+        t = traced if policy is None else rematerialize(traced, blocks, policy)
+        options = compiler_options(t.graph, "cpu")
+        assert bool(options) == (policy is not None)
+        compiled = (jax.jit(jcore.jaxpr_as_fun(t.closed_jaxpr), compiler_options=options or None)
+                    .lower(*jax.tree_util.tree_leaves(args)).compile())
+        truth = analyze(compiled)
+        specs, operand = _replicated(t.graph)
+        _, live = memory_timeline(t.graph, specs, {}, results_held=True, operand_specs=operand)
+        temps[policy], flops[policy], predicted[policy] = truth.temp_bytes, truth.flops, max(live)
+    assert temps[RematPolicy.NOTHING] < 0.6 * temps[RematPolicy.DOTS]
+    assert temps[RematPolicy.DOTS] < 0.6 * temps[None]
+    assert flops[RematPolicy.NOTHING] > 1.1 * flops[None]
+    assert predicted[RematPolicy.NOTHING] < predicted[RematPolicy.DOTS] < predicted[None]
+
+
+def test_barriers_alias_their_operands_in_the_memory_model():
+    """A value passed through an optimization barrier is one buffer: the barrier's result is
+    not a new one, and the operand's buffer lives until the result is last read."""
+    fn, args = gpt.make_train_step(gpt.TINY, abstract=True)
+    graph = rematerialize(trace(fn, args), ["block_0"], RematPolicy.NOTHING).graph
+    barriers = [n for n in graph.nodes if n.prim == "optimization_barrier"]
+    assert barriers
+    users = consumers(graph)
+    last = last_uses(graph, users)
+    for node in barriers:
+        assert materialized(graph, node, users) == []
+        for vin, vout in zip(node.ins, node.outs):
+            if vout in users:  # the barrier's tie to the backward pass has no reader
+                assert last[vin] >= max(u.id for u in users[vout]) > node.id
