@@ -229,16 +229,15 @@ def _tie(prop: Propagation, graph: Graph, ties) -> bool:
     return changed
 
 
-def run_sweeps(graph: Graph, strats, prop: Propagation, complete: bool, ties=()) -> None:
-    """Forward and backward sweeps until nothing changes. Complete mode: whole specs, level by
-    level (:class:`Level`, :func:`_complete_sweeps`). Forced mode: the splits every compatible
-    strategy agrees on, spread only along one tensor (see :func:`_one_tensor`)."""
+def run_sweeps(graph: Graph, strats, prop: Propagation, complete: bool, ties=(),
+               axis_sizes: dict | None = None) -> None:
+    """Propagate to a fixed point. Complete mode: whole specs, level by level (:class:`Level`,
+    :func:`_complete_sweeps`). Forced mode: the splits every compatible strategy agrees on,
+    spread only along one tensor (see :func:`_one_tensor`), in forward and backward sweeps."""
     if complete:
-        _complete_sweeps(graph, strats, prop, ties)
-        return
-    reach = [_one_tensor(graph, node) for node in graph.nodes]
-    _sweeps(graph, prop, lambda node, forward: visit(node, strats[node.id], prop, forward,
-                                                     reach[node.id]))
+        _complete_sweeps(graph, strats, prop, ties, axis_sizes or {})
+    else:
+        _sweeps(graph, strats, prop)
 
 
 def _one_tensor(graph: Graph, node: Node) -> frozenset | None:
@@ -254,13 +253,12 @@ def _one_tensor(graph: Graph, node: Node) -> frozenset | None:
                      if graph.values[v].nbytes // graph.values[v].itemsize == largest)
 
 
-def _sweeps(graph: Graph, prop: Propagation, visit_node, ties=(), max_sweeps: int = 50
-            ) -> None:
-    """Forward and backward sweeps of ``visit_node(node, forward) -> changed`` to a fixed
-    point. A visit reads only the node's neighbours' fixed specs, so a node none of whose
-    neighbours was fixed since its last visit in that direction is skipped: it would fix
-    nothing new (this keeps deep models fast)."""
+def _sweeps(graph: Graph, strats, prop: Propagation, max_sweeps: int = 50) -> None:
+    """Forced mode: forward and backward sweeps to a fixed point. A visit reads only the node's
+    neighbours' fixed specs, so a node none of whose neighbours was fixed since its last visit
+    in that direction is skipped: it would fix nothing new (this keeps deep models fast)."""
     nodes = graph.nodes
+    reach = [_one_tensor(graph, node) for node in nodes]
     neighbours = [[v for _, v in _operands(node)] + list(node.outs) for node in nodes]
     last = {True: [-1] * len(nodes), False: [-1] * len(nodes)}  # direction -> stamp at visit
 
@@ -271,15 +269,13 @@ def _sweeps(graph: Graph, prop: Propagation, visit_node, ties=(), max_sweeps: in
             if newest <= last[forward][node.id]:
                 continue
             last[forward][node.id] = prop.stamp
-            changed |= visit_node(node, forward)
+            changed |= visit(node, strats[node.id], prop, forward, reach[node.id])
         return changed
 
     for _ in range(max_sweeps):
         prop.sweeps += 1
         changed = sweep(nodes, True)
-        changed |= _tie(prop, graph, ties)
         changed |= sweep(reversed(nodes), False)
-        changed |= _tie(prop, graph, ties)
         if not changed:
             return
 
@@ -359,63 +355,109 @@ def _multi_use(graph: Graph) -> set[int]:
             if len(uses) > 1 and graph.values[v].rank > 0}
 
 
-def _complete_sweeps(graph: Graph, strats, prop: Propagation, ties=()) -> None:
+def _complete_sweeps(graph: Graph, strats, prop: Propagation, ties, axis_sizes: dict) -> None:
+    """Complete mode, level by level. Each level drains a worklist as Shardy's rewrite driver
+    does: every node once, in the order XLA lists the program (:func:`_post_order`), and
+    whenever a value changes, its producer and those of its consumers not yet waiting are
+    visited next (last pushed, first visited). The order matters where two shardings race to
+    a tensor: the one that arrives first is kept, the other one gets resharded."""
     multi_use = _multi_use(graph)
     broadcasts = [_broadcast_operands(graph, node) for node in graph.nodes]
+    consumers = graph.consumers()
+    order = _post_order(graph)
     for level in Level:
         allowed = [_allowed(strats[node.id], level) for node in graph.nodes]
         dirs = [_directions(node, level, multi_use) for node in graph.nodes]
+        # A broadcasting operand is crossed as a broadcast op: backward from PASS_THROUGH on,
+        # forward only at ANY.
+        shut = [b if level < Level.PASS_THROUGH else frozenset() for b in broadcasts]
+        quiet = [b if level < Level.ANY else frozenset() for b in broadcasts]
+        stack = order[::-1]
+        while stack:
+            queued = set(stack)
+            while stack:
+                node = graph.nodes[stack.pop()]
+                queued.discard(node.id)
+                if not dirs[node.id]:
+                    continue
+                for vid in _complete_visit(graph, node, strats[node.id], allowed[node.id],
+                                           prop, dirs[node.id], axis_sizes, shut[node.id],
+                                           quiet[node.id]):
+                    for n in [graph.producer[vid][0]] + [n for n, _ in consumers.get(vid, ())]:
+                        if n not in queued:
+                            stack.append(n)
+                            queued.add(n)
+            prop.sweeps += 1
+            if _tie(prop, graph, ties):
+                stack = order[::-1]
 
-        def visit_node(node, forward, level=level, allowed=allowed, dirs=dirs):
-            # A broadcasting operand is crossed as a broadcast op: backward from PASS_THROUGH
-            # on, forward only at ANY.
-            shut = broadcasts[node.id] if level < Level.PASS_THROUGH else frozenset()
-            quiet = broadcasts[node.id] if level < Level.ANY else frozenset()
-            return forward in dirs[node.id] and _complete_visit(
-                graph, node, strats[node.id], allowed[node.id], prop, forward, shut, quiet)
-        _sweeps(graph, prop, visit_node, ties)
+
+def _post_order(graph: Graph) -> list[int]:
+    """Node ids in the order XLA hands the program to Shardy: a post-order walk from the results
+    (in result order, each node's operands in operand order), as HLO lists its instructions;
+    nodes no result needs come last. So the backward pass reaches a gradient along the chain
+    the first result needs before a later result's branch (a norm's bias gradient) does."""
+    seen, order = set(), []
+    for root in graph.output_nodes + [n.id for n in graph.nodes]:
+        stack = [(root, False)]
+        while stack:
+            node_id, expanded = stack.pop()
+            if expanded:
+                order.append(node_id)
+                continue
+            if node_id in seen:
+                continue
+            seen.add(node_id)
+            stack.append((node_id, True))
+            ins = [graph.producer[v][0] for v in graph.nodes[node_id].ins if v is not None]
+            stack.extend((n, False) for n in reversed(ins) if n not in seen)
+    return order
 
 
 def _complete_visit(graph: Graph, node: Node, strats: list[Strategy], allowed: list[int],
-                    prop: Propagation, forward: bool, shut=frozenset(), quiet=frozenset()
-                    ) -> bool:
-    """Complete mode: give ``node``'s free and propagated values (results forward, operands
-    backward) the splits its fixed neighbours imply; True when something was fixed. Operands
-    at positions ``shut`` take no part; those at ``quiet`` are not sources.
+                    prop: Propagation, directions: tuple[bool, ...], axis_sizes: dict,
+                    shut=frozenset(), quiet=frozenset()) -> list[int]:
+    """Complete mode: give ``node``'s free and propagated values (results if ``directions``
+    holds True, forward; operands if it holds False, backward) the splits its fixed neighbours
+    imply. Returns the values fixed. Operands at positions ``shut`` take no part; those at
+    ``quiet`` are not sources.
 
     Every split of a fixed neighbour (mesh axis a splits dim d of value v) is a constraint on
     the strategy. Where they cannot all hold, the splits of the larger tensor win, as in
-    Shardy's conflict resolution: taken from the largest tensor down, a split is kept when some
-    strategy keeps it with those before, else dropped. Of the strategies keeping the kept
+    Shardy's conflict resolution: taken from the largest tensor down (at an elementwise op,
+    between tensors of one size, the dim split over more devices first), a split is kept when
+    some strategy keeps it with those before, else dropped. Of the strategies keeping the kept
     splits, the one splitting the values it fixes least is taken (propagation moves shardings,
     it never invents one). A propagated sharding may grow by splits, it never loses one; a
     user annotation never changes."""
     slots = [("in", pos, vid) for pos, vid in _operands(node) if pos not in shut] + \
         [("out", k, vid) for k, vid in enumerate(node.outs)]
-    targets = [t for t in slots if t[0] == ("out" if forward else "in")
-               and t[2] not in prop.closed]
+    sides = {"out" if forward else "in" for forward in directions}
+    targets = [t for t in slots if t[0] in sides and t[2] not in prop.closed]
     if not targets or not allowed:
-        return False
+        return []
+    elementwise = node.prim in UNARY_AND_NARY
     constraints = sorted(
-        ((-math.prod(graph.values[vid].shape), n, side, pos, axis, d)
-         for n, (side, pos, vid) in enumerate(slots)
-         if vid in prop.specs and not (side == "in" and pos in quiet)
-         for d, axes in enumerate(prop.specs[vid].dims) for axis in axes))
+        (-math.prod(graph.values[vid].shape),
+         -math.prod(axis_sizes[a] for a in axes) if elementwise else 0, n, d, i, side, pos, axis)
+        for n, (side, pos, vid) in enumerate(slots)
+        if vid in prop.specs and not (side == "in" and pos in quiet)
+        for d, axes in enumerate(prop.specs[vid].dims) for i, axis in enumerate(axes))
     if not constraints:
-        return False
+        return []
     fits = allowed
-    for _, _, side, pos, axis, d in constraints:
+    for _, _, _, d, _, side, pos, axis in constraints:
         kept = [i for i in fits if axis in _spec_of(strats[i], side, pos).dims[d]]
         fits = kept or fits
     best = min(fits, key=lambda i: (_new_splits(strats[i], targets), strats[i].cost_s, i))
     origin = _origin_of(node, prop.specs, prop.origins)
-    changed = False
+    fixed = []
     for side, pos, vid in targets:
         new, old = _spec_of(strats[best], side, pos), prop.specs.get(vid)
-        if old is None or (new != old and _splits_of(old) < _splits_of(new)):
+        if _splits_of(old or Spec.replicated(len(new.dims))) < _splits_of(new):
             prop.fix(vid, new, prop.origins.get(vid, origin))
-            changed = True
-    return changed
+            fixed.append(vid)
+    return fixed
 
 
 def find_conflicts(graph: Graph, strats, prop: Propagation, labels: dict[int, str]
@@ -480,6 +522,8 @@ def select(graph: Graph, strats, mesh: MeshContext, prop: Propagation, ties=()) 
         if exact:
             best = min(exact, key=lambda i: (strats[node.id][i].cost_s, i))
         else:
+            if node.prim in _CONTRACTIONS:
+                options = _in_result_spec(strats[node.id], options, want_out)
             options = _keeping_larger(graph, node, strats[node.id], options, want_in,
                                       want_out)
             best = min(options, key=lambda i: (_moved_cost_s(node, strats[node.id][i], want_in,
@@ -488,6 +532,19 @@ def select(graph: Graph, strats, mesh: MeshContext, prop: Propagation, ties=()) 
         for vid, spec in zip(node.outs, strats[node.id][best].out_specs):
             actual[vid] = spec
     return choice
+
+
+_CONTRACTIONS = ("dot_general", "conv_general_dilated")
+
+
+def _in_result_spec(strats: list[Strategy], options: list[int], want_out) -> list[int]:
+    """XLA's dot partitioner computes a contraction in its result's sharding: it reshards the
+    operands that do not fit it (an FSDP weight gathered, tokens moved to the expert that holds
+    them) rather than leave partial sums to reduce. The options producing the result specs
+    with no partial sums, when there are any."""
+    fits = [i for i in options if not strats[i].collectives
+            and all(strats[i].out_specs[k] == spec for k, spec in want_out)]
+    return fits or options
 
 
 def _keeping_larger(graph: Graph, node: Node, strats: list[Strategy], options: list[int],
@@ -541,7 +598,7 @@ def propagate(graph: Graph, strats: list[list[Strategy]], mesh: MeshContext,
     In forced mode ``strats`` is cut in place; in complete mode the result holds every node's
     strategy."""
     prop = seed(graph, labels, extra)
-    run_sweeps(graph, strats, prop, complete, ties)
+    run_sweeps(graph, strats, prop, complete, ties, mesh.axis_sizes)
     prop.conflicts = find_conflicts(graph, strats, prop, labels)
     for message in prop.conflicts if warn else ():
         warnings.warn(message, ShardingConflictWarning, stacklevel=3)
