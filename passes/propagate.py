@@ -522,8 +522,9 @@ def select(graph: Graph, strats, mesh: MeshContext, prop: Propagation, ties=()) 
         if exact:
             best = min(exact, key=lambda i: (strats[node.id][i].cost_s, i))
         else:
-            if node.prim in _CONTRACTIONS:
-                options = _in_result_spec(strats[node.id], options, want_out)
+            if node.prim not in _GATHER_SCATTER:
+                options = _in_result_spec(strats[node.id], options, want_out,
+                                          partial_sums=node.prim not in _CONTRACTIONS)
             options = _keeping_larger(graph, node, strats[node.id], options, want_in,
                                       want_out)
             best = min(options, key=lambda i: (_moved_cost_s(node, strats[node.id][i], want_in,
@@ -535,14 +536,19 @@ def select(graph: Graph, strats, mesh: MeshContext, prop: Propagation, ties=()) 
 
 
 _CONTRACTIONS = ("dot_general", "conv_general_dilated")
+_GATHER_SCATTER = ("gather", "scatter", "scatter-add", "scatter_add", "scatter-mul",
+                   "scatter_mul", "scatter-min", "scatter_min", "scatter-max", "scatter_max")
 
 
-def _in_result_spec(strats: list[Strategy], options: list[int], want_out) -> list[int]:
-    """XLA's dot partitioner computes a contraction in its result's sharding: it reshards the
-    operands that do not fit it (an FSDP weight gathered, tokens moved to the expert that holds
-    them) rather than leave partial sums to reduce. The options producing the result specs
-    with no partial sums, when there are any."""
-    fits = [i for i in options if not strats[i].collectives
+def _in_result_spec(strats: list[Strategy], options: list[int], want_out,
+                    partial_sums: bool) -> list[int]:
+    """XLA's partitioner computes an op in its result's sharding and reshards the operands that
+    do not fit it (an elementwise op's other operand; an FSDP weight gathered at a dot; tokens
+    moved to the expert that holds them). At a contraction it does so rather than leave partial
+    sums to reduce (``partial_sums=False``). The options producing the result specs, when
+    there are any. Gathers and scatters are the exception: their partitioner keeps the
+    operand's sharding (:func:`_keeping_larger`)."""
+    fits = [i for i in options if (partial_sums or not strats[i].collectives)
             and all(strats[i].out_specs[k] == spec for k, spec in want_out)]
     return fits or options
 
@@ -550,10 +556,9 @@ def _in_result_spec(strats: list[Strategy], options: list[int], want_out) -> lis
 def _keeping_larger(graph: Graph, node: Node, strats: list[Strategy], options: list[int],
                     want_in, want_out) -> list[int]:
     """Where a node cannot keep all its values as they are, XLA's partitioner keeps the larger
-    ones and reshards the smaller: it gathers an FSDP weight, not the activation it meets; it
-    masks a gather from a vocab-sharded table and gathers the indices; it broadcasts into the
-    result's sharding. The options keeping each value's spec, largest value first, while some
-    option still does."""
+    ones and reshards the smaller: it masks a gather from a vocab-sharded table and gathers
+    the indices; it scatters updates into a vocab-sharded gradient, gathering them. The options
+    keeping each value's spec, largest value first, while some option still does."""
     slots = [(math.prod(graph.values[vid].shape), "in", pos, spec) for pos, vid, spec in want_in]
     slots += [(math.prod(graph.values[node.outs[k]].shape), "out", k, spec)
               for k, spec in want_out]
