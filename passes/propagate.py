@@ -17,13 +17,16 @@ Two modes:
   predicted as it compiles. It runs in rounds of widening reach (:class:`Level`, Shardy's
   op-priority schedule): elementwise and layout ops first, then every op along the dims it
   maps from operands to results, then contracting and reduced dims, broadcasts forward last.
-  A visit gives a node's free values the splits its fixed neighbours imply; where those
-  conflict, the larger tensor's splits win (:func:`_complete_visit`). A propagated spec may
-  grow by splits in a later visit, never lose one. Propagation moves shardings, it never
-  invents one, and values still free at the end are replicated, as GSPMD defaults. Each node
-  then takes the strategy that keeps its values, or, where they conflict, the one that keeps
-  the larger values, as XLA's partitioner does (:func:`_keeping_larger`), resharding the
-  rest the cheapest way. That is the whole plan: no ILP.
+  Each round visits the nodes in the order XLA lists them, a sharding that changes sending
+  its neighbours to the front (:func:`_complete_sweeps`). A visit gives a node's free values
+  the splits its fixed neighbours imply; where those conflict, the larger tensor's splits win
+  (:func:`_complete_visit`). A propagated spec may grow by splits in a later visit, never lose
+  one. Propagation moves shardings, it never invents one, and values still free at the end
+  are replicated, as GSPMD defaults. Each node then takes the strategy that keeps its values,
+  or, where they conflict, the one XLA's partitioner would take: computed in its result's
+  sharding (:func:`_in_result_spec`; a gather or scatter keeps its larger operand instead,
+  :func:`_keeping_larger`), the rest resharded the cheapest way. That is the whole plan: no
+  ILP.
 * ``forced`` (``search=True``): only what every compatible strategy of a neighbour agrees on
   is fixed, only as *splits* (mesh axis a splits dim d), and only along one tensor (through
   elementwise ops, converts, layout changes, constraints and region boundaries, from a
@@ -50,7 +53,9 @@ from dataclasses import dataclass, field
 from autopar.errors import ShardingConflictWarning
 from cost_model.estimate import estimate, plan_collectives
 from passes.ir import Graph, Node, NodeKind
+from passes.rules.dot import CONTRACTIONS
 from passes.rules.elementwise import UNARY_AND_NARY
+from passes.rules.gather import GATHER_SCATTER
 from passes.spec import Spec
 from passes.strategies import MeshContext, Strategy
 
@@ -495,8 +500,9 @@ def find_conflicts(graph: Graph, strats, prop: Propagation, labels: dict[int, st
 
 def select(graph: Graph, strats, mesh: MeshContext, prop: Propagation, ties=()) -> list[int]:
     """Complete mode: every node's strategy. Free values are replicated; a node keeps its values
-    when a strategy can, else takes the cheapest counting the resharding of its operands from
-    their producers' specs and of its results into their fixed specs."""
+    when a strategy can, else takes what XLA's partitioner would (:func:`_in_result_spec`,
+    :func:`_keeping_larger`), the cheapest of those counting the resharding of its operands
+    into it and of its results into their fixed specs."""
     tied = {out_node: in_node for out_node, in_node in ties}
     choice: list[int] = [0] * len(graph.nodes)
     actual: dict[int, Spec] = {}
@@ -522,9 +528,9 @@ def select(graph: Graph, strats, mesh: MeshContext, prop: Propagation, ties=()) 
         if exact:
             best = min(exact, key=lambda i: (strats[node.id][i].cost_s, i))
         else:
-            if node.prim not in _GATHER_SCATTER:
+            if node.prim not in GATHER_SCATTER:
                 options = _in_result_spec(strats[node.id], options, want_out,
-                                          partial_sums=node.prim not in _CONTRACTIONS)
+                                          partial_sums=node.prim not in CONTRACTIONS)
             options = _keeping_larger(graph, node, strats[node.id], options, want_in,
                                       want_out)
             best = min(options, key=lambda i: (_moved_cost_s(node, strats[node.id][i], want_in,
@@ -533,11 +539,6 @@ def select(graph: Graph, strats, mesh: MeshContext, prop: Propagation, ties=()) 
         for vid, spec in zip(node.outs, strats[node.id][best].out_specs):
             actual[vid] = spec
     return choice
-
-
-_CONTRACTIONS = ("dot_general", "conv_general_dilated")
-_GATHER_SCATTER = ("gather", "scatter", "scatter-add", "scatter_add", "scatter-mul",
-                   "scatter_mul", "scatter-min", "scatter_min", "scatter-max", "scatter_max")
 
 
 def _in_result_spec(strats: list[Strategy], options: list[int], want_out,
