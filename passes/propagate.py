@@ -12,14 +12,21 @@ input they replace carry its sharding both ways.
 
 Two modes:
 
-* ``complete`` (``search=False``, plain GSPMD): a node with compatible strategies fixes its free
-  values from the best of them. Propagation moves shardings, it never invents one, so the best
-  strategy splits free values over the fewest mesh axes; then the cheapest; then the first in
-  rule order. This runs after the forced propagation below, so what is certain from all
-  annotations together is known first. Values still free at the fixed point are replicated, as
-  GSPMD defaults. Each node
-  then takes the strategy that keeps its values, or, where annotations conflict, the cheapest
-  one counting the resharding of its operands. That is the whole plan: no ILP.
+* ``complete`` (``search=False``, plain GSPMD): it predicts what XLA's own propagation (Shardy,
+  in jax 0.10) makes of the annotations, so that a hand-written ``jax.jit`` program is
+  predicted as it compiles. It runs in rounds of widening reach (:class:`Level`, Shardy's
+  op-priority schedule): elementwise and layout ops first, then every op along the dims it
+  maps from operands to results, then contracting and reduced dims, broadcasts forward last.
+  Each round visits the nodes in the order XLA lists them, a sharding that changes sending
+  its neighbours to the front (:func:`_complete_sweeps`). A visit gives a node's free values
+  the splits its fixed neighbours imply; where those conflict, the larger tensor's splits win
+  (:func:`_complete_visit`). A propagated spec may grow by splits in a later visit, never lose
+  one. Propagation moves shardings, it never invents one, and values still free at the end
+  are replicated, as GSPMD defaults. Each node then takes the strategy that keeps its values,
+  or, where they conflict, the one XLA's partitioner would take: computed in its result's
+  sharding (:func:`_in_result_spec`; a gather or scatter keeps its larger operand instead,
+  :func:`_keeping_larger`), the rest resharded the cheapest way. That is the whole plan: no
+  ILP.
 * ``forced`` (``search=True``): only what every compatible strategy of a neighbour agrees on
   is fixed, only as *splits* (mesh axis a splits dim d), and only along one tensor (through
   elementwise ops, converts, layout changes, constraints and region boundaries, from a
@@ -31,20 +38,24 @@ Two modes:
 
 Priority: a user annotation is fixed before propagation starts and a propagated sharding never
 replaces a fixed one, so the user wins. Where two annotations meet at a node that no strategy
-can serve as both want, the value is resharded there (the cheaper way, in complete mode; the
+can serve as both want, the value is resharded there (as XLA would, in complete mode; the
 ILP's choice otherwise) and a :class:`~autopar.errors.ShardingConflictWarning` names both.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import math
 import warnings
 from dataclasses import dataclass, field
 
 from autopar.errors import ShardingConflictWarning
 from cost_model.estimate import estimate, plan_collectives
 from passes.ir import Graph, Node, NodeKind
+from passes.rules.dot import CONTRACTIONS
 from passes.rules.elementwise import UNARY_AND_NARY
+from passes.rules.gather import GATHER_SCATTER
 from passes.spec import Spec
 from passes.strategies import MeshContext, Strategy
 
@@ -93,6 +104,9 @@ class Propagation:
     stamp: int = 0                                          # fixes made so far
     fixed_at: dict[int, int] = field(default_factory=dict)  # value -> stamp of its last fix
     compatible_cache: dict = field(default_factory=dict, repr=False)  # see compatible()
+    # Complete mode: values whose spec is given (annotations, seeds), never changed by
+    # propagation; a propagated spec may still grow by splits.
+    closed: set[int] = field(default_factory=set)
 
     def exact(self, vid: int) -> bool:
         return isinstance(self.specs.get(vid), Spec)
@@ -123,6 +137,7 @@ def seed(graph: Graph, labels: dict[int, str], extra: dict[int, Spec] | None = N
         node = graph.nodes[n]
         if node.pinned is not None and node.ins[0] not in prop.specs:
             prop.fix(node.ins[0], node.pinned[0], Origin(labels.get(n, _describe(node)), True))
+    prop.closed = set(prop.specs)
     return prop
 
 
@@ -179,9 +194,10 @@ def _origin_of(node: Node, specs, origins) -> Origin:
 
 
 def visit(node: Node, strats: list[Strategy], prop: Propagation, forward: bool,
-          complete: bool, sources: frozenset | None = None) -> bool:
-    """Fix what ``node`` tells about its free values; True when something was fixed.
-    ``sources``: the values whose fixed shardings may propagate (None: all)."""
+          sources: frozenset | None = None) -> bool:
+    """Forced mode: fix the splits every strategy compatible with ``node``'s fixed values
+    agrees on; True when something was fixed. ``sources``: the values whose fixed shardings
+    may propagate (None: all)."""
     targets = _targets(node, prop, forward)
     if not targets:
         return False
@@ -195,13 +211,6 @@ def visit(node: Node, strats: list[Strategy], prop: Propagation, forward: bool,
         return False  # a conflict: resolved when the node picks its strategy
     origin = _origin_of(node, prop.specs, prop.origins)
     changed = False
-    if complete:
-        best = min(fits, key=lambda i: (_new_splits(strats[i], targets), strats[i].cost_s, i))
-        for side, pos, vid in targets:
-            if not prop.exact(vid):  # a value twice among the targets takes its first spec
-                prop.fix(vid, _spec_of(strats[best], side, pos), prop.origins.get(vid, origin))
-                changed = True
-        return changed
     for side, pos, vid in targets:
         common = frozenset.intersection(*[_splits_of(_spec_of(strats[i], side, pos))
                                           for i in fits])
@@ -225,15 +234,15 @@ def _tie(prop: Propagation, graph: Graph, ties) -> bool:
     return changed
 
 
-def run_sweeps(graph: Graph, strats, prop: Propagation, complete: bool, ties=()) -> None:
-    """Forward and backward sweeps until nothing changes: first of the splits every compatible
-    strategy agrees on (from all annotations at once, so a constraint downstream refines what
-    a hint upstream leaves replicated, as GSPMD merges a partially replicated sharding with a
-    more specific one); then, in complete mode, of whole specs. For the ILP (forced mode) the
-    splits spread only along one tensor (see :func:`_one_tensor`)."""
-    _sweeps(graph, strats, prop, False, local=not complete)
+def run_sweeps(graph: Graph, strats, prop: Propagation, complete: bool, ties=(),
+               axis_sizes: dict | None = None) -> None:
+    """Propagate to a fixed point. Complete mode: whole specs, level by level (:class:`Level`,
+    :func:`_complete_sweeps`). Forced mode: the splits every compatible strategy agrees on,
+    spread only along one tensor (see :func:`_one_tensor`), in forward and backward sweeps."""
     if complete:
-        _sweeps(graph, strats, prop, True, ties)
+        _complete_sweeps(graph, strats, prop, ties, axis_sizes or {})
+    else:
+        _sweeps(graph, strats, prop)
 
 
 def _one_tensor(graph: Graph, node: Node) -> frozenset | None:
@@ -249,13 +258,12 @@ def _one_tensor(graph: Graph, node: Node) -> frozenset | None:
                      if graph.values[v].nbytes // graph.values[v].itemsize == largest)
 
 
-def _sweeps(graph: Graph, strats, prop: Propagation, complete: bool, ties=(),
-            max_sweeps: int = 50, local: bool = False) -> None:
-    """Forward and backward sweeps to a fixed point. A visit reads only the node's neighbours'
-    fixed specs, so a node none of whose neighbours was fixed since its last visit in that
-    direction is skipped: it would fix nothing new (this keeps deep models fast)."""
+def _sweeps(graph: Graph, strats, prop: Propagation, max_sweeps: int = 50) -> None:
+    """Forced mode: forward and backward sweeps to a fixed point. A visit reads only the node's
+    neighbours' fixed specs, so a node none of whose neighbours was fixed since its last visit
+    in that direction is skipped: it would fix nothing new (this keeps deep models fast)."""
     nodes = graph.nodes
-    reach = [_one_tensor(graph, node) if local else None for node in nodes]
+    reach = [_one_tensor(graph, node) for node in nodes]
     neighbours = [[v for _, v in _operands(node)] + list(node.outs) for node in nodes]
     last = {True: [-1] * len(nodes), False: [-1] * len(nodes)}  # direction -> stamp at visit
 
@@ -266,17 +274,13 @@ def _sweeps(graph: Graph, strats, prop: Propagation, complete: bool, ties=(),
             if newest <= last[forward][node.id]:
                 continue
             last[forward][node.id] = prop.stamp
-            changed |= visit(node, strats[node.id], prop, forward, complete, reach[node.id])
+            changed |= visit(node, strats[node.id], prop, forward, reach[node.id])
         return changed
 
     for _ in range(max_sweeps):
         prop.sweeps += 1
         changed = sweep(nodes, True)
-        if complete:
-            changed |= _tie(prop, graph, ties)
         changed |= sweep(reversed(nodes), False)
-        if complete:
-            changed |= _tie(prop, graph, ties)
         if not changed:
             return
 
@@ -289,6 +293,176 @@ _SAME_TENSOR = frozenset(UNARY_AND_NARY) | {"reshape", "transpose", "squeeze", "
                                             "broadcast_in_dim", "copy"}
 _SAME_TENSOR_KINDS = (NodeKind.OUTPUT, NodeKind.CARRY, NodeKind.MERGE, NodeKind.SCAN_IN,
                       NodeKind.SCAN_OUT)
+
+
+class Level(enum.IntEnum):
+    """Complete mode's rounds, each run to its fixed point before the next widens the reach.
+    They follow the op-priority schedule of Shardy's propagation (XLA's partitioner in jax
+    0.10): a sharding settled in an early round is never undone, so the order decides which
+    sharding a tensor takes where two meet. A batch split crosses the elementwise and layout
+    ops first and then the dots along their batch and free dims, before a weight sharded on a
+    contracting dim (an FSDP weight, a row-parallel one) is allowed to split the activations
+    it meets; by then they are split already, and the weight is gathered instead."""
+    SAME_TENSOR_SINGLE_USE = 0  # elementwise and layout ops whose operands have one use
+    SAME_TENSOR = 1             # ... and with any number of uses
+    PASS_THROUGH = 2            # every op, along dims it maps operands to results (no partial
+                                # sums); a broadcast only backward
+    ANY_BUT_BROADCAST_FORWARD = 3
+    ANY = 4
+
+
+_FORWARD_ONLY_OPS = frozenset({"dynamic_slice", "dynamic_update_slice"})
+
+
+def _is_broadcast(node: Node) -> bool:
+    """A broadcast_in_dim that adds elements (XLA makes one adding only size-1 dims a reshape)."""
+    return (node.prim == "broadcast_in_dim"
+            and math.prod(node.in_avals[0][0]) != math.prod(node.params["shape"]))
+
+
+def _broadcast_operands(graph: Graph, node: Node) -> frozenset[int]:
+    """Operand positions of an elementwise op that broadcast size-1 dims (``x + b[None]``): XLA
+    lowers each through a broadcast op, and propagation crosses it as it crosses broadcasts."""
+    if node.prim not in UNARY_AND_NARY:
+        return frozenset()
+    out = graph.values[node.outs[0]].shape
+    return frozenset(pos for pos, vid in _operands(node)
+                     if graph.values[vid].rank > 0 and graph.values[vid].shape != out)
+
+
+def _directions(node: Node, level: Level, multi_use: set[int]) -> tuple[bool, ...]:
+    """The directions (True: forward) ``node`` propagates in at ``level``."""
+    if node.kind in _SAME_TENSOR_KINDS or (node.prim in _SAME_TENSOR and not _is_broadcast(node)):
+        if level is Level.SAME_TENSOR_SINGLE_USE and any(v in multi_use for _, v in
+                                                         _operands(node)):
+            return ()  # each use might want another sharding: settled later
+        return (True, False)
+    if node.prim in _FORWARD_ONLY_OPS and level < Level.PASS_THROUGH:
+        return (True,)
+    if level < Level.PASS_THROUGH:
+        return ()
+    if _is_broadcast(node) and level < Level.ANY:
+        return (False,)
+    return (True, False)
+
+
+def _allowed(strats: list[Strategy], level: Level) -> list[int]:
+    """The strategies a visit may take at ``level``: before :attr:`Level.ANY_BUT_BROADCAST_FORWARD`
+    none leaving partial sums (a split reaches a contracting or reduced dim only then)."""
+    if level >= Level.ANY_BUT_BROADCAST_FORWARD:
+        return list(range(len(strats)))
+    return [i for i, s in enumerate(strats) if not s.collectives]
+
+
+def _multi_use(graph: Graph) -> set[int]:
+    """Values of rank >= 1 read by more than one operand slot."""
+    return {v for v, uses in graph.consumers().items()
+            if len(uses) > 1 and graph.values[v].rank > 0}
+
+
+def _complete_sweeps(graph: Graph, strats, prop: Propagation, ties, axis_sizes: dict) -> None:
+    """Complete mode, level by level. Each level drains a worklist as Shardy's rewrite driver
+    does: every node once, in the order XLA lists the program (:func:`_post_order`), and
+    whenever a value changes, its producer and those of its consumers not yet waiting are
+    visited next (last pushed, first visited). The order matters where two shardings race to
+    a tensor: the one that arrives first is kept, the other one gets resharded."""
+    multi_use = _multi_use(graph)
+    broadcasts = [_broadcast_operands(graph, node) for node in graph.nodes]
+    consumers = graph.consumers()
+    order = _post_order(graph)
+    for level in Level:
+        allowed = [_allowed(strats[node.id], level) for node in graph.nodes]
+        dirs = [_directions(node, level, multi_use) for node in graph.nodes]
+        # A broadcasting operand is crossed as a broadcast op: backward from PASS_THROUGH on,
+        # forward only at ANY.
+        shut = [b if level < Level.PASS_THROUGH else frozenset() for b in broadcasts]
+        quiet = [b if level < Level.ANY else frozenset() for b in broadcasts]
+        stack = order[::-1]
+        while stack:
+            queued = set(stack)
+            while stack:
+                node = graph.nodes[stack.pop()]
+                queued.discard(node.id)
+                if not dirs[node.id]:
+                    continue
+                for vid in _complete_visit(graph, node, strats[node.id], allowed[node.id],
+                                           prop, dirs[node.id], axis_sizes, shut[node.id],
+                                           quiet[node.id]):
+                    for n in [graph.producer[vid][0]] + [n for n, _ in consumers.get(vid, ())]:
+                        if n not in queued:
+                            stack.append(n)
+                            queued.add(n)
+            prop.sweeps += 1
+            if _tie(prop, graph, ties):
+                stack = order[::-1]
+
+
+def _post_order(graph: Graph) -> list[int]:
+    """Node ids in the order XLA hands the program to Shardy: a post-order walk from the results
+    (in result order, each node's operands in operand order), as HLO lists its instructions;
+    nodes no result needs come last. So the backward pass reaches a gradient along the chain
+    the first result needs before a later result's branch (a norm's bias gradient) does."""
+    seen, order = set(), []
+    for root in graph.output_nodes + [n.id for n in graph.nodes]:
+        stack = [(root, False)]
+        while stack:
+            node_id, expanded = stack.pop()
+            if expanded:
+                order.append(node_id)
+                continue
+            if node_id in seen:
+                continue
+            seen.add(node_id)
+            stack.append((node_id, True))
+            ins = [graph.producer[v][0] for v in graph.nodes[node_id].ins if v is not None]
+            stack.extend((n, False) for n in reversed(ins) if n not in seen)
+    return order
+
+
+def _complete_visit(graph: Graph, node: Node, strats: list[Strategy], allowed: list[int],
+                    prop: Propagation, directions: tuple[bool, ...], axis_sizes: dict,
+                    shut=frozenset(), quiet=frozenset()) -> list[int]:
+    """Complete mode: give ``node``'s free and propagated values (results if ``directions``
+    holds True, forward; operands if it holds False, backward) the splits its fixed neighbours
+    imply. Returns the values fixed. Operands at positions ``shut`` take no part; those at
+    ``quiet`` are not sources.
+
+    Every split of a fixed neighbour (mesh axis a splits dim d of value v) is a constraint on
+    the strategy. Where they cannot all hold, the splits of the larger tensor win, as in
+    Shardy's conflict resolution: taken from the largest tensor down (at an elementwise op,
+    between tensors of one size, the dim split over more devices first), a split is kept when
+    some strategy keeps it with those before, else dropped. Of the strategies keeping the kept
+    splits, the one splitting the values it fixes least is taken (propagation moves shardings,
+    it never invents one). A propagated sharding may grow by splits, it never loses one; a
+    user annotation never changes."""
+    slots = [("in", pos, vid) for pos, vid in _operands(node) if pos not in shut] + \
+        [("out", k, vid) for k, vid in enumerate(node.outs)]
+    sides = {"out" if forward else "in" for forward in directions}
+    targets = [t for t in slots if t[0] in sides and t[2] not in prop.closed]
+    if not targets or not allowed:
+        return []
+    elementwise = node.prim in UNARY_AND_NARY
+    constraints = sorted(
+        (-math.prod(graph.values[vid].shape),
+         -math.prod(axis_sizes[a] for a in axes) if elementwise else 0, n, d, i, side, pos, axis)
+        for n, (side, pos, vid) in enumerate(slots)
+        if vid in prop.specs and not (side == "in" and pos in quiet)
+        for d, axes in enumerate(prop.specs[vid].dims) for i, axis in enumerate(axes))
+    if not constraints:
+        return []
+    fits = allowed
+    for _, _, _, d, _, side, pos, axis in constraints:
+        kept = [i for i in fits if axis in _spec_of(strats[i], side, pos).dims[d]]
+        fits = kept or fits
+    best = min(fits, key=lambda i: (_new_splits(strats[i], targets), strats[i].cost_s, i))
+    origin = _origin_of(node, prop.specs, prop.origins)
+    fixed = []
+    for side, pos, vid in targets:
+        new, old = _spec_of(strats[best], side, pos), prop.specs.get(vid)
+        if _splits_of(old or Spec.replicated(len(new.dims))) < _splits_of(new):
+            prop.fix(vid, new, prop.origins.get(vid, origin))
+            fixed.append(vid)
+    return fixed
 
 
 def find_conflicts(graph: Graph, strats, prop: Propagation, labels: dict[int, str]
@@ -326,19 +500,20 @@ def find_conflicts(graph: Graph, strats, prop: Propagation, labels: dict[int, st
 
 def select(graph: Graph, strats, mesh: MeshContext, prop: Propagation, ties=()) -> list[int]:
     """Complete mode: every node's strategy. Free values are replicated; a node keeps its values
-    when a strategy can, else takes the cheapest counting the resharding of its operands from
-    their producers' specs and of its results into their fixed specs."""
+    when a strategy can, else takes what XLA's partitioner would (:func:`_in_result_spec`,
+    :func:`_keeping_larger`), the cheapest of those counting the resharding of its operands
+    into it and of its results into their fixed specs."""
     tied = {out_node: in_node for out_node, in_node in ties}
     choice: list[int] = [0] * len(graph.nodes)
     actual: dict[int, Spec] = {}
 
     def current(vid):
-        if vid in actual:
-            return actual[vid]
+        # A propagated spec holds where a node produces its value another way: XLA reshards
+        # the value into it there, so its consumers read the propagated spec.
         fact, rank = prop.specs.get(vid), graph.values[vid].rank
         if isinstance(fact, Splits):
             return fact.to_spec(rank, mesh.axis_names)
-        return fact or Spec.replicated(rank)
+        return fact or actual.get(vid) or Spec.replicated(rank)
 
     for node in graph.nodes:
         options = list(range(len(strats[node.id])))
@@ -353,12 +528,44 @@ def select(graph: Graph, strats, mesh: MeshContext, prop: Propagation, ties=()) 
         if exact:
             best = min(exact, key=lambda i: (strats[node.id][i].cost_s, i))
         else:
+            if node.prim not in GATHER_SCATTER:
+                options = _in_result_spec(strats[node.id], options, want_out,
+                                          partial_sums=node.prim not in CONTRACTIONS)
+            options = _keeping_larger(graph, node, strats[node.id], options, want_in,
+                                      want_out)
             best = min(options, key=lambda i: (_moved_cost_s(node, strats[node.id][i], want_in,
                                                              want_out, graph, mesh), i))
         choice[node.id] = best
         for vid, spec in zip(node.outs, strats[node.id][best].out_specs):
             actual[vid] = spec
     return choice
+
+
+def _in_result_spec(strats: list[Strategy], options: list[int], want_out,
+                    partial_sums: bool) -> list[int]:
+    """XLA's partitioner computes an op in its result's sharding and reshards the operands that
+    do not fit it (an elementwise op's other operand; an FSDP weight gathered at a dot; tokens
+    moved to the expert that holds them). At a contraction it does so rather than leave partial
+    sums to reduce (``partial_sums=False``). The options producing the result specs, when
+    there are any. Gathers and scatters are the exception: their partitioner keeps the
+    operand's sharding (:func:`_keeping_larger`)."""
+    fits = [i for i in options if (partial_sums or not strats[i].collectives)
+            and all(strats[i].out_specs[k] == spec for k, spec in want_out)]
+    return fits or options
+
+
+def _keeping_larger(graph: Graph, node: Node, strats: list[Strategy], options: list[int],
+                    want_in, want_out) -> list[int]:
+    """Where a node cannot keep all its values as they are, XLA's partitioner keeps the larger
+    ones and reshards the smaller: it masks a gather from a vocab-sharded table and gathers
+    the indices; it scatters updates into a vocab-sharded gradient, gathering them. The options
+    keeping each value's spec, largest value first, while some option still does."""
+    slots = [(math.prod(graph.values[vid].shape), "in", pos, spec) for pos, vid, spec in want_in]
+    slots += [(math.prod(graph.values[node.outs[k]].shape), "out", k, spec)
+              for k, spec in want_out]
+    for _, side, pos, spec in sorted(slots, key=lambda t: (-t[0], t[1], t[2])):
+        options = [i for i in options if _spec_of(strats[i], side, pos) == spec] or options
+    return options
 
 
 def _moved_cost_s(node: Node, s: Strategy, want_in, want_out, graph: Graph,
@@ -397,7 +604,7 @@ def propagate(graph: Graph, strats: list[list[Strategy]], mesh: MeshContext,
     In forced mode ``strats`` is cut in place; in complete mode the result holds every node's
     strategy."""
     prop = seed(graph, labels, extra)
-    run_sweeps(graph, strats, prop, complete, ties)
+    run_sweeps(graph, strats, prop, complete, ties, mesh.axis_sizes)
     prop.conflicts = find_conflicts(graph, strats, prop, labels)
     for message in prop.conflicts if warn else ():
         warnings.warn(message, ShardingConflictWarning, stacklevel=3)

@@ -7,6 +7,9 @@ result is split over that axis).
 
 from passes.rules import DimMap, Reduce, RuleContext, register
 
+#: The primitives of this family.
+CONTRACTIONS = ("dot_general", "conv_general_dilated")
+
 
 @register("dot_general")
 def dot_general(ctx: RuleContext, *, dimension_numbers, **_):

@@ -72,10 +72,15 @@ def scatter(ctx: RuleContext, *, dimension_numbers, prim_is_add=False, **_):
     return maps
 
 
-register("scatter", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min", "scatter-max",
-         "scatter_max")(scatter)
+_SCATTERS = ("scatter", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min",
+             "scatter-max", "scatter_max")
+_SCATTER_ADDS = ("scatter-add", "scatter_add")
+#: The primitives of this family (XLA partitions them by their operand's sharding).
+GATHER_SCATTER = ("gather",) + _SCATTERS + _SCATTER_ADDS
+
+register(*_SCATTERS)(scatter)
 
 
-@register("scatter-add", "scatter_add")
+@register(*_SCATTER_ADDS)
 def scatter_add(ctx: RuleContext, **params):
     return scatter(ctx, prim_is_add=True, **params)

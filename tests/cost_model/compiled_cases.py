@@ -44,13 +44,3 @@ def baseline_cases(model: str, mesh: str) -> dict[str, Case]:
     return {kind: Case(p, analyze(compile_baseline(fn, args, jax_mesh, kind)))
             for kind, p in plans.items()}
 
-
-@functools.cache
-def pinned_cases(model: str, mesh: str, kinds: tuple[str, ...]) -> dict[str, Case]:
-    """For each baseline in ``kinds``: autopar's plan with its inputs and outputs pinned to the
-    baseline's shardings and the inside searched (``predict_baselines(search=True)``), with
-    that plan's compiled program."""
-    fn, args = abstract_train_step(model)
-    jax_mesh = as_auto_mesh(MESHES[mesh])
-    plans = predict_baselines(fn, args, jax_mesh, hardware=H100, kinds=kinds, search=True)
-    return {f"{kind} (pinned)": Case(p, analyze(p.compile())) for kind, p in plans.items()}

@@ -1,14 +1,11 @@
 """The cost model ranks programs as their compiled versions rank.
 
 Candidates, on the (2, 4) mesh and the ``h100`` profile: autopar's plan and the hand-written
-baselines that apply (``autopar.baselines.baseline_kinds``). A baseline whose own program
-autopar predicts (:data:`OWN_PROGRAM`: ``jax.jit`` with the baseline's input and output
-shardings, the inside left to XLA's propagation, ``autopar.compare.compile_baseline``) is a
-candidate as that program, predicted by propagating its shardings (``predict_baselines``,
-``search=False``). FSDP and expert parallelism are not yet predicted as XLA compiles them
-(see :func:`test_baseline_programs_are_predicted_by_propagation`), so they are candidates as
-the plan with the baseline's inputs and outputs pinned and the inside searched
-(``search=True``), predicted by its estimate and compiled as planned.
+baselines that apply (``autopar.baselines.baseline_kinds``). Each baseline is a candidate as
+its own program (``jax.jit`` with the baseline's input and output shardings, the inside left to
+XLA's propagation, ``autopar.compare.compile_baseline``), predicted by propagating its
+shardings (``predict_baselines``, ``search=False``), which reproduces that program (see
+:func:`test_baseline_programs_are_predicted_by_propagation`).
 
 A candidate's *predicted* step time is autopar's estimate; its *reference* step time is
 computed from its compiled HLO (``cost_model.reference``: the compiled flops at the profile's
@@ -27,22 +24,15 @@ import jax.numpy as jnp
 import pytest
 
 from cost_model.reference import reference_step_time_s
-from tests.cost_model.compiled_cases import H100, autopar_case, baseline_cases, pinned_cases
+from tests.cost_model.compiled_cases import H100, autopar_case, baseline_cases
 
 #: Reference step times closer than this (relative) are a tie: see the module docstring.
 TIE = 0.05
 
-#: Baselines whose hand-written program autopar's propagation reproduces (the test below).
-OWN_PROGRAM = ("dp", "megatron", "megatron_vocab")
-
 
 def _times(model: str) -> dict[str, tuple[float, float]]:
     """Candidate -> (predicted, reference) step time in seconds."""
-    own = baseline_cases(model, "2d")
-    others = tuple(k for k in own if k not in OWN_PROGRAM)
-    cases = {"autopar": autopar_case(model, "2d"),
-             **{k: c for k, c in own.items() if k in OWN_PROGRAM},
-             **pinned_cases(model, "2d", others)}
+    cases = {"autopar": autopar_case(model, "2d"), **baseline_cases(model, "2d")}
     return {name: (c.plan.estimate.step_time_s,
                    reference_step_time_s(c.truth, H100, jnp.bfloat16))
             for name, c in cases.items()}
@@ -62,17 +52,10 @@ def test_predicted_ranking_equals_compiled_ranking(model, n_baselines):
     assert min(times, key=lambda k: times[k][1]) == "autopar", table
 
 
-_NOT_YET = pytest.mark.xfail(strict=True, reason=(
-    "known gap: where the baseline's shardings conflict (FSDP's sharded weights meeting a "
-    "batch-sharded activation, expert weights meeting routed tokens), propagation resolves "
-    "the conflict differently from XLA, and XLA falls back to replicating some tensors"))
-
-
 @pytest.mark.parametrize("model, kind", [
-    ("gpt", "dp"), ("gpt", "megatron"), ("gpt", "megatron_vocab"),
-    pytest.param("gpt", "fsdp", marks=_NOT_YET),
-    ("moe", "dp"), ("moe", "megatron"), ("moe", "megatron_vocab"),
-    pytest.param("moe", "fsdp", marks=_NOT_YET), pytest.param("moe", "expert", marks=_NOT_YET),
+    ("gpt", "dp"), ("gpt", "fsdp"), ("gpt", "megatron"), ("gpt", "megatron_vocab"),
+    ("moe", "dp"), ("moe", "fsdp"), ("moe", "megatron"), ("moe", "megatron_vocab"),
+    ("moe", "expert"),
 ])
 def test_baseline_programs_are_predicted_by_propagation(model, kind):
     """search=False with a baseline's shardings predicts the hand-written program XLA compiles:

@@ -149,3 +149,42 @@ def test_fsdp_weight_with_data_parallel_batch_is_no_conflict():
     with warnings.catch_warnings():
         warnings.simplefilter("error", ShardingConflictWarning)
         _complete(lambda x, w: (x @ w).sum(), (X, W), [P("data"), P("data")])
+
+
+def test_fsdp_weight_is_gathered_where_it_meets_the_batch():
+    """FSDP: the batch split over `data` and a weight split over `data` on its contracting dim.
+    As in XLA's propagation, the batch split crosses the dot first (along its batch dim); the
+    weight's split would have to reach a contracting dim, which comes later and finds `data`
+    taken: the activation's features stay whole and the weight is gathered."""
+    g, specs, strats, prop = _complete(lambda x, w: jnp.tanh(x @ w), (X, W),
+                                       [P("data"), P("data")])
+    dot = next(n for n in g.nodes if n.prim == "dot_general")
+    assert str(specs[dot.outs[0]]) == "S(data)R"
+    assert [str(s) for s in strats[dot.id][prop.choice[dot.id]].in_specs] == ["S(data)R", "RR"]
+
+
+def test_the_larger_tensor_wins_a_conflict():
+    """Tied logits, `h @ table.T`: the batch is split over `model`, and so is the vocab of the
+    table, which is larger. As in XLA's propagation, the logits take the larger tensor's split
+    (the vocab) and the small activation is gathered."""
+    h, table = jnp.ones((8, 16)), jnp.ones((64, 16))
+    g, specs, strats, prop = _complete(lambda h, t: jnp.exp(h @ t.T), (h, table),
+                                       [P("model"), P("model")])
+    dot = next(n for n in g.nodes if n.prim == "dot_general")
+    assert str(specs[dot.outs[0]]) == "RS(model)"
+    assert str(strats[dot.id][prop.choice[dot.id]].in_specs[0]) == "RR"
+
+
+def test_splits_of_two_operands_merge_and_grow_back_into_them():
+    """The batch hinted over `data` and the features of the other operand over `model` meet at
+    a multiply: the product takes both splits, and the propagated tanh results grow into it
+    (checked against XLA's own propagation of the same jit: every value [2,4]), so each
+    operand is sliced, not gathered."""
+    def fn(x, y):
+        return jnp.tanh(x) * jnp.tanh(y)
+    g, specs, strats, prop = _complete(fn, (X, X), [P("data"), P(None, "model")])
+    assert _spec_of_prim(g, specs, "tanh") == ["S(data)S(model)"] * 2
+    mul = next(n for n in g.nodes if n.prim == "mul")
+    chosen = strats[mul.id][prop.choice[mul.id]]
+    assert str(chosen.out_specs[0]) == "S(data)S(model)"
+    assert [str(s) for s in chosen.in_specs] == ["S(data)S(model)"] * 2
