@@ -371,7 +371,10 @@ def _complete_sweeps(graph: Graph, strats, prop: Propagation, ties, axis_sizes: 
     consumers = graph.consumers()
     order = _post_order(graph)
     for level in Level:
-        allowed = [_allowed(strats[node.id], level) for node in graph.nodes]
+        memo: dict = {}
+        by_list: dict = {}  # one allowed list per strategy list, so the memo can key on it
+        allowed = [by_list.setdefault(id(strats[node.id]), _allowed(strats[node.id], level))
+                   for node in graph.nodes]
         dirs = [_directions(node, level, multi_use) for node in graph.nodes]
         # A broadcasting operand is crossed as a broadcast op: backward from PASS_THROUGH on,
         # forward only at ANY.
@@ -387,7 +390,7 @@ def _complete_sweeps(graph: Graph, strats, prop: Propagation, ties, axis_sizes: 
                     continue
                 for vid in _complete_visit(graph, node, strats[node.id], allowed[node.id],
                                            prop, dirs[node.id], axis_sizes, shut[node.id],
-                                           quiet[node.id]):
+                                           quiet[node.id], memo):
                     for n in [graph.producer[vid][0]] + [n for n, _ in consumers.get(vid, ())]:
                         if n not in queued:
                             stack.append(n)
@@ -421,7 +424,7 @@ def _post_order(graph: Graph) -> list[int]:
 
 def _complete_visit(graph: Graph, node: Node, strats: list[Strategy], allowed: list[int],
                     prop: Propagation, directions: tuple[bool, ...], axis_sizes: dict,
-                    shut=frozenset(), quiet=frozenset()) -> list[int]:
+                    shut=frozenset(), quiet=frozenset(), memo: dict | None = None) -> list[int]:
     """Complete mode: give ``node``'s free and propagated values (results if ``directions``
     holds True, forward; operands if it holds False, backward) the splits its fixed neighbours
     imply. Returns the values fixed. Operands at positions ``shut`` take no part; those at
@@ -434,13 +437,42 @@ def _complete_visit(graph: Graph, node: Node, strats: list[Strategy], allowed: l
     some strategy keeps it with those before, else dropped. Of the strategies keeping the kept
     splits, the one splitting the values it fixes least is taken (propagation moves shardings,
     it never invents one). A propagated sharding may grow by splits, it never loses one; a
-    user annotation never changes."""
+    user annotation never changes.
+
+    ``memo``: decisions by (strategy list, level's reach, the slots' specs): the copies of a
+    layer share a strategy list (``passes.strategies``) and, in a deep model, meet the same
+    specs, so each decision is made once."""
     slots = [("in", pos, vid) for pos, vid in _operands(node) if pos not in shut] + \
         [("out", k, vid) for k, vid in enumerate(node.outs)]
-    sides = {"out" if forward else "in" for forward in directions}
-    targets = [t for t in slots if t[0] in sides and t[2] not in prop.closed]
-    if not targets or not allowed:
+    key = None
+    if memo is not None:
+        key = (id(strats), id(allowed), directions, shut, quiet,
+               tuple((prop.specs.get(vid), vid in prop.closed) for _, _, vid in slots))
+        decision = memo.get(key)
+    if key is None or decision is None:
+        decision = _decide(graph, node, strats, allowed, prop, directions, axis_sizes, quiet,
+                           slots)
+        if key is not None:
+            memo[key] = decision
+    if not decision:
         return []
+    origin = _origin_of(node, prop.specs, prop.origins)
+    fixed = []
+    for n, new in decision:
+        vid, old = slots[n][2], prop.specs.get(slots[n][2])
+        if _splits_of(old or Spec.replicated(len(new.dims))) < _splits_of(new):
+            prop.fix(vid, new, prop.origins.get(vid, origin))
+            fixed.append(vid)
+    return fixed
+
+
+def _decide(graph: Graph, node: Node, strats, allowed, prop: Propagation, directions,
+            axis_sizes, quiet, slots) -> tuple:
+    """:func:`_complete_visit`'s decision: (slot index, spec) of each value it grows."""
+    sides = {"out" if forward else "in" for forward in directions}
+    targets = [(n, t) for n, t in enumerate(slots) if t[0] in sides and t[2] not in prop.closed]
+    if not targets or not allowed:
+        return ()
     elementwise = node.prim in UNARY_AND_NARY
     constraints = sorted(
         (-math.prod(graph.values[vid].shape),
@@ -449,20 +481,19 @@ def _complete_visit(graph: Graph, node: Node, strats: list[Strategy], allowed: l
         if vid in prop.specs and not (side == "in" and pos in quiet)
         for d, axes in enumerate(prop.specs[vid].dims) for i, axis in enumerate(axes))
     if not constraints:
-        return []
+        return ()
     fits = allowed
     for _, _, _, d, _, side, pos, axis in constraints:
         kept = [i for i in fits if axis in _spec_of(strats[i], side, pos).dims[d]]
         fits = kept or fits
-    best = min(fits, key=lambda i: (_new_splits(strats[i], targets), strats[i].cost_s, i))
-    origin = _origin_of(node, prop.specs, prop.origins)
-    fixed = []
-    for side, pos, vid in targets:
+    target_slots = [t for _, t in targets]
+    best = min(fits, key=lambda i: (_new_splits(strats[i], target_slots), strats[i].cost_s, i))
+    decision = []
+    for n, (side, pos, vid) in targets:
         new, old = _spec_of(strats[best], side, pos), prop.specs.get(vid)
         if _splits_of(old or Spec.replicated(len(new.dims))) < _splits_of(new):
-            prop.fix(vid, new, prop.origins.get(vid, origin))
-            fixed.append(vid)
-    return fixed
+            decision.append((n, new))
+    return tuple(decision)
 
 
 def find_conflicts(graph: Graph, strats, prop: Propagation, labels: dict[int, str]
