@@ -21,7 +21,7 @@ from passes.dedup import node_keys, structural_colors, tie_groups
 from passes.emit import build_flat_fn
 from passes.ir import Graph
 from passes.memory_budget import input_labels
-from passes.propagate import best_of, propagate
+from passes.propagate import best_of, propagate, propagated_plans
 from passes.remat import RematPolicy, rematerialize, residual_bytes
 from passes.solve import Groups, MemoryBudgetWarning, Solution, over_budget_error, solve
 from passes.strategies import MeshContext, Strategy, build_strategies
@@ -187,10 +187,17 @@ def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
            ilp_stats: dict) -> Solution:
     """The ILP's plan, then the best of it and the propagated candidates."""
     graph = traced.graph
+    seeds = {}
+    for name, leaf_specs in (o.seeds_of(traced) if o.seeds_of else {}).items():
+        seeds[name] = {graph.input_nodes[i]: spec for i, spec in enumerate(leaf_specs)
+                       if spec is not None}
+    o.progress(f"propagating {len(seeds) + bool(labels)} candidate plans")
+    candidates = propagated_plans(graph, strats, o.mesh_ctx, labels, ties, seeds)
     o.progress(f"solving the ILP over {len(groups.members)} groups "
                f"({len(graph.nodes)} nodes before coarsening)")
     solution = solve(graph, strats, groups, o.mesh_ctx, time_limit_s=o.time_limit_s,
-                     memory_budget_bytes=o.memory_budget_bytes, progress=o.progress)
+                     memory_budget_bytes=o.memory_budget_bytes,
+                     warm=list(candidates.values()), progress=o.progress)
     ilp_stats.update(ilp_edges_before=solution.edges_before, ilp_edges=solution.edges_after,
                      memory_rows=solution.memory_rows,
                      memory_budget_bytes=o.memory_budget_bytes)
@@ -198,14 +205,10 @@ def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
                f"constraints, {solution.edges_after} edge classes "
                f"({solution.edges_before} edges); {solution.status} in "
                f"{solution.solve_time_s:.2f}s")
-    seeds = {}
-    for name, leaf_specs in (o.seeds_of(traced) if o.seeds_of else {}).items():
-        seeds[name] = {graph.input_nodes[i]: spec for i, spec in enumerate(leaf_specs)
-                       if spec is not None}
-    if labels or seeds:
-        o.progress(f"comparing the ILP's plan with {len(seeds) + bool(labels)} propagated ones")
+    if candidates:
+        o.progress(f"comparing the ILP's plan with {len(candidates)} propagated ones")
         solution, ilp_stats["candidates_step_s"] = best_of(
-            solution, graph, strats, o.mesh_ctx, labels, ties, seeds, o.memory_budget_bytes)
+            solution, graph, strats, o.mesh_ctx, candidates, o.memory_budget_bytes)
     return solution
 
 

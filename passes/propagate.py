@@ -646,33 +646,39 @@ def propagate(graph: Graph, strats: list[list[Strategy]], mesh: MeshContext,
     return prop
 
 
-def best_of(solution, graph: Graph, strats, mesh: MeshContext, labels: dict[int, str],
-            ties=(), seeds: dict[str, dict[int, Spec]] | None = None,
+def propagated_plans(graph: Graph, strats, mesh: MeshContext, labels: dict[int, str], ties=(),
+                     seeds: dict[str, dict[int, Spec]] | None = None) -> dict[str, list[int]]:
+    """Candidate plans beside the ILP's: the complete propagation of the annotations (when
+    there are any), and with each of ``seeds`` (name -> input node id -> spec: a hand-written
+    baseline's input shardings, say) added under them. The ILP's clustering, its per-edge
+    pricing and its time limit can miss a plan that propagation from a good start finds; the
+    ILP starts from the best of these (``passes.solve``'s warm start) and :func:`best_of`
+    compares them with its plan."""
+    plans = {}
+    for name, extra in ([("propagated", None)] if labels else []) + [
+            (f"propagated ({name})", extra) for name, extra in (seeds or {}).items()]:
+        plans[name] = propagate(graph, strats, mesh, labels, ties, complete=True, warn=False,
+                                extra=extra).choice
+    return plans
+
+
+def best_of(solution, graph: Graph, strats, mesh: MeshContext, candidates: dict[str, list[int]],
             memory_budget_bytes: float | None = None):
-    """The plan predicted fastest among the ILP's ``solution`` and the complete propagation
-    plans of the annotations, alone and with each of ``seeds`` (name -> input node id -> spec:
-    a hand-written baseline's input shardings, say) added under them. A candidate must fit
-    ``memory_budget_bytes``. The ILP's clustering, its per-edge pricing and its time limit can
-    miss a plan that propagation from a good start finds; so with annotations, search never
-    does worse than ``search=False``, and it never does worse than the seeds' plans, all by
-    the estimate (``cost_model.estimate``). Returns (solution, predicted step time per
-    candidate name)."""
+    """The plan predicted fastest among the ILP's ``solution`` and ``candidates`` (name ->
+    plan, :func:`propagated_plans`), by the estimate (``cost_model.estimate``); a plan that
+    fits ``memory_budget_bytes`` first. So with annotations, search never does worse than
+    ``search=False``, and never worse than the seeds' plans. Returns (solution, predicted step
+    time per candidate name)."""
     def predicted(choice):
         return estimate(graph, strats, choice, mesh, plan_collectives(graph, strats, choice, mesh))
 
-    candidates = {}
-    if labels:
-        candidates["propagated"] = None
-    for name, extra in (seeds or {}).items():
-        candidates[f"propagated ({name})"] = extra
     times = {solution.status: predicted(solution.choice).step_time_s}
-    best, best_s = solution, times[solution.status]
-    for name, extra in candidates.items():
-        choice = propagate(graph, strats, mesh, labels, ties, complete=True, warn=False,
-                           extra=extra).choice
+    best, best_key = solution, (not solution.fits_budget, times[solution.status])
+    for name, choice in candidates.items():
         e = predicted(choice)
         times[name] = e.step_time_s
         fits = memory_budget_bytes is None or e.peak_memory_bytes <= memory_budget_bytes
-        if fits and e.step_time_s < best_s:
-            best, best_s = dataclasses.replace(solution, choice=choice, status=name), e.step_time_s
+        if (not fits, e.step_time_s) < best_key:
+            best = dataclasses.replace(solution, choice=choice, status=name, fits_budget=fits)
+            best_key = (not fits, e.step_time_s)
     return best, times

@@ -103,6 +103,7 @@ class IlpBuilder:
         # (group u, group w, u's class keys, w's class keys) -> [classes, classes, R]: edges
         # between the same two groups and classes share their e variables (see _transport).
         self._pending: dict = {}
+        self.transports: list[tuple] = []  # every e block: (first var, Q, groups, keys, classes)
 
     def _new_vars(self, k: int, integer: bool) -> int:
         start = self.n
@@ -226,6 +227,7 @@ class IlpBuilder:
     def _add_transport(self, gu, gw, src_keys, dst_keys, src_classes, dst_classes, R) -> None:
         P, Q = len(src_classes), len(dst_classes)
         e0 = self._new_vars(P * Q, False)
+        self.transports.append((e0, Q, gu, gw, src_keys, dst_keys, src_classes, dst_classes))
         self.cost[e0:e0 + P * Q] = R.ravel().tolist()
         src_idx = {c: p for p, c in enumerate(src_classes)}
         dst_idx = {c: q for q, c in enumerate(dst_classes)}
@@ -236,6 +238,27 @@ class IlpBuilder:
         for j, b in enumerate(dst_keys):
             rows_q[dst_idx[b]][self.offset[gw] + j] = -1.0
         self.rows += [(r, 0.0, 0.0) for r in rows_p + rows_q]
+
+    def point(self, choice: list[int]) -> np.ndarray | None:
+        """The ILP's variables for a plan (a strategy per node) made elsewhere (a propagated
+        one): each group takes the index of its first member that has the plan's strategy, its
+        other members follow as the group maps them, and each e block takes the pair of classes
+        the two groups fall in. A feasible point, so its objective bounds the optimum; None
+        when some group holds no member's strategy."""
+        x = np.zeros(self.n)
+        picked = {}
+        for g, members in self.groups.members.items():
+            i = next((int(np.flatnonzero(self.groups.index_map[m] == choice[m])[0])
+                      for m in members if (self.groups.index_map[m] == choice[m]).any()), None)
+            if i is None:
+                return None
+            picked[g] = i
+            x[self.offset[g] + i] = 1.0
+        for e0, Q, gu, gw, src_keys, dst_keys, src_classes, dst_classes in self.transports:
+            p = src_classes.index(src_keys[picked[gu]])
+            q = dst_classes.index(dst_keys[picked[gw]])
+            x[e0 + p * Q + q] = 1.0
+        return x
 
     def matrices(self):
         data, ri, ci, lb, ub = [], [], [], [], []
@@ -250,12 +273,22 @@ class IlpBuilder:
         return np.array(self.cost), A, np.array(lb), np.array(ub), np.array(self.integer)
 
 
-def _milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: float = 1e-3):
+def _milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: float = 1e-3,
+          cutoff: float | None = None):
+    """HiGHS through scipy. ``cutoff``: an objective some plan is known to reach (a warm
+    start): HiGHS's ``objective_bound`` option, which prunes every branch that cannot beat it;
+    scipy passes it through verbatim, with a RuntimeWarning that says so."""
+    options = {"time_limit": time_limit_s, "disp": bool(os.environ.get("AUTOPAR_HIGHS_LOG")),
+               "mip_rel_gap": gap}
+    if cutoff is not None:
+        options["objective_bound"] = cutoff
     start = time.perf_counter()
-    res = scipy.optimize.milp(
-        c, integrality=integer, bounds=scipy.optimize.Bounds(0, 1 if upper is None else upper),
-        constraints=scipy.optimize.LinearConstraint(A, lb, ub),
-        options={"time_limit": time_limit_s, "disp": bool(os.environ.get("AUTOPAR_HIGHS_LOG")), "mip_rel_gap": gap})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
+        res = scipy.optimize.milp(
+            c, integrality=integer,
+            bounds=scipy.optimize.Bounds(0, 1 if upper is None else upper),
+            constraints=scipy.optimize.LinearConstraint(A, lb, ub), options=options)
     return res, time.perf_counter() - start
 
 
@@ -270,17 +303,27 @@ def _choice_of(x, graph: Graph, groups: Groups, offset: dict[int, int]) -> list[
 
 def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
           time_limit_s: float = 60.0, memory_budget_bytes: float | None = None,
-          progress=lambda msg: None) -> Solution:
-    """The ILP's plan. With ``memory_budget_bytes``, a plan over the budget is refitted
-    (:func:`_fit_budget`). When none fits, the plan without the budget, marked
-    ``fits_budget=False`` (:func:`over_budget_error` says why)."""
+          warm: list[list[int]] = (), progress=lambda msg: None) -> Solution:
+    """The ILP's plan. ``warm``: plans made elsewhere (propagated ones) to start from: the
+    best objective among them is HiGHS's cutoff (:func:`_milp`), and when the solver finds
+    nothing better in its time limit, that plan is the solution (status "warm start"). With
+    ``memory_budget_bytes``, a plan over the budget is refitted (:func:`_fit_budget`). When
+    none fits, the plan without the budget, marked ``fits_budget=False``
+    (:func:`over_budget_error` says why)."""
     builder = IlpBuilder(graph, strats, groups, mesh)
     builder.add_groups()
     builder.add_node_costs()
     builder.add_edges()
     c, A, lb, ub, integer = builder.matrices()
-    res, took = _milp(c, A, lb, ub, integer, time_limit_s)
-    progress(f"ILP: {took:.2f}s, {res.message}")
+    start = _warm_start(builder, c, warm)
+    cutoff = None if start is None else start[1] * (1 + 1e-6) + 1e-9
+    res, took = _milp(c, A, lb, ub, integer, time_limit_s, cutoff=cutoff)
+    progress(f"ILP: {took:.2f}s, {res.message}"
+             + ("" if cutoff is None else f" (warm start: cutoff {start[1]:.1f} us)"))
+    if start is not None and (res.x is None or c @ res.x > start[1]):
+        # nothing better than the warm start
+        res = scipy.optimize.OptimizeResult(x=start[0], fun=start[1], status=1,
+                                            message="warm start")
     if res.status == 2:  # infeasible: pins are the only hard constraints
         raise InfeasiblePlanError(
             "no sharding plan satisfies the pinned shardings: two hints or "
@@ -318,8 +361,19 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
 def _solution(res, graph, strats, groups, mesh, builder: IlpBuilder, took: float) -> Solution:
     choice = _choice_of(res.x, graph, groups, builder.offset)
     _inputs_take_their_slices(graph, strats, groups, mesh, choice)
-    return Solution(choice, float(res.fun), "optimal" if res.status == 0 else "time_limit",
-                    builder.n, len(builder.rows), took, *builder.edge_counts())
+    status = ("optimal" if res.status == 0 else
+              "warm start" if res.message == "warm start" else "time_limit")
+    return Solution(choice, float(res.fun), status, builder.n, len(builder.rows), took,
+                    *builder.edge_counts())
+
+
+def _warm_start(builder: IlpBuilder, c: np.ndarray, plans) -> tuple[np.ndarray, float] | None:
+    """(point, objective) of the best of ``plans`` the ILP can take, or None."""
+    points = [x for x in (builder.point(p) for p in plans) if x is not None]
+    if not points:
+        return None
+    best = min(points, key=lambda x: float(c @ x))
+    return best, float(c @ best)
 
 
 #: Penalty solves of :func:`_fit_budget` before it falls back to memory rows as constraints,

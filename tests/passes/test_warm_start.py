@@ -1,0 +1,47 @@
+"""The ILP starts from the propagated plans: their best objective is HiGHS's cutoff, and when
+the solver finds nothing better in its time limit, that plan is the solution."""
+
+import numpy as np
+
+from examples.models import gpt
+from passes.cluster import cluster
+from passes.propagate import propagated_plans
+from passes.solve import IlpBuilder, solve
+from passes.spec import Spec
+from tests.passes.test_propagate import _setup
+
+
+def _candidates():
+    """The TINY GPT step on (2, 4), its ILP groups, and the plan propagated from the batch
+    split over `data` (data parallelism)."""
+    fn, args = gpt.make_train_step(gpt.TINY, abstract=True)
+    _, graph, strats, mesh, _ = _setup(fn, args)
+    groups = cluster(graph, strats, mesh)
+    batch = {n: Spec((("data",),) + ((),) * (graph.values[graph.nodes[n].outs[0]].rank - 1))
+             for n in graph.input_nodes[-2:]}
+    return graph, strats, mesh, groups, propagated_plans(graph, strats, mesh, {}, (),
+                                                         {"x": batch})
+
+
+def test_a_propagated_plan_is_a_point_of_the_ilp():
+    graph, strats, mesh, groups, plans = _candidates()
+    builder = IlpBuilder(graph, strats, groups, mesh)
+    builder.add_groups()
+    builder.add_node_costs()
+    builder.add_edges()
+    c, A, lb, ub, _ = builder.matrices()
+    x = builder.point(plans["propagated (x)"])
+    assert x is not None
+    assert np.all(A @ x >= lb - 1e-9) and np.all(A @ x <= ub + 1e-9)  # feasible
+    best = solve(graph, strats, groups, mesh)
+    assert best.objective_us <= c @ x + 1e-6
+
+
+def test_nothing_better_in_time_keeps_the_warm_start():
+    graph, strats, mesh, groups, plans = _candidates()
+    start = plans["propagated (x)"]
+    tiny = solve(graph, strats, groups, mesh, time_limit_s=1e-3, warm=[start])
+    assert tiny.status == "warm start"
+    assert np.isfinite(tiny.objective_us)
+    full = solve(graph, strats, groups, mesh, warm=[start])
+    assert full.status == "optimal" and full.objective_us <= tiny.objective_us + 1e-6
