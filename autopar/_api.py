@@ -45,22 +45,28 @@ def _state_ties(traced) -> list[tuple[int, int]]:
 
 
 def _baseline_seeds(example_args, jax_mesh, sizes):
-    """seeds_of for run_pipeline: kind -> a Spec per flat input leaf, the input shardings of
-    each hand-written baseline that applies to these arguments."""
-    def of(traced) -> dict:
-        seeds = {}
-        for kind in baseline_kinds(jax_mesh, example_args):
-            try:
-                tree = baseline_shardings(kind, example_args, jax_mesh,
-                                          **baseline_kwargs(jax_mesh, kind))
-            except ArgumentError:  # the arguments or the mesh do not suit this baseline
-                continue
-            specs = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
-            if len(specs) != len(traced.in_avals):  # boxed (flax metadata) arguments
-                return {}
-            seeds[kind] = [to_spec(s, a.shape, sizes, f"the {kind} baseline")
-                           for s, a in zip(specs, traced.in_avals)]
-        return seeds
+    """seeds_of for run_pipeline: (kind -> a Spec per flat input leaf, the input shardings of
+    each hand-written baseline that applies to these arguments; the same for data
+    parallelism over each single mesh axis of a mesh with several, "batch over <axis>")."""
+    def specs_of(traced, kind, name, **kwargs):
+        try:
+            tree = baseline_shardings(kind, example_args, jax_mesh, **kwargs)
+        except ArgumentError:  # the arguments or the mesh do not suit this baseline
+            return None
+        specs = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        if len(specs) != len(traced.in_avals):  # boxed (flax metadata) arguments
+            return None
+        return [to_spec(s, a.shape, sizes, f"the {name} baseline")
+                for s, a in zip(specs, traced.in_avals)]
+
+    def of(traced) -> tuple[dict, dict]:
+        seeds = {kind: specs_of(traced, kind, kind, **baseline_kwargs(jax_mesh, kind))
+                 for kind in baseline_kinds(jax_mesh, example_args)}
+        axes = jax_mesh.axis_names if len(jax_mesh.axis_names) > 1 else ()
+        batch = {f"batch over {a}": specs_of(traced, "dp", f"batch over {a}", batch_axes=(a,))
+                 for a in axes}
+        return ({k: v for k, v in seeds.items() if v is not None},
+                {k: v for k, v in batch.items() if v is not None})
     return of
 
 
@@ -117,10 +123,13 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
       axis_level_overrides: e.g. ``{"data": "dcn"}``: which interconnect a mesh axis crosses.
       baseline_seeds: also plan by propagation from each hand-written baseline's input
         shardings that applies (data parallel, FSDP, Megatron, expert parallel; see
-        ``autopar.baselines``), under the annotations, and keep whichever plan, the ILP's or
-        one of these, is predicted fastest (``plan.stats["candidates_step_s"]`` lists them).
-        The ILP prices a resharding per consuming edge and runs under a time limit, so on
-        large or 3-D meshes propagation from a good start can beat it.
+        ``autopar.baselines``), under the annotations: the ILP starts from the best of these
+        (a warm start: HiGHS's cutoff), and whichever plan, the ILP's or one of these, is
+        predicted fastest is kept (``plan.stats["candidates_step_s"]`` lists them). When the
+        ILP does not finish in its time limit, data parallelism over each single mesh axis is
+        tried the same way (which axis carries the batch). The ILP prices a resharding per
+        consuming edge and runs under a time limit, so on large or 3-D meshes propagation
+        from a good start can beat it.
       remat: True: when no sharding plan fits the memory budget, let the planner
         rematerialize layers of a train step (``passes.remat``: as ``jax.checkpoint`` with the
         ``dots_saveable`` policy, else ``nothing_saveable``): the fewest layers, largest

@@ -187,12 +187,13 @@ def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
            ilp_stats: dict) -> Solution:
     """The ILP's plan, then the best of it and the propagated candidates."""
     graph = traced.graph
-    seeds = {}
-    for name, leaf_specs in (o.seeds_of(traced) if o.seeds_of else {}).items():
-        seeds[name] = {graph.input_nodes[i]: spec for i, spec in enumerate(leaf_specs)
-                       if spec is not None}
+
+    def by_node(seeds: dict) -> dict:
+        return {name: {graph.input_nodes[i]: spec for i, spec in enumerate(leaf_specs)
+                       if spec is not None} for name, leaf_specs in seeds.items()}
+    seeds, batch_seeds = o.seeds_of(traced) if o.seeds_of else ({}, {})
     o.progress(f"propagating {len(seeds) + bool(labels)} candidate plans")
-    candidates = propagated_plans(graph, strats, o.mesh_ctx, labels, ties, seeds)
+    candidates = propagated_plans(graph, strats, o.mesh_ctx, labels, ties, by_node(seeds))
     o.progress(f"solving the ILP over {len(groups.members)} groups "
                f"({len(graph.nodes)} nodes before coarsening)")
     solution = solve(graph, strats, groups, o.mesh_ctx, time_limit_s=o.time_limit_s,
@@ -205,6 +206,13 @@ def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
                f"constraints, {solution.edges_after} edge classes "
                f"({solution.edges_before} edges); {solution.status} in "
                f"{solution.solve_time_s:.2f}s")
+    if solution.status != "optimal" and batch_seeds:
+        # The ILP weighs every mesh axis for the batch, but did not finish: try each one
+        # outside it, by propagation.
+        o.progress(f"the ILP did not finish: propagating the batch over each of "
+                   f"{len(batch_seeds)} mesh axes")
+        candidates.update(propagated_plans(graph, strats, o.mesh_ctx, labels, ties,
+                                           by_node(batch_seeds), annotations_alone=False))
     if candidates:
         o.progress(f"comparing the ILP's plan with {len(candidates)} propagated ones")
         solution, ilp_stats["candidates_step_s"] = best_of(

@@ -647,15 +647,16 @@ def propagate(graph: Graph, strats: list[list[Strategy]], mesh: MeshContext,
 
 
 def propagated_plans(graph: Graph, strats, mesh: MeshContext, labels: dict[int, str], ties=(),
-                     seeds: dict[str, dict[int, Spec]] | None = None) -> dict[str, list[int]]:
+                     seeds: dict[str, dict[int, Spec]] | None = None,
+                     annotations_alone: bool = True) -> dict[str, list[int]]:
     """Candidate plans beside the ILP's: the complete propagation of the annotations (when
-    there are any), and with each of ``seeds`` (name -> input node id -> spec: a hand-written
-    baseline's input shardings, say) added under them. The ILP's clustering, its per-edge
+    there are any, and ``annotations_alone``), and with each of ``seeds`` (name -> input node
+    id -> spec: a hand-written baseline's input shardings, say) added under them. The ILP's clustering, its per-edge
     pricing and its time limit can miss a plan that propagation from a good start finds; the
     ILP starts from the best of these (``passes.solve``'s warm start) and :func:`best_of`
     compares them with its plan."""
     plans = {}
-    for name, extra in ([("propagated", None)] if labels else []) + [
+    for name, extra in ([("propagated", None)] if labels and annotations_alone else []) + [
             (f"propagated ({name})", extra) for name, extra in (seeds or {}).items()]:
         plans[name] = propagate(graph, strats, mesh, labels, ties, complete=True, warn=False,
                                 extra=extra).choice
