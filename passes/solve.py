@@ -348,7 +348,7 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
     progress(f"memory: the plan peaks at {peak / 2**20:.1f} MiB at node {t}, over the budget "
              f"of {budget.budget_bytes / 2**20:.1f} MiB")
     budget.cuts.append((t, copies))
-    fitted = _fit_budget(builder, budget, time_limit_s, solution.choice, progress)
+    fitted = _fit_budget(builder, budget, time_limit_s, solution.choice, took, progress)
     if fitted is None:
         return dataclasses.replace(solution, fits_budget=False, memory_rows=len(budget.cuts))
     choice, objective_us, took = fitted
@@ -376,27 +376,35 @@ def _warm_start(builder: IlpBuilder, c: np.ndarray, plans) -> tuple[np.ndarray, 
     return best, float(c @ best)
 
 
-#: Penalty solves of :func:`_fit_budget` before it falls back to memory rows as constraints,
-#: and the time limit of each: a penalized objective has many near-ties, and proving one
-#: optimal can take HiGHS far longer than finding it; the penalty is a heuristic anyway.
+#: Penalty solves of :func:`_fit_budget`, and the time limit of each, as a multiple of the
+#: plain solve's time (and at most PENALTY_TIME_LIMIT_S): a penalized objective has many
+#: near-ties, and proving one optimal can take HiGHS far longer than finding it; the penalty
+#: is a heuristic anyway.
 PENALTY_SOLVES = 8
+PENALTY_TIME_FACTOR = 2.0
 PENALTY_TIME_LIMIT_S = 5.0
 #: Solves that lower the penalty after the first plan that fits, for a faster one.
 PENALTY_REFINES = 2
 
 
 def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
-                start: list[int], progress):
+                start: list[int], start_s: float, progress):
     """(choice, objective in us, seconds) of the cheapest plan found that fits the budget,
-    or None. ``start``: the plan that ignores the budget.
+    or None. ``start``: the plan that ignores the budget, solved in ``start_s``.
 
-    By penalty (Lagrangian relaxation): minimize time + lam * (bytes live at the rows of
-    ``budget.cuts``, the nodes where earlier plans peaked), raising lam until the plan fits and
-    then bisecting it down, adding the row of every node a plan peaks at. Each solve is an
-    ordinary ILP, fast. A penalty may miss a plan that exists; then the plan of least peak
-    (:func:`_smallest_peak`), if it fits."""
+    First the plan of least peak (:func:`_smallest_peak`, memory only): when even it does not
+    fit, no plan is found. Then faster ones, by penalty (Lagrangian relaxation): minimize
+    time + lam * (bytes live at the rows of ``budget.cuts``, the nodes where plans peaked),
+    raising lam until the plan fits and then bisecting it down, adding the row of every node
+    a plan peaks at. Each solve is an ordinary ILP, fast; a penalty may miss a plan that
+    exists, and then the least-peak plan is the answer."""
     g, strats, groups, mesh = builder.g, builder.strats, builder.groups, builder.mesh
     c, A, lb, ub, integer = builder.matrices()
+    t0 = time.perf_counter()
+    least, least_choice = _smallest_peak(g, strats, groups, mesh, budget, time_limit_s, start)
+    progress(f"least peak found: {least / 2**20:.1f} MiB")
+    if least > budget.budget_bytes:
+        return None
 
     def penalty() -> np.ndarray:
         p = np.zeros(builder.n)
@@ -414,12 +422,13 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
             budget.cuts.append((t, copies))
         return peak
 
-    best, total, last_peak = None, 0.0, float("inf")
+    best, total, last_peak = None, time.perf_counter() - t0, float("inf")
     refine = PENALTY_REFINES
     lam, lo, hi = max(float(np.abs(c).sum()), 1.0), 0.0, None  # lam in us per budget
     for _ in range(PENALTY_SOLVES):
         res, took = _milp(c + lam * penalty(), A, lb, ub, integer,
-                          min(time_limit_s, PENALTY_TIME_LIMIT_S), gap=MEMORY_GAP)
+                          min(time_limit_s, PENALTY_TIME_LIMIT_S,
+                              max(1.0, PENALTY_TIME_FACTOR * start_s)), gap=MEMORY_GAP)
         total += took
         if res.x is None:
             break
@@ -447,14 +456,8 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
             lam = (max(lo, hi / 64) * hi) ** 0.5
     if best is not None:
         return _choice_of(best.x, g, groups, builder.offset), float(c @ best.x), total
-    # The least peak the ILP finds (memory only, see _smallest_peak): slower, and no faster
-    # plan is looked for, but it fits whenever a penalty failed to find a plan that does.
-    t0 = time.perf_counter()
-    peak, choice = _smallest_peak(g, strats, groups, mesh, budget, time_limit_s, start)
-    progress(f"least peak found: {peak / 2**20:.1f} MiB")
-    if peak > budget.budget_bytes:
-        return None
-    return choice, float("nan"), total + time.perf_counter() - t0
+    x = builder.point(least_choice)
+    return least_choice, float("nan") if x is None else float(c @ x), total
 
 
 def _smallest_peak(graph: Graph, strats, groups: Groups, mesh: MeshContext,
@@ -462,14 +465,17 @@ def _smallest_peak(graph: Graph, strats, groups: Groups, mesh: MeshContext,
                    ) -> tuple[int, list[int]]:
     """(peak, choice) of the plan with the least peak found: minimize M over the memory rows
     (each <= M), starting from the rows of ``budget.cuts`` and the one where plan ``start``
-    peaks, and adding the row where each plan found peaks, as long as that lowers the peak."""
+    peaks, and adding (to ``budget.cuts``) the row where each plan found peaks, as long as
+    that lowers the peak."""
     b = IlpBuilder(graph, strats, groups, mesh)
     b.add_groups()
     m = b._new_vars(1, False)
     b.cost[m] = 1.0
     best: tuple[int, list[int]] | None = None
     _, t, copies = plan_peak(graph, strats, start, mesh)
-    cuts = list(dict.fromkeys([(t, copies)] + budget.cuts))
+    cuts = budget.cuts  # the rows found here serve the caller's later solves too
+    if (t, copies) not in cuts:
+        cuts.append((t, copies))
     for _ in range(MAX_ROUNDS):
         b.rows = b.rows[:len(groups.sizes)] + [
             ({**budget.row(t, b.offset), m: -1.0}, -np.inf, budget.rhs(copies) - 1.0)
