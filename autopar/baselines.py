@@ -213,11 +213,16 @@ def _param_spec(
     return PartitionSpec()
 
 
-def _common_suffix(a: tuple, b: tuple) -> int:
-    n = 0
-    while n < len(a) and n < len(b) and a[-1 - n] == b[-1 - n]:
-        n += 1
-    return n
+def _mirrored_spec(names: tuple, shape: tuple, by_suffix: dict) -> PartitionSpec | None:
+    """The spec of the parameter whose key path shares the longest suffix with ``names`` and
+    has ``shape`` (the first such parameter on a tie), when that suffix has at least two keys
+    (or all of ``names``); else None. ``by_suffix``: key-path suffix -> [(shape, spec)] of
+    the parameters ending with it, in order."""
+    for n in range(len(names), 0, -1):
+        for pshape, pspec in by_suffix.get(names[-n:], ()):
+            if pshape == shape:
+                return pspec if n >= min(2, len(names)) else None
+    return None
 
 
 def baseline_shardings(
@@ -255,7 +260,7 @@ def baseline_shardings(
     args = tuple(args)
 
     # Parameters: args[0] (when there is more than the batch).
-    param_specs: dict[tuple, tuple[tuple, PartitionSpec]] = {}
+    by_suffix: dict[tuple, list[tuple[tuple, PartitionSpec]]] = {}
     specs: list[Any] = []
     if len(args) >= 2:
         flat, treedef = jax.tree_util.tree_flatten_with_path(args[0])
@@ -264,7 +269,8 @@ def baseline_shardings(
             names = leaf_names(path)
             shape = tuple(getattr(leaf, "shape", ()))
             spec = _param_spec(kind, names, shape, batch, model, expert)
-            param_specs[names] = (shape, spec)
+            for n in range(1, len(names) + 1):
+                by_suffix.setdefault(names[-n:], []).append((shape, spec))
             leaves.append(spec)
         specs.append(jax.tree_util.tree_unflatten(treedef, leaves))
 
@@ -275,19 +281,10 @@ def baseline_shardings(
         for path, leaf in flat:
             names = leaf_names(path)
             shape = tuple(getattr(leaf, "shape", ()))
-            best, best_len = None, 0
-            for pnames, (pshape, pspec) in param_specs.items():
-                if pshape != shape:
-                    continue
-                n = _common_suffix(names, pnames)
-                if n > best_len:
-                    best, best_len = pspec, n
             if kind is Baseline.FSDP:
                 spec = _fsdp_spec(shape, batch)
-            elif best is not None and best_len >= min(2, len(names)):
-                spec = best
             else:
-                spec = PartitionSpec()
+                spec = _mirrored_spec(names, shape, by_suffix) or PartitionSpec()
             leaves.append(spec)
         specs.append(jax.tree_util.tree_unflatten(treedef, leaves))
 
