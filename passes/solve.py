@@ -56,7 +56,8 @@ MEMORY_GAP = 5e-2
 
 
 class SolverFallbackWarning(UserWarning):
-    """The ILP found no solution in its time limit; a greedy plan is used instead."""
+    """The ILP found no solution in its time limit (a greedy plan is used instead), or none
+    better than its warm start (that plan is used)."""
 
 
 class MemoryBudgetWarning(UserWarning):
@@ -321,8 +322,15 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
     progress(f"ILP: {took:.2f}s, {res.message}"
              + ("" if cutoff is None else f" (warm start: cutoff {start[1]:.1f} us)"))
     if start is not None and (res.x is None or c @ res.x > start[1]):
-        # nothing better than the warm start
-        res = scipy.optimize.OptimizeResult(x=start[0], fun=start[1], status=1,
+        # Nothing better than the warm start: proven (infeasible under the cutoff), or not
+        # found in time.
+        proven = res.status == 2
+        if not proven:
+            warnings.warn(f"autopar: the ILP found no plan better than the propagated one in "
+                          f"{time_limit_s:.0f}s ({res.message}); using that plan. Raise "
+                          "`time_limit_s` for a better one.", SolverFallbackWarning,
+                          stacklevel=3)
+        res = scipy.optimize.OptimizeResult(x=start[0], fun=start[1], status=0 if proven else 1,
                                             message="warm start")
     if res.status == 2:  # infeasible: pins are the only hard constraints
         raise InfeasiblePlanError(
@@ -362,7 +370,7 @@ def _solution(res, graph, strats, groups, mesh, builder: IlpBuilder, took: float
     choice = _choice_of(res.x, graph, groups, builder.offset)
     _inputs_take_their_slices(graph, strats, groups, mesh, choice)
     status = ("optimal" if res.status == 0 else
-              "warm start" if res.message == "warm start" else "time_limit")
+              "warm start" if res.message == "warm start" else "time_limit")  # not proven
     return Solution(choice, float(res.fun), status, builder.n, len(builder.rows), took,
                     *builder.edge_counts())
 

@@ -2,11 +2,12 @@
 the solver finds nothing better in its time limit, that plan is the solution."""
 
 import numpy as np
+import pytest
 
 from examples.models import gpt
 from passes.cluster import cluster
 from passes.propagate import propagated_plans
-from passes.solve import IlpBuilder, solve
+from passes.solve import IlpBuilder, SolverFallbackWarning, solve
 from passes.spec import Spec
 from tests.passes.test_propagate import _setup
 
@@ -40,7 +41,8 @@ def test_a_propagated_plan_is_a_point_of_the_ilp():
 def test_nothing_better_in_time_keeps_the_warm_start():
     graph, strats, mesh, groups, plans = _candidates()
     start = plans["propagated (x)"]
-    tiny = solve(graph, strats, groups, mesh, time_limit_s=1e-3, warm=[start])
+    with pytest.warns(SolverFallbackWarning, match="no plan better than the propagated"):
+        tiny = solve(graph, strats, groups, mesh, time_limit_s=1e-3, warm=[start])
     assert tiny.status == "warm start"
     assert np.isfinite(tiny.objective_us)
     full = solve(graph, strats, groups, mesh, warm=[start])
