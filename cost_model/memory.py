@@ -125,7 +125,8 @@ def _op(node, prims) -> bool:
 
 
 def library_fusions(graph: Graph, users: dict[int, list]) -> dict[int, int]:
-    """node -> the library fusion (named by its first dot or reduction) XLA:CPU puts it in.
+    """node -> the library fusion XLA:CPU puts it in (named by the dot or reduction that
+    starts it).
 
     Each dot and reduction, from the end of the program up, starts a fusion that grows up over
     an operand's producer when every reader of that producer is already in the fusion (it
@@ -235,11 +236,10 @@ def temporaries(graph: Graph, cpu: bool, results=frozenset()) -> list[Buffer]:
     users = consumers(graph)
     fusions = library_fusions(graph, users) if cpu else None
     last = last_uses(graph, users, fusions)
-    end = len(graph.nodes)
     out = [Buffer(vid, node.id, last.get(vid, node.id))
            for node in graph.nodes if node.kind not in (NodeKind.INPUT, NodeKind.OUTPUT)
            for vid in materialized(graph, node, users, fusions) if vid not in results]
-    return out + _f32_dot_copies(graph, users, fusions) if cpu else out
+    return (out + _f32_dot_copies(graph, users, fusions)) if cpu else out
 
 
 def _f32_dot_copies(graph, users, fusions) -> list[Buffer]:
