@@ -7,50 +7,73 @@ Three kinds of buffers make up a device's memory during one call:
 * **results**, in the specs the program returns them in: a result made in that spec is
   written straight into its output buffer; one resharded on its way out is a temporary, and
   its resharded copy is the output;
-* **temporaries**: every other value XLA materializes, live from the node that makes it to
-  its last use, plus an operand's resharded copy from the first node that wants it in that
-  spec to the last (XLA makes it once).
+* **temporaries** (:func:`temporaries`): every other value XLA materializes, live from the
+  node that makes it to its last use, plus an operand's resharded copy from the first node
+  that wants it in that spec to the last (XLA makes it once). A copy that only slices each
+  device's block further needs no collective and is fused into its reader (not into a dot or
+  reduction); the first operand of an in-place op (scatter, dynamic update) is its result's
+  buffer.
 
-XLA fuses elementwise chains: a value made by an elementwise (or broadcast/reshape-like) op
-whose every consumer is also such an op never reaches memory, and neither do iotas and
-broadcasts of scalars. Dots, reductions, gathers, scatters, collectives and the like are
-materialized.
+Which values XLA keeps (:func:`materialized`). It fuses elementwise chains: a value made by an
+elementwise (or broadcast/reshape-like) op whose every consumer is also such an op is
+recomputed in each consumer, not kept, and neither are iotas and broadcasts of scalars; the
+values it is computed from then live until those consumers run (:func:`last_uses`). An
+expensive op (exp, tanh, rsqrt, ...) is not recomputed: read by several consumers, it is kept
+(the gelu's tanh, read by the forward pass and by its derivative). Dots, reductions, gathers,
+scatters, collectives and the like are kept.
+
+XLA:CPU hands dots and reductions to library (YNNPACK) fusions (:func:`library_fusions`),
+which grow over the elementwise ops around them but never duplicate one: a value a library
+fusion reads while another consumer reads it too is kept, whatever made it (the layer norm's
+``rsqrt * scale`` read by the forward pass and by a reduction of the backward pass). A dot's
+bias add and other single-reader epilogues join its fusion. XLA:CPU also computes 16-bit float
+dots in float32: an operand read by dots in different fusions gets one float32 copy, kept
+from the first of them to the last (a bf16 weight, an activation read by the forward dot and
+the backward one), beside any 16-bit value other readers keep.
 
 How results are held depends on the backend. On GPU and TPU a result's buffer is live from
-when it is made, so the peak is the largest sum of live buffers at any node. XLA:CPU allocates
-the arguments, the results and one temp arena for the whole call (``results_held=True``; the
-planner sets it when the mesh is on CPU, as it does for XLA:CPU's other differences), so its
-footprint is arguments + results + the peak of live temporaries. Loop bodies count once, as
-XLA keeps one iteration live.
+when it is made, so the peak is the largest sum of live buffers at any node. XLA:CPU
+allocates the arguments, the results and one temp arena for the whole call (``results_held=
+True``; the planner sets it when the mesh is on CPU, and the library fusions and float32 dot
+copies come with it), so its footprint is arguments + results + the arena. Its buffer
+assignment puts a temporary in a result's buffer when the temporary dies before the result is
+written and fits in it (largest first, :func:`not_in_outputs`), so only the other temporaries
+make up the arena: in a train step most of the updated parameters and optimizer state are
+written at the end, and their buffers hold much of the forward pass's activations. Donated
+outputs are argument buffers, which hold their argument until it is last read, so they take
+no temporaries (on the (2, 4) GPT step, donating params and optimizer state makes XLA:CPU
+alias all 278 MiB of outputs, as the model does, but its temp arena grows by about as much).
+Loop bodies count once, as XLA keeps one iteration live.
 
 What XLA:CPU's numbers hold (jax 0.10.2, read from its buffer assignment): its
 ``memory_analysis().peak_memory_in_bytes`` is arguments + outputs only, so the compiled peak
 is taken as arguments + outputs - aliased + the temp arena (``cost_model.hlo.
 compiled_peak_bytes``). Arguments and outputs match this model exactly (the output size also
-holds the result tuple's 8-byte pointers). Two things XLA:CPU does are not modelled, and they
-pull in opposite directions:
+holds the result tuple's 8-byte pointers).
 
-* it computes 16-bit float dots in float32, so f32 copies of bf16 operands and f32 dot results
-  sit in the temp arena beside the bf16 values (on the (2, 4) MoE step: f32 logits
-  ``[4, 512, 8192]`` and f32 expert activations), which GPU and TPU do not make: the model
-  counts fewer temporaries than XLA:CPU keeps;
-* its buffer assignment places temporaries in output buffers before their results are
-  written, so not every live temporary adds to the footprint: the model counts more.
+Checked against the compiled programs (predicted vs compiled peak): the tests' GPT, BERT, MLP
+and MoE train steps planned by autopar at realistic shapes on 1-D and 2-D meshes within 10%
+(``tests/cost_model/test_estimate.py`` bounds it at 15%); the data-parallel, Megatron and FSDP
+programs of a GPT and single-device GPTs within 18% (``tests/cost_model/
+test_memory_compiled.py``, 20%). What is left out, and why:
 
-Donated outputs are argument buffers, which hold their argument until it is last read, so they
-cannot take temporaries: on the (2, 4) GPT step, donating params and optimizer state makes
-XLA:CPU alias all 278 MiB of outputs, as the model does, but its temp arena grows from 554 to
-810 MiB, so its footprint drops by 2%, not by the 25% the model predicts: the model's 524 MiB
-of temporaries fall well short of what XLA:CPU keeps once it cannot borrow output buffers.
-On GPU and TPU a donated buffer's saving is real, and the model takes it.
-
-Without donation, checked against the compiled programs of the tests' GPT, BERT, MoE and MLP
-train steps at realistic shapes on 1-D and 2-D meshes, the prediction is within 10% (from 9%
-under on the (2, 4) MoE step to 9% over on the MLP, whose temporaries all fit in its output
-buffers; tests/cost_model/test_estimate.py bounds it at 15%).
+* XLA:CPU also keeps full-size broadcasts that a backward reduction fusion shares with the
+  forward pass: the layer norm's ``rsqrt`` and ``scale`` broadcast to the activation's shape
+  (two activation-sized buffers per layer norm besides their product, which the model
+  counts), and the softmax's denominator broadcast to the scores' shape. On the float32 GPT
+  (17% under) and the (2, 4) Megatron step (14% under: 27 activation-sized float32 buffers
+  for 9 layer norms, where the model counts 9) it keeps them all; in the data-parallel and
+  autopar-planned bfloat16 programs it keeps a third to two thirds of the layer norm's and
+  none of the softmax's. Which ones depends on XLA's algebraic rewrites and CSE, which the
+  graph does not show, and counting them all puts those programs 15-35% over.
 """
 
 from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import jax.numpy as jnp
 
 from passes.ir import Graph, NodeKind, recomputable
 from passes.rules.elementwise import UNARY_AND_NARY
@@ -59,6 +82,25 @@ from passes.spec import local_bytes
 #: Ops XLA fuses into their consumers when those are fusible too.
 FUSIBLE = frozenset(UNARY_AND_NARY) | {
     "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "iota"}
+#: Fusible ops XLA does not recompute in each consumer (its fusion duplicates only cheap ops):
+#: one read by several consumers is kept.
+EXPENSIVE = frozenset({"exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "rsqrt",
+                       "sqrt", "cbrt", "erf", "erfc", "erf_inv", "pow", "atan2", "lgamma",
+                       "digamma"})
+#: Ops that start an XLA:CPU library (YNNPACK) fusion: a dot or a reduction, grown over the
+#: elementwise ops around it (:func:`library_fusions`).
+LIBRARY = frozenset({"dot_general", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
+#: Ops a library fusion can take in besides its dots and reductions: YNNPACK's arithmetic,
+#: broadcasts and reshapes (no selects, comparisons or transposes).
+LIBRARY_ELEMENTWISE = frozenset({
+    "add", "add_any", "sub", "mul", "div", "max", "min", "pow", "integer_pow", "square", "neg",
+    "abs", "sign", "floor", "ceil", "round", "exp", "expm1", "log", "log1p", "logistic",
+    "rsqrt", "sqrt", "cbrt", "tanh", "sin", "cos", "convert_element_type",
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
+#: Ops XLA runs in place: the result is written into the first operand's buffer (its resharded
+#: copy, where the plan reshards it), so that copy is no buffer of its own.
+IN_PLACE = frozenset({"scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul",
+                      "scatter-min", "scatter-max", "dynamic_update_slice"})
 #: Ops whose result is their operand's buffer (an optimization barrier, one node per operand):
 #: no new buffer, but the operand's lives until the result's last use.
 ALIASING = frozenset({"optimization_barrier"})
@@ -78,25 +120,141 @@ def consumers(graph: Graph) -> dict[int, list]:
     return users
 
 
-def last_uses(graph: Graph, users: dict[int, list]) -> dict[int, int]:
-    """value -> the last node that reads it or, through :data:`ALIASING` ops, its buffer."""
+def _op(node, prims) -> bool:
+    return node.kind is NodeKind.OP and node.prim in prims
+
+
+def library_fusions(graph: Graph, users: dict[int, list]) -> dict[int, int]:
+    """node -> the library fusion XLA:CPU puts it in (named by the dot or reduction that
+    starts it).
+
+    Each dot and reduction, from the end of the program up, starts a fusion that grows up over
+    an operand's producer when every reader of that producer is already in the fusion (it
+    never duplicates a producer) and down over its only reader; two fusions that meet merge.
+    """
+    fusion: dict[int, int] = {}
+    for start in reversed(graph.nodes):
+        if not _op(start, LIBRARY) or start.id in fusion:
+            continue
+        members = {start.id}
+        fusion[start.id] = start.id
+        grown = True
+        while grown:
+            grown = False
+            for m in sorted(members):
+                node = graph.nodes[m]
+                for vid in node.ins:
+                    if vid is None or vid not in graph.producer:
+                        continue
+                    p = graph.nodes[graph.producer[vid][0]]
+                    if (p.id not in fusion and _op(p, LIBRARY_ELEMENTWISE)
+                            and not recomputable(graph, p)
+                            and all(u.id in members for o in p.outs for u in users.get(o, ()))):
+                        members.add(p.id)
+                        fusion[p.id] = start.id
+                        grown = True
+                readers = [u for o in node.outs for u in users.get(o, ())]
+                if len(node.outs) == 1 and len(readers) == 1:
+                    r = readers[0]
+                    if r.id in members or not _op(r, LIBRARY_ELEMENTWISE | LIBRARY):
+                        continue
+                    if r.id in fusion:  # another library fusion below: merge it
+                        other = fusion[r.id]
+                        for n, f in list(fusion.items()):
+                            if f == other:
+                                fusion[n] = start.id
+                                members.add(n)
+                    else:
+                        fusion[r.id] = start.id
+                        members.add(r.id)
+                    grown = True
+    return fusion
+
+
+def materialized(graph: Graph, node, users: dict[int, list], fusions=None) -> list[int]:
+    """The values of ``node`` that XLA keeps in memory. ``fusions``: XLA:CPU's library
+    fusions (:func:`library_fusions`); without them, the fusion rules of GPU and TPU."""
+    if node.prim == "iota" or node.prim in ALIASING or recomputable(graph, node):
+        return []  # fused into the consumers, or an operand's buffer
+    if node.kind is not NodeKind.OP:
+        return list(node.outs)
+    out = []
+    for vid in node.outs:
+        readers = users.get(vid, ())
+        if fusions is not None and node.id in fusions:
+            keep = any(fusions.get(u.id) != fusions[node.id] for u in readers)
+        elif node.prim in FUSIBLE:
+            keep = (any(not _op(u, FUSIBLE) or (fusions is not None and u.id in fusions)
+                        for u in readers)
+                    or (node.prim in EXPENSIVE and len(readers) > 1))
+        else:
+            keep = True
+        if keep:
+            out.append(vid)
+    return out
+
+
+def last_uses(graph: Graph, users: dict[int, list], fusions=None) -> dict[int, int]:
+    """value -> the last node that reads it or, through :data:`ALIASING` ops, its buffer, or
+    through a value XLA does not keep, recomputes from it."""
     last = {vid: max(u.id for u in us) for vid, us in users.items()}
     for node in reversed(graph.nodes):
         if node.prim in ALIASING:
             for vin, vout in zip(node.ins, node.outs):
                 last[vin] = max(last.get(vin, node.id), last.get(vout, node.id))
+        elif node.kind is NodeKind.OP:
+            kept = materialized(graph, node, users, fusions)
+            reach = max((last[v] for v in node.outs if v not in kept and v in last),
+                        default=None)
+            if reach is not None:
+                for vin in node.ins:
+                    if vin is not None:
+                        last[vin] = max(last.get(vin, node.id), reach)
     return last
 
 
-def materialized(graph: Graph, node, users: dict[int, list]) -> list[int]:
-    """The values of ``node`` that XLA keeps in memory."""
-    if node.prim == "iota" or node.prim in ALIASING or recomputable(graph, node):
-        return []  # fused into the consumers, or an operand's buffer
-    if node.kind is NodeKind.OP and node.prim in FUSIBLE:
-        return [vid for vid in node.outs
-                if not all(u.kind is NodeKind.OP and u.prim in FUSIBLE
-                           for u in users.get(vid, ()))]
-    return list(node.outs)
+@dataclass(frozen=True)
+class Buffer:
+    """A temporary: ``scale`` times the bytes of value ``vid`` in its spec, live from node
+    ``born`` to node ``dies``."""
+    vid: int
+    born: int
+    dies: int
+    scale: float = 1.0
+
+
+def _is_16bit_float(dtype) -> bool:
+    try:
+        return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
+    except TypeError:  # extended dtypes such as PRNG keys
+        return False
+
+
+def temporaries(graph: Graph, cpu: bool, results=frozenset()) -> list[Buffer]:
+    """Every buffer XLA materializes besides the arguments, ``results`` (held for the whole
+    call) and resharded operand copies (:func:`copy_spans`)."""
+    users = consumers(graph)
+    fusions = library_fusions(graph, users) if cpu else None
+    last = last_uses(graph, users, fusions)
+    out = [Buffer(vid, node.id, last.get(vid, node.id))
+           for node in graph.nodes if node.kind not in (NodeKind.INPUT, NodeKind.OUTPUT)
+           for vid in materialized(graph, node, users, fusions) if vid not in results]
+    return (out + _f32_dot_copies(graph, users, fusions)) if cpu else out
+
+
+def _f32_dot_copies(graph, users, fusions) -> list[Buffer]:
+    """XLA:CPU computes 16-bit float dots in float32: each such operand gets an f32 copy, one
+    per value, kept from the first dot reading it to the last when the dots are in different
+    fusions (in one fusion the conversion is fused in)."""
+    out = []
+    for vid, readers in users.items():
+        if not _is_16bit_float(graph.values[vid].dtype):
+            continue
+        dots = [u for u in readers if _op(u, {"dot_general"})]
+        if len({fusions.get(u.id) for u in dots}) > 1:
+            out.append(Buffer(vid, min(u.id for u in dots), max(u.id for u in dots),
+                              4 / graph.values[vid].itemsize))
+    return out
 
 
 def peak_memory_bytes(graph: Graph, value_specs: dict, axis_sizes, donated=frozenset(),
@@ -141,9 +299,6 @@ def memory_timeline(graph: Graph, value_specs: dict, axis_sizes, donated=frozens
                     results_held: bool = False, operand_specs: dict | None = None
                     ) -> tuple[int, list[int]]:
     """(bytes held for the whole call, bytes of the other live buffers at each node)."""
-    users = consumers(graph)
-    last_use = last_uses(graph, users)
-
     def size(vid, spec=None):
         return value_bytes(graph, vid, value_specs[vid] if spec is None else spec, axis_sizes)
 
@@ -151,63 +306,100 @@ def memory_timeline(graph: Graph, value_specs: dict, axis_sizes, donated=frozens
     # A result returned in the spec it is made in is written straight into its output buffer;
     # one resharded on the way out is a temporary, and the resharded copy is the output.
     in_place = {vid for _, vid, spec in results if spec == value_specs[vid]}
-    copies_out = {n: size(vid, spec) for n, vid, spec in results if spec != value_specs[vid]}
     inputs = [(n, v) for n in graph.input_nodes for v in graph.nodes[n].outs]
     kept_args = sum(size(v) for n, v in inputs if n not in donated)
     donated_args = sum(size(v) for n, v in inputs if n in donated)
+    end = len(graph.nodes)
+    spans = []  # (born, dies, bytes)
     if results_held:
         held = kept_args + max(sum(size(v, spec) for _, v, spec in results), donated_args)
     else:
         held = kept_args + donated_args
-    end = len(graph.nodes)
-    live = 0
-    timeline = []
-    frees: dict[int, int] = {}
-    for node in graph.nodes:
-        if node.kind is NodeKind.OUTPUT:
-            if not results_held:  # the resharded copy is live from here to the end
-                live += copies_out.get(node.id, 0)
-        elif node.kind is not NodeKind.INPUT:
-            for vid in materialized(graph, node, users):
-                if results_held and vid in in_place:
-                    continue
-                b = size(vid)
-                live += b
-                die = end if vid in in_place else last_use.get(vid, node.id)
-                frees[die] = frees.get(die, 0) + b
-        timeline.append(live)
-        live -= frees.pop(node.id, 0)
-    copies = resharded_copies_bytes(graph, value_specs, operand_specs, axis_sizes)
-    return held, [t + c for t, c in zip(timeline, copies)]
+        spans += [(graph.producer[v][0], end, size(v)) for v in in_place]
+        spans += [(n, end, size(v, spec)) for n, v, spec in results if v not in in_place]
+    spans += [(b.born, b.dies, int(b.scale * size(b.vid)))
+              for b in temporaries(graph, results_held, frozenset(in_place))]
+    spans += copy_spans(graph, value_specs, operand_specs, axis_sizes)
+    if results_held and not donated:
+        made = [(graph.producer[v][0] if v in in_place else n, size(v, spec))
+                for n, v, spec in results]
+        spans = not_in_outputs(spans, made)
+    return held, running_sum(spans, end)
 
 
-def resharded_copies_bytes(graph: Graph, value_specs: dict, operand_specs: dict | None,
-                           axis_sizes) -> list[int]:
-    """Per node, the bytes of operand copies resharded for the nodes that want them and live
-    there. XLA makes one copy per (value, spec) and keeps it from its first reader to its last
-    (the all-gather of a sharded weight in the forward pass serves the backward pass too); a
-    broadcast of a scalar is rebuilt at each reader instead. A result's copy is its output
-    buffer, counted with the results."""
-    delta = [0] * (len(graph.nodes) + 1)
+def running_sum(spans, end: int) -> list[int]:
+    delta = [0] * (end + 1)
+    for born, dies, nbytes in spans:
+        delta[born] += nbytes
+        delta[min(dies, end - 1) + 1] -= nbytes
+    out, live = [], 0
+    for d in delta[:-1]:
+        live += d
+        out.append(live)
+    return out
+
+
+def not_in_outputs(spans, outputs) -> list:
+    """The temporaries XLA:CPU's buffer assignment does not place in a result's buffer before
+    the result is written: largest first, each into the first result buffer (largest first)
+    that holds it, is written after it dies, and holds nothing else then."""
+    slots = sorted(outputs, key=lambda o: -o[1])
+    taken: list[list] = [[] for _ in slots]  # sorted (born, dies) per result buffer
+    left = []
+    for span in sorted(spans, key=lambda s: -s[2]):
+        born, dies, nbytes = span
+        placed = False
+        for (made, cap), iv in zip(slots, taken):
+            if nbytes > cap:
+                break
+            if dies >= made:
+                continue
+            k = bisect.bisect_left(iv, (born, dies))
+            if (k > 0 and iv[k - 1][1] >= born) or (k < len(iv) and iv[k][0] <= dies):
+                continue
+            iv.insert(k, (born, dies))
+            placed = True
+            break
+        if not placed:
+            left.append(span)
+    return left
+
+
+def copy_spans(graph: Graph, value_specs: dict, operand_specs: dict | None,
+               axis_sizes) -> list[tuple[int, int, int]]:
+    """(first reader, last reader, bytes) of each operand copy resharded for the nodes that
+    want it. XLA makes one copy per (value, spec) and keeps it from its first reader to its
+    last (the all-gather of a sharded weight in the forward pass serves the backward pass
+    too); a broadcast of a scalar is rebuilt at each reader instead. A result's copy is its
+    output buffer, counted with the results."""
     if not operand_specs:
-        return delta[:-1]
-    spans: dict = {}  # (value, spec) -> [first reader, last reader, bytes]
+        return []
+    spans: dict = {}
     for node in graph.nodes:
         if node.kind is NodeKind.OUTPUT or node.id not in operand_specs:
             continue
-        for vid, spec in zip(node.ins, operand_specs[node.id]):
+        for pos, (vid, spec) in enumerate(zip(node.ins, operand_specs[node.id])):
             if vid is None or spec is None or spec == value_specs[vid]:
                 continue
+            if pos == 0 and node.prim in IN_PLACE:
+                continue
+            if _slices(value_specs[vid], spec) and not _op(node, LIBRARY):
+                continue  # a local slice, which XLA fuses into the reader
             key = (vid, spec) if not graph.values[vid].recomputable else (vid, spec, node.id)
             span = spans.setdefault(key, [node.id, node.id, 0])
             span[1] = node.id
             span[2] = value_bytes(graph, vid, spec, axis_sizes)
-    for first, last, nbytes in spans.values():
-        delta[first] += nbytes
-        delta[last + 1] -= nbytes
-    out, running = [], 0
-    for d in delta[:-1]:
-        running += d
-        out.append(running)
-    return out
+    return [tuple(s) for s in spans.values()]
 
+
+def _slices(src, dst) -> bool:
+    """Whether resharding ``src`` to ``dst`` only cuts each device's block further (every
+    dimension's axes in ``src`` lead its axes in ``dst``): no collective, a local slice."""
+    return all(d[:len(s)] == s for s, d in zip(src.dims, dst.dims))
+
+
+def resharded_copies_bytes(graph: Graph, value_specs: dict, operand_specs: dict | None,
+                           axis_sizes) -> list[int]:
+    """Per node, the bytes of resharded operand copies live there (:func:`copy_spans`)."""
+    return running_sum(copy_spans(graph, value_specs, operand_specs, axis_sizes),
+                       len(graph.nodes))

@@ -7,7 +7,7 @@ strategy gives it. So "the bytes live at node t fit in the budget" is one linear
 the group variables:
 
     sum over values v held or live at t, over strategies i of v's producer group g:
-        s_g[i] * bytes(v in spec_i) <= budget - (resharded operand copies at t)
+        s_g[i] * bytes(v in spec_i) <= budget - (the plan's other bytes at t: resharded copies)
 
 A row per node would make the ILP as long as the program, so rows are added lazily (cutting
 planes): solve, evaluate the plan's peak with ``cost_model.memory.memory_timeline``, add the
@@ -17,8 +17,11 @@ When no plan fits, :func:`smallest_peak` solves for the plan of least peak (the 
 ``<= M``, minimizing M) and :func:`breakdown` says what its peak is made of, so
 ``InfeasiblePlanError`` can name the smallest peak and what dominates it.
 
-The liveness here mirrors ``cost_model.memory`` (which values XLA materializes, when they
-die); the peak that decides is always that module's.
+The liveness here is ``cost_model.memory``'s own (:func:`cost_model.memory.temporaries`: which
+values XLA materializes, its float32 copies of 16-bit dot operands, when each dies). What the
+rows cannot say linearly (resharded operand copies, and on XLA:CPU the temporaries its buffer
+assignment places in result buffers not yet written) is the plan's constant offset at that
+node (:func:`plan_peak`); the peak that decides is always ``cost_model.memory``'s.
 """
 
 from __future__ import annotations
@@ -26,9 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cost_model.estimate import value_specs
-from cost_model.memory import (consumers, last_uses, materialized, memory_timeline,
-                               resharded_copies_bytes, value_bytes)
-from passes.ir import Graph, NodeKind
+from cost_model.memory import Buffer, memory_timeline, temporaries, value_bytes
+from passes.ir import Graph
 
 #: Rounds of adding rows before giving up on a plan that keeps exceeding the budget.
 MAX_ROUNDS = 12
@@ -36,40 +38,35 @@ MAX_ROUNDS = 12
 
 @dataclass
 class Liveness:
-    """Which values are held for the whole call, and when the others live."""
+    """Which values are held for the whole call, and when the other buffers live."""
     held: list[int]                    # argument values, and results where results are held
-    born: dict[int, int]               # temporary value -> node making it
-    dies: dict[int, int]               # temporary value -> last node it is live at
+    buffers: list[Buffer]              # the temporaries (``cost_model.memory.temporaries``)
     results: set[int] = field(default_factory=set)
 
-    def live_at(self, t: int) -> list[int]:
-        return [v for v, b in self.born.items() if b <= t <= self.dies[v]]
+    def live_at(self, t: int) -> list[Buffer]:
+        return [b for b in self.buffers if b.born <= t <= b.dies]
 
 
 def liveness(graph: Graph, results_held: bool) -> Liveness:
-    users = consumers(graph)
-    last = last_uses(graph, users)
+    """The liveness ``cost_model.memory.memory_timeline`` prices, for a plan that returns every
+    result in the spec it is made in (a result made in place is held, or lives to the end)."""
     results = {graph.nodes[n].ins[0] for n in graph.output_nodes
                if graph.nodes[n].ins and graph.nodes[n].ins[0] is not None}
     held = [v for n in graph.input_nodes for v in graph.nodes[n].outs]
+    results -= set(held)
+    buffers = temporaries(graph, results_held, frozenset(results))
     if results_held:
-        held += sorted(results - set(held))
-    end = len(graph.nodes)
-    born, dies = {}, {}
-    for node in graph.nodes:
-        if node.kind is NodeKind.INPUT:
-            continue
-        for vid in materialized(graph, node, users):
-            if results_held and vid in results:
-                continue
-            born[vid] = node.id
-            dies[vid] = end if vid in results else last.get(vid, node.id)
-    return Liveness(held, born, dies, results)
+        held += sorted(results)
+    else:
+        end = len(graph.nodes) - 1
+        buffers += [Buffer(v, graph.producer[v][0], end) for v in sorted(results)]
+    return Liveness(held, buffers, results)
 
 
 def plan_peak(graph: Graph, strats, choice, mesh) -> tuple[int, int, int]:
-    """(peak bytes, node where it peaks, resharded-copy bytes at that node) of a plan, by
-    ``cost_model.memory``."""
+    """(peak bytes, node where it peaks, the bytes at that node the rows do not cover) of a
+    plan, by ``cost_model.memory``. The last is the peak less the plan's row at that node:
+    resharded operand copies, less what XLA:CPU places in result buffers not yet written."""
     specs = value_specs(graph, strats, choice)
     operand = {n.id: strats[n.id][choice[n.id]].in_specs for n in graph.nodes}
     held, live = memory_timeline(graph, specs, mesh.axis_sizes,
@@ -77,8 +74,14 @@ def plan_peak(graph: Graph, strats, choice, mesh) -> tuple[int, int, int]:
     if not live:
         return held, 0, 0
     t = max(range(len(live)), key=live.__getitem__)
-    copies = resharded_copies_bytes(graph, specs, operand, mesh.axis_sizes)[t]
-    return held + live[t], t, copies
+    lv = liveness(graph, mesh.results_held)
+
+    def size(vid):
+        return value_bytes(graph, vid, specs[vid], mesh.axis_sizes)
+
+    row_bytes = (sum(size(v) for v in lv.held)
+                 + sum(int(b.scale * size(b.vid)) for b in lv.live_at(t)))
+    return held + live[t], t, held + live[t] - row_bytes
 
 
 class BudgetRows:
@@ -104,14 +107,17 @@ class BudgetRows:
     def row(self, t: int, offset: dict[int, int]) -> dict[int, float]:
         """The bytes held or live at node t over the group variables (x budget)."""
         coefs: dict[int, float] = {}
-        for vid in self.live.held + self.live.live_at(t):
+        weighted = ([(vid, 1.0) for vid in self.live.held]
+                    + [(b.vid, b.scale) for b in self.live.live_at(t)])
+        for vid, scale in weighted:
             g, by_index = self._value_coefs(vid)
             for i, c in by_index.items():
-                coefs[offset[g] + i] = coefs.get(offset[g] + i, 0.0) + c
+                coefs[offset[g] + i] = coefs.get(offset[g] + i, 0.0) + scale * c
         return coefs
 
-    def rhs(self, copies_bytes: float) -> float:
-        return 1.0 - copies_bytes / self.budget_bytes
+    def rhs(self, offset_bytes: float) -> float:
+        """The row's bound, less the plan's bytes the row does not cover (:func:`plan_peak`)."""
+        return 1.0 - offset_bytes / self.budget_bytes
 
 
 def breakdown(graph: Graph, strats, choice, mesh, input_labels: list[str]
@@ -121,7 +127,7 @@ def breakdown(graph: Graph, strats, choice, mesh, input_labels: list[str]
     temporaries live at the peak."""
     specs = value_specs(graph, strats, choice)
     live = liveness(graph, mesh.results_held)
-    _, t, copies = plan_peak(graph, strats, choice, mesh)
+    _, t, offset = plan_peak(graph, strats, choice, mesh)
     parts: dict[str, int] = {}
 
     def size(vid):
@@ -133,7 +139,8 @@ def breakdown(graph: Graph, strats, choice, mesh, input_labels: list[str]
     held_results = [v for v in live.held if v not in inputs]
     if held_results:
         parts["results"] = sum(size(v) for v in held_results)
-    parts["activations and temporaries"] = sum(size(v) for v in live.live_at(t)) + copies
+    parts["activations and temporaries"] = (
+        sum(int(b.scale * size(b.vid)) for b in live.live_at(t)) + offset)
     return sorted(parts.items(), key=lambda kv: -kv[1])
 
 

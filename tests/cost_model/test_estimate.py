@@ -8,8 +8,7 @@ program's, peak memory within 15% of its peak (``cost_model.hlo.compiled_peak_by
 
 Measured on jax 0.10.2 (XLA:CPU, 8 simulated devices): wire bytes agree to 0.1%, flops
 within 1% (the estimate leaves out some scalar and elementwise flops), peak memory within 10%
-but on the (2, 4) MoE (a strict xfail below says why; see ``cost_model/memory.py`` for what the
-model counts and what it leaves out). Argument and
+(see ``cost_model/memory.py`` for what the model counts and what it leaves out). Argument and
 result bytes are exact, and XLA adds no collective the plan did not predict.
 """
 
@@ -40,14 +39,7 @@ def test_flops_match_compiled(case):
     assert case.plan.estimate.flops == pytest.approx(case.truth.flops, rel=0.10)
 
 
-def test_peak_memory_matches_compiled(case, request):
-    if request.node.callspec.id == "moe-2d":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "known gap: this plan keeps the logits vocab-sharded into the loss's "
-            "take_along_axis (a masked gather plus all-reduce, as XLA lowers it); XLA:CPU then "
-            "holds about 120 MiB more temporaries per device than the model counts (18% "
-            "under). Without that gather rule the model is within 8% here, but autopar "
-            "cannot plan vocab-parallel Megatron (benchmarks: 4-10% slower on 4x2 and 2x2x2)")))
+def test_peak_memory_matches_compiled(case):
     truth = case.truth
     assert truth.peak_memory_bytes > truth.argument_bytes + truth.output_bytes
     assert case.plan.estimate.peak_memory_bytes == pytest.approx(truth.peak_memory_bytes,
@@ -81,9 +73,10 @@ def test_donated_state_is_counted_once_as_xla_aliases_it():
     """Donating params and optimizer state (``donate_argnums=(0, 1)``) lets the new state take
     their buffers: the bytes the model holds for the whole call (arguments and results, the
     donated ones once) are what XLA allocates for them. XLA:CPU's temp arena grows by about
-    what donation saves (it had placed temporaries in those output buffers; see
-    ``cost_model/memory.py``), which the model does not follow: only the held part is checked
-    against the compiled program here."""
+    what donation saves, as the model has it: the temporaries it had placed in those result
+    buffers now need arena of their own (``cost_model/memory.py``), so the donated program's
+    peak is predicted as closely as the undonated one's, and donation saves far less than the
+    aliased bytes."""
     plan = autopar_case("gpt", "2d").plan
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
              for a, s in zip(plan._arg_avals, jax.tree_util.tree_leaves(plan.in_shardings))]
@@ -99,4 +92,5 @@ def test_donated_state_is_counted_once_as_xla_aliases_it():
                                                   - truth.alias_bytes)
     undonated = plan_peak_memory_bytes(graph, strats, choice, _sizes(plan), True)
     donated_peak = plan_peak_memory_bytes(graph, strats, choice, _sizes(plan), True, donated)
-    assert undonated - donated_peak == truth.alias_bytes  # the model saves what XLA aliases
+    assert donated_peak == pytest.approx(truth.peak_memory_bytes, rel=0.15)
+    assert abs(undonated - donated_peak) < 0.1 * truth.alias_bytes
