@@ -58,10 +58,9 @@ def _replicated(graph):
 def test_compiled_program_holds_less_and_recomputes():
     """On one device, compiled from ShapeDtypeStruct arguments: keeping fewer activations
     lowers XLA's temporaries (nothing_saveable below dots_saveable below none) and recomputes
-    (more flops). The memory model orders the three the same way; its absolute numbers for
-    these single-device programs are not checked here: XLA:CPU keeps more elementwise results
-    than it predicts (measured: 1329 / 616 / 296 MiB compiled against 649 / 521 / 201 MiB
-    predicted; see README, "Not yet")."""
+    (more flops). The memory model orders the three the same way, each within 25% (measured:
+    1329 / 616 / 296 MiB compiled against 1080 / 616 / 360 MiB predicted; what XLA:CPU keeps
+    that the model does not is in ``cost_model/memory.py``)."""
     fn, args = gpt.make_train_step(WIDE, abstract=True)
     traced = trace(fn, args)
     blocks = [k for k in remat_layers(traced) if k.startswith("block")]
@@ -76,6 +75,7 @@ def test_compiled_program_holds_less_and_recomputes():
         specs, operand = _replicated(t.graph)
         _, live = memory_timeline(t.graph, specs, {}, results_held=True, operand_specs=operand)
         temps[policy], flops[policy], predicted[policy] = truth.temp_bytes, truth.flops, max(live)
+        assert predicted[policy] == pytest.approx(temps[policy], rel=0.25), policy
     assert temps[RematPolicy.NOTHING] < 0.6 * temps[RematPolicy.DOTS]
     assert temps[RematPolicy.DOTS] < 0.6 * temps[None]
     assert flops[RematPolicy.NOTHING] > 1.1 * flops[None]
