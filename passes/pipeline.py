@@ -10,6 +10,8 @@ Pipeline stages and collective overlap are not in this version; see README.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -76,6 +78,7 @@ class _Options:
     seeds_of: object
     dedup_layers: bool
     memory_budget_bytes: float | None
+    explore: bool = False  # only whether a plan fits: no propagated candidates, no refitting
 
 
 def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
@@ -111,7 +114,8 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
     result = _plan(traced, opts)
     result.remat = remat_choice
     if not result.solution.fits_budget:
-        fitting = _remat_search(traced, opts) if remat and search and choice is None else None
+        fitting = (_remat_search(traced, opts, result.solution)
+                   if remat and search and choice is None else None)
         if fitting is not None:
             result = fitting
         else:
@@ -191,14 +195,15 @@ def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
     def by_node(seeds: dict) -> dict:
         return {name: {graph.input_nodes[i]: spec for i, spec in enumerate(leaf_specs)
                        if spec is not None} for name, leaf_specs in seeds.items()}
-    seeds, batch_seeds = o.seeds_of(traced) if o.seeds_of else ({}, {})
+    seeds, batch_seeds = o.seeds_of(traced) if o.seeds_of and not o.explore else ({}, {})
     o.progress(f"propagating {len(seeds) + bool(labels)} candidate plans")
     candidates = propagated_plans(graph, strats, o.mesh_ctx, labels, ties, by_node(seeds))
     o.progress(f"solving the ILP over {len(groups.members)} groups "
                f"({len(graph.nodes)} nodes before coarsening)")
     solution = solve(graph, strats, groups, o.mesh_ctx, time_limit_s=o.time_limit_s,
                      memory_budget_bytes=o.memory_budget_bytes,
-                     warm=list(candidates.values()), progress=o.progress)
+                     warm=list(candidates.values()), refine=not o.explore,
+                     progress=o.progress)
     ilp_stats.update(ilp_edges_before=solution.edges_before, ilp_edges=solution.edges_after,
                      memory_rows=solution.memory_rows,
                      memory_budget_bytes=o.memory_budget_bytes)
@@ -220,34 +225,44 @@ def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
     return solution
 
 
-def _remat_search(traced: Traced, o: _Options) -> PipelineResult | None:
+def _remat_search(traced: Traced, o: _Options, plain: Solution) -> PipelineResult | None:
     """The plan of the program with the fewest layers rematerialized, by the cheaper policy
     first, that fits the memory budget; None when even every layer does not make one fit.
-    Layers are taken largest residuals first; their number is found by bisection, since more
-    rematerialized layers only lower the peak."""
+    ``plain``: the solution without rematerialization (its least peak found).
+
+    Layers are taken largest residuals first. Exploring attempts only ask whether a plan fits
+    (the least peak, ``_Options.explore``): every layer first, then the number of layers the
+    two least peaks call for if each layer saves alike, grown by half until it fits; the
+    number found is planned in full."""
+    explore = dataclasses.replace(o, explore=True)
     for policy in (RematPolicy.DOTS, RematPolicy.NOTHING):
         saved = residual_bytes(traced, policy)
         order = sorted(saved, key=lambda name: -saved[name])
         if not order:
             return None
 
-        def attempt(k: int) -> PipelineResult:
+        def attempt(k: int, opts: _Options) -> PipelineResult:
             o.progress(f"rematerializing {k} of {len(order)} layers ({policy.value}) to fit "
                        "the memory budget")
-            result = _plan(rematerialize(traced, order[:k], policy), o)
+            result = _plan(rematerialize(traced, order[:k], policy), opts)
             result.remat = Remat(tuple(order[:k]), policy)
             return result
 
-        best = attempt(len(order))
-        if not best.solution.fits_budget:
+        every = attempt(len(order), explore)
+        if not every.solution.fits_budget:
             continue
-        lo, hi = 0, len(order)  # k = lo does not fit, k = hi does
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            result = attempt(mid)
-            if result.solution.fits_budget:
-                hi, best = mid, result
-            else:
-                lo = mid
-        return best
+        k = _layers_needed(plain.least_peak_bytes, every.solution.least_peak_bytes,
+                           o.memory_budget_bytes, len(order))
+        while k < len(order) and not attempt(k, explore).solution.fits_budget:
+            k = min(len(order), math.ceil(k * 1.5))
+        return attempt(k, o)
     return None
+
+
+def _layers_needed(none_peak, every_peak, budget, layers: int) -> int:
+    """How many of ``layers`` to rematerialize to bring the least peak from ``none_peak``
+    (none) to ``budget``, if each saves alike on the way to ``every_peak`` (all of them)."""
+    if none_peak is None or every_peak is None or none_peak <= every_peak:
+        return layers
+    per_layer = (none_peak - every_peak) / layers
+    return max(1, min(layers, math.ceil((none_peak - budget) / per_layer)))

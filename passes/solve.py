@@ -89,6 +89,7 @@ class Solution:
     edges_after: int = 0       # edge classes the ILP prices (passes.dedup)
     memory_rows: int = 0       # liveness rows the memory budget needed (passes.memory_budget)
     fits_budget: bool = True   # False: no plan found fits the memory budget (this one ignores it)
+    least_peak_bytes: float | None = None  # the least peak found, when the budget was refitted
 
 
 class IlpBuilder:
@@ -304,11 +305,13 @@ def _choice_of(x, graph: Graph, groups: Groups, offset: dict[int, int]) -> list[
 
 def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
           time_limit_s: float = 60.0, memory_budget_bytes: float | None = None,
-          warm: list[list[int]] = (), progress=lambda msg: None) -> Solution:
+          warm: list[list[int]] = (), refine: bool = True,
+          progress=lambda msg: None) -> Solution:
     """The ILP's plan. ``warm``: plans made elsewhere (propagated ones) to start from: the
     best objective among them is HiGHS's cutoff (:func:`_milp`), and when the solver finds
     nothing better in its time limit, that plan is the solution (status "warm start"). With
-    ``memory_budget_bytes``, a plan over the budget is refitted (:func:`_fit_budget`). When
+    ``memory_budget_bytes``, a plan over the budget is refitted (:func:`_fit_budget`;
+    ``refine=False``: to the least-peak plan only, which tells whether any plan fits). When
     none fits, the plan without the budget, marked ``fits_budget=False``
     (:func:`over_budget_error` says why)."""
     builder = IlpBuilder(graph, strats, groups, mesh)
@@ -356,14 +359,16 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
     progress(f"memory: the plan peaks at {peak / 2**20:.1f} MiB at node {t}, over the budget "
              f"of {budget.budget_bytes / 2**20:.1f} MiB")
     budget.cuts.append((t, copies))
-    fitted = _fit_budget(builder, budget, time_limit_s, solution.choice, took, progress)
+    least, fitted = _fit_budget(builder, budget, time_limit_s, solution.choice, took, refine,
+                                progress)
     if fitted is None:
-        return dataclasses.replace(solution, fits_budget=False, memory_rows=len(budget.cuts))
+        return dataclasses.replace(solution, fits_budget=False, memory_rows=len(budget.cuts),
+                                   least_peak_bytes=least)
     choice, objective_us, took = fitted
     _inputs_take_their_slices(graph, strats, groups, mesh, choice)
     return dataclasses.replace(solution, choice=choice, objective_us=objective_us,
                                solve_time_s=solution.solve_time_s + took,
-                               memory_rows=len(budget.cuts))
+                               memory_rows=len(budget.cuts), least_peak_bytes=least)
 
 
 def _solution(res, graph, strats, groups, mesh, builder: IlpBuilder, took: float) -> Solution:
@@ -396,9 +401,10 @@ PENALTY_REFINES = 2
 
 
 def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
-                start: list[int], start_s: float, progress):
-    """(choice, objective in us, seconds) of the cheapest plan found that fits the budget,
-    or None. ``start``: the plan that ignores the budget, solved in ``start_s``.
+                start: list[int], start_s: float, refine: bool, progress):
+    """(least peak found, (choice, objective in us, seconds) of the cheapest plan found that
+    fits the budget, or None). ``start``: the plan that ignores the budget, solved in
+    ``start_s``. ``refine=False``: the least-peak plan, no search for a faster one.
 
     First the plan of least peak (:func:`_smallest_peak`, memory only): when even it does not
     fit, no plan is found. Then faster ones, by penalty (Lagrangian relaxation): minimize
@@ -412,7 +418,11 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
     least, least_choice = _smallest_peak(g, strats, groups, mesh, budget, time_limit_s, start)
     progress(f"least peak found: {least / 2**20:.1f} MiB")
     if least > budget.budget_bytes:
-        return None
+        return least, None
+    if not refine:
+        x = builder.point(least_choice)
+        return least, (least_choice, float("nan") if x is None else float(c @ x),
+                       time.perf_counter() - t0)
 
     def penalty() -> np.ndarray:
         p = np.zeros(builder.n)
@@ -463,9 +473,9 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
         else:
             lam = (max(lo, hi / 64) * hi) ** 0.5
     if best is not None:
-        return _choice_of(best.x, g, groups, builder.offset), float(c @ best.x), total
+        return least, (_choice_of(best.x, g, groups, builder.offset), float(c @ best.x), total)
     x = builder.point(least_choice)
-    return least_choice, float("nan") if x is None else float(c @ x), total
+    return least, (least_choice, float("nan") if x is None else float(c @ x), total)
 
 
 def _smallest_peak(graph: Graph, strats, groups: Groups, mesh: MeshContext,
