@@ -1,8 +1,8 @@
 """The plan seen layer by layer, for the report: parameters, time and memory per layer.
 
-A layer is a top-level module of the parameters (``block_0``, ``embed``, ...), named by the
-first dict key of a parameter's pytree path. An operation belongs to the layer whose name
-appears first in its source path (``transpose(jvp(GPT))/block_0/mlp_in`` -> ``block_0``);
+A layer is a top-level module of the parameters (``block_0``, ``embed``, nnx ``layers[3]``,
+...), named by ``passes.remat.layer_of_path`` as rematerialization names it. An operation
+belongs to the layer whose name appears first in its source path (``transpose(jvp(GPT))/block_0/mlp_in`` -> ``block_0``);
 operations outside every layer (the loss, the optimizer's global steps) are ``other``.
 """
 
@@ -16,8 +16,8 @@ import jax
 from autopar._plan import _flat_donation
 from cost_model.estimate import value_specs
 from cost_model.memory import memory_timeline, value_bytes
+from passes.remat import layer_of_path
 
-_FIRST_KEY = re.compile(r"\['([^']+)'\]")
 OTHER = "other"
 
 
@@ -31,11 +31,6 @@ class LayerRow:
     comm_bytes: float = 0.0
     collectives: int = 0
     params: list[tuple[str, object]] = field(default_factory=list)  # (path, PartitionSpec)
-
-
-def layer_of_path(path: str) -> str | None:
-    m = _FIRST_KEY.search(path)
-    return m.group(1) if m else None
 
 
 def _past_arg_index(path: str) -> str:

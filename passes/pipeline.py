@@ -109,21 +109,22 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
                     choice, search, hint_labels_of, seeds_of, dedup_layers, memory_budget_bytes)
     if remat_choice is not None:
         layers = remat_choice.layers or tuple(residual_bytes(traced, remat_choice.policy))
-        remat_choice = Remat(layers, remat_choice.policy)
-        traced = rematerialize(traced, list(layers), remat_choice.policy)
+        remat_choice = Remat(layers, remat_choice.policy) if layers else None
+        if remat_choice is not None:
+            traced = rematerialize(traced, list(layers), remat_choice.policy)
     result = _plan(traced, opts)
     result.remat = remat_choice
     if not result.solution.fits_budget:
-        fitting = (_remat_search(traced, opts, result.solution)
-                   if remat and search and choice is None else None)
-        if fitting is not None:
+        searched = remat and search and choice is None
+        fitting = _remat_search(traced, opts, result.solution) if searched else None
+        if fitting is not None and fitting.solution.fits_budget:
             result = fitting
         else:
             error = over_budget_error(
                 result.graph, result.strats, result.groups, mesh_ctx, memory_budget_bytes,
                 input_labels(traced.in_tree), time_limit_s, result.solution.choice,
                 " (rematerializing every layer did not make one fit either)"
-                if remat and search and residual_bytes(traced, RematPolicy.NOTHING) else "")
+                if searched and residual_bytes(traced, RematPolicy.NOTHING) else "")
             if strict_budget:
                 raise error
             warnings.warn(f"autopar: {error} The plan below ignores the default budget.",

@@ -64,19 +64,18 @@ class _Recompute:
     residuals: tuple
 
 
-_INDEX = re.compile(r"^\[(\d+)\]")
-_KEY = re.compile(r"^\['([^']+)'\]|^\.([A-Za-z_]\w*)")
+_FIRST_KEY = re.compile(r"\['([^']+)'\](?:\[(\d+)\])?")
 
 
 def layer_of_path(path: str) -> str | None:
-    """The layer a parameter's path (inside the first argument) names: its first key, with a
-    following list index (``['layers'][3]['attn']...`` -> ``layers[3]``)."""
-    m = _KEY.match(path)
+    """The layer a parameter's key path names: its first dict key, with a list index right
+    after it (``['block_0']['attn']...`` -> ``block_0``; nnx ``['layers'][3]['attn']...`` ->
+    ``layers[3]``; a TrainState's ``.params['block_0']...`` -> ``block_0``). The report's
+    per-layer rows use the same layers (``autopar._layers``)."""
+    m = _FIRST_KEY.search(path)
     if m is None:
         return None
-    name, rest = m.group(1) or m.group(2), path[m.end():]
-    idx = _INDEX.match(rest)
-    return f"{name}[{idx.group(1)}]" if idx else name
+    return f"{m.group(1)}[{m.group(2)}]" if m.group(2) else m.group(1)
 
 
 def parameter_layers(in_tree) -> list[str | None]:
