@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 from typing import Any, Callable
 
 import jax
@@ -82,9 +83,12 @@ def _remat_option(remat) -> dict | None:
 
 
 def _progress(enabled: bool):
+    """Progress lines on stderr, each with the seconds since planning started."""
     if not enabled:
         return lambda msg: None
-    return lambda msg: print(f"[autopar] {msg}", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    return lambda msg: print(f"[autopar {time.perf_counter() - start:6.1f}s] {msg}",
+                             file=sys.stderr, flush=True)
 
 
 def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,

@@ -131,43 +131,45 @@ def library_fusions(graph: Graph, users: dict[int, list]) -> dict[int, int]:
     Each dot and reduction, from the end of the program up, starts a fusion that grows up over
     an operand's producer when every reader of that producer is already in the fusion (it
     never duplicates a producer) and down over its only reader; two fusions that meet merge.
+    The growth conditions only get truer as the fusion grows, so a worklist that visits every
+    new member once reaches the same fusion as repeated sweeps would.
     """
     fusion: dict[int, int] = {}
+    members_of: dict[int, list[int]] = {}
     for start in reversed(graph.nodes):
         if not _op(start, LIBRARY) or start.id in fusion:
             continue
         members = {start.id}
         fusion[start.id] = start.id
-        grown = True
-        while grown:
-            grown = False
-            for m in sorted(members):
-                node = graph.nodes[m]
-                for vid in node.ins:
-                    if vid is None or vid not in graph.producer:
-                        continue
-                    p = graph.nodes[graph.producer[vid][0]]
-                    if (p.id not in fusion and _op(p, LIBRARY_ELEMENTWISE)
-                            and not recomputable(graph, p)
-                            and all(u.id in members for o in p.outs for u in users.get(o, ()))):
-                        members.add(p.id)
-                        fusion[p.id] = start.id
-                        grown = True
-                readers = [u for o in node.outs for u in users.get(o, ())]
-                if len(node.outs) == 1 and len(readers) == 1:
-                    r = readers[0]
-                    if r.id in members or not _op(r, LIBRARY_ELEMENTWISE | LIBRARY):
-                        continue
-                    if r.id in fusion:  # another library fusion below: merge it
-                        other = fusion[r.id]
-                        for n, f in list(fusion.items()):
-                            if f == other:
-                                fusion[n] = start.id
-                                members.add(n)
-                    else:
-                        fusion[r.id] = start.id
-                        members.add(r.id)
-                    grown = True
+        members_of[start.id] = [start.id]
+        work = [start.id]
+
+        def add(n: int) -> None:
+            fusion[n] = start.id
+            members.add(n)
+            members_of[start.id].append(n)
+            work.append(n)
+
+        while work:
+            node = graph.nodes[work.pop()]
+            for vid in node.ins:
+                if vid is None or vid not in graph.producer:
+                    continue
+                p = graph.nodes[graph.producer[vid][0]]
+                if (p.id not in fusion and _op(p, LIBRARY_ELEMENTWISE)
+                        and not recomputable(graph, p)
+                        and all(u.id in members for o in p.outs for u in users.get(o, ()))):
+                    add(p.id)
+            readers = [u for o in node.outs for u in users.get(o, ())]
+            if len(node.outs) == 1 and len(readers) == 1:
+                r = readers[0]
+                if r.id in members or not _op(r, LIBRARY_ELEMENTWISE | LIBRARY):
+                    continue
+                if r.id in fusion:  # another library fusion below: merge it
+                    for n in members_of.pop(fusion[r.id]):
+                        add(n)
+                else:
+                    add(r.id)
     return fusion
 
 
@@ -233,13 +235,24 @@ def _is_16bit_float(dtype) -> bool:
 def temporaries(graph: Graph, cpu: bool, results=frozenset()) -> list[Buffer]:
     """Every buffer XLA materializes besides the arguments, ``results`` (held for the whole
     call) and resharded operand copies (:func:`copy_spans`)."""
-    users = consumers(graph)
-    fusions = library_fusions(graph, users) if cpu else None
-    last = last_uses(graph, users, fusions)
-    out = [Buffer(vid, node.id, last.get(vid, node.id))
-           for node in graph.nodes if node.kind not in (NodeKind.INPUT, NodeKind.OUTPUT)
-           for vid in materialized(graph, node, users, fusions) if vid not in results]
-    return (out + _f32_dot_copies(graph, users, fusions)) if cpu else out
+    values, copies = _buffers(graph, cpu)
+    return [b for b in values if b.vid not in results] + copies
+
+
+def _buffers(graph: Graph, cpu: bool) -> tuple[list[Buffer], list[Buffer]]:
+    """(a buffer per value XLA materializes, the float32 dot-operand copies): what
+    :func:`temporaries` reads from the graph alone, computed once per graph."""
+    key = ("memory.buffers", cpu)
+    if key not in graph.analyses:
+        users = consumers(graph)
+        fusions = library_fusions(graph, users) if cpu else None
+        last = last_uses(graph, users, fusions)
+        values = [Buffer(vid, node.id, last.get(vid, node.id))
+                  for node in graph.nodes if node.kind not in (NodeKind.INPUT, NodeKind.OUTPUT)
+                  for vid in materialized(graph, node, users, fusions)]
+        copies = _f32_dot_copies(graph, users, fusions) if cpu else []
+        graph.analyses[key] = (values, copies)
+    return graph.analyses[key]
 
 
 def _f32_dot_copies(graph, users, fusions) -> list[Buffer]:

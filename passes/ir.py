@@ -90,6 +90,9 @@ class Graph:
     region_nodes: dict[tuple, dict[str, list[int]]] = field(default_factory=dict)
     input_nodes: list[int] = field(default_factory=list)
     output_nodes: list[int] = field(default_factory=list)
+    # Analyses that read only the graph (liveness, fusions), memoized by name by the passes
+    # that compute them; a pass that changes the graph makes a new Graph.
+    analyses: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def new_value(self, shape, dtype) -> int:
         vid = len(self.values)

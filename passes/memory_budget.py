@@ -50,6 +50,13 @@ class Liveness:
 def liveness(graph: Graph, results_held: bool) -> Liveness:
     """The liveness ``cost_model.memory.memory_timeline`` prices, for a plan that returns every
     result in the spec it is made in (a result made in place is held, or lives to the end)."""
+    key = ("memory_budget.liveness", results_held)
+    if key not in graph.analyses:
+        graph.analyses[key] = _liveness(graph, results_held)
+    return graph.analyses[key]
+
+
+def _liveness(graph: Graph, results_held: bool) -> Liveness:
     results = {graph.nodes[n].ins[0] for n in graph.output_nodes
                if graph.nodes[n].ins and graph.nodes[n].ins[0] is not None}
     held = [v for n in graph.input_nodes for v in graph.nodes[n].outs]

@@ -370,16 +370,35 @@ def _complete_sweeps(graph: Graph, strats, prop: Propagation, ties, axis_sizes: 
     broadcasts = [_broadcast_operands(graph, node) for node in graph.nodes]
     consumers = graph.consumers()
     order = _post_order(graph)
+    # What _directions reads of a node, so that it runs once per kind of node and level.
+    kinds = [(node.kind, node.prim, _is_broadcast(node),
+              any(v in multi_use for _, v in _operands(node))) for node in graph.nodes]
+    neighbours = [[v for _, v in _operands(node)] + list(node.outs) for node in graph.nodes]
+    # A visit decides from the node's inputs below and its neighbours' specs alone, so a node
+    # whose inputs are as at its last visit and none of whose neighbours was fixed since is
+    # skipped: it would decide the same (this keeps deep models fast).
+    last_inputs: list = [None] * len(graph.nodes)
+    last_stamp = [-1] * len(graph.nodes)
+    memo: dict = {}
+    by_list: dict = {}  # one allowed list per strategy list and reach, so the memo can key on it
     for level in Level:
-        memo: dict = {}
-        by_list: dict = {}  # one allowed list per strategy list, so the memo can key on it
-        allowed = [by_list.setdefault(id(strats[node.id]), _allowed(strats[node.id], level))
-                   for node in graph.nodes]
-        dirs = [_directions(node, level, multi_use) for node in graph.nodes]
+        allowed = []
+        wide = level >= Level.ANY_BUT_BROADCAST_FORWARD
+        for node in graph.nodes:
+            key = (id(strats[node.id]), wide)
+            if key not in by_list:
+                by_list[key] = _allowed(strats[node.id], level)
+            allowed.append(by_list[key])
+        by_kind: dict = {}
+        for node, kind in zip(graph.nodes, kinds):
+            if kind not in by_kind:
+                by_kind[kind] = _directions(node, level, multi_use)
+        dirs = [by_kind[kind] for kind in kinds]
         # A broadcasting operand is crossed as a broadcast op: backward from PASS_THROUGH on,
         # forward only at ANY.
-        shut = [b if level < Level.PASS_THROUGH else frozenset() for b in broadcasts]
-        quiet = [b if level < Level.ANY else frozenset() for b in broadcasts]
+        none = frozenset()
+        shut = broadcasts if level < Level.PASS_THROUGH else [none] * len(broadcasts)
+        quiet = broadcasts if level < Level.ANY else [none] * len(broadcasts)
         stack = order[::-1]
         while stack:
             queued = set(stack)
@@ -388,6 +407,12 @@ def _complete_sweeps(graph: Graph, strats, prop: Propagation, ties, axis_sizes: 
                 queued.discard(node.id)
                 if not dirs[node.id]:
                     continue
+                inputs = (dirs[node.id], id(allowed[node.id]), shut[node.id], quiet[node.id])
+                if inputs == last_inputs[node.id] and all(
+                        prop.fixed_at.get(v, 0) <= last_stamp[node.id]
+                        for v in neighbours[node.id]):
+                    continue
+                last_inputs[node.id], last_stamp[node.id] = inputs, prop.stamp
                 for vid in _complete_visit(graph, node, strats[node.id], allowed[node.id],
                                            prop, dirs[node.id], axis_sizes, shut[node.id],
                                            quiet[node.id], memo):
@@ -546,30 +571,41 @@ def select(graph: Graph, strats, mesh: MeshContext, prop: Propagation, ties=()) 
             return fact.to_spec(rank, mesh.axis_names)
         return fact or actual.get(vid) or Spec.replicated(rank)
 
+    # Decisions by everything they read, shared by the copies of a layer (which share their
+    # strategy list, see passes.strategies).
+    memo: dict = {}
     for node in graph.nodes:
-        options = list(range(len(strats[node.id])))
-        if node.id in tied:
-            want = actual[graph.nodes[tied[node.id]].outs[0]]
-            options = [i for i in options if strats[node.id][i].in_specs[0] == want] or options
+        tie_want = actual[graph.nodes[tied[node.id]].outs[0]] if node.id in tied else None
         want_in = [(pos, vid, current(vid)) for pos, vid in _operands(node)]
         want_out = [(k, current(vid)) for k, vid in enumerate(node.outs)]
-        exact = [i for i in options
-                 if all(strats[node.id][i].in_specs[p] == sp for p, _, sp in want_in)
-                 and all(strats[node.id][i].out_specs[k] == sp for k, sp in want_out)]
-        if exact:
-            best = min(exact, key=lambda i: (strats[node.id][i].cost_s, i))
-        else:
-            if node.prim not in GATHER_SCATTER:
-                options = _in_result_spec(strats[node.id], options, want_out,
-                                          partial_sums=node.prim not in CONTRACTIONS)
-            options = _keeping_larger(graph, node, strats[node.id], options, want_in,
-                                      want_out)
-            best = min(options, key=lambda i: (_moved_cost_s(node, strats[node.id][i], want_in,
-                                                             want_out, graph, mesh), i))
-        choice[node.id] = best
+        key = (id(strats[node.id]), tie_want, tuple(sp for _, _, sp in want_in),
+               tuple(sp for _, sp in want_out), node.trip_count, node.in_trips)
+        if key not in memo:
+            memo[key] = _select_one(graph, node, strats, mesh, tie_want, want_in, want_out)
+        choice[node.id] = best = memo[key]
         for vid, spec in zip(node.outs, strats[node.id][best].out_specs):
             actual[vid] = spec
     return choice
+
+
+def _select_one(graph: Graph, node: Node, strats, mesh: MeshContext, tie_want, want_in,
+                want_out) -> int:
+    """:func:`select`'s strategy for one node, given the spec its tied input has (or None) and
+    the specs its operands and results are wanted in."""
+    options = list(range(len(strats[node.id])))
+    if tie_want is not None:
+        options = [i for i in options if strats[node.id][i].in_specs[0] == tie_want] or options
+    exact = [i for i in options
+             if all(strats[node.id][i].in_specs[p] == sp for p, _, sp in want_in)
+             and all(strats[node.id][i].out_specs[k] == sp for k, sp in want_out)]
+    if exact:
+        return min(exact, key=lambda i: (strats[node.id][i].cost_s, i))
+    if node.prim not in GATHER_SCATTER:
+        options = _in_result_spec(strats[node.id], options, want_out,
+                                  partial_sums=node.prim not in CONTRACTIONS)
+    options = _keeping_larger(graph, node, strats[node.id], options, want_in, want_out)
+    return min(options, key=lambda i: (_moved_cost_s(node, strats[node.id][i], want_in,
+                                                     want_out, graph, mesh), i))
 
 
 def _in_result_spec(strats: list[Strategy], options: list[int], want_out,
@@ -633,11 +669,13 @@ def propagate(graph: Graph, strats: list[list[Strategy]], mesh: MeshContext,
     """Run the pass. ``labels``: node id -> the annotation that pinned it (for messages);
     ``ties``: (output node, input node) pairs sharing a sharding; ``extra``: see :func:`seed`.
     In forced mode ``strats`` is cut in place; in complete mode the result holds every node's
-    strategy."""
+    strategy. ``warn``: warn of the conflicts found (``Propagation.conflicts``); without it
+    they are not looked for (a candidate plan's propagation)."""
     prop = seed(graph, labels, extra)
     run_sweeps(graph, strats, prop, complete, ties, mesh.axis_sizes)
-    prop.conflicts = find_conflicts(graph, strats, prop, labels)
-    for message in prop.conflicts if warn else ():
+    if warn:
+        prop.conflicts = find_conflicts(graph, strats, prop, labels)
+    for message in prop.conflicts:
         warnings.warn(message, ShardingConflictWarning, stacklevel=3)
     if complete:
         prop.choice = select(graph, strats, mesh, prop, ties)
