@@ -78,7 +78,6 @@ class _Options:
     seeds_of: object
     dedup_layers: bool
     memory_budget_bytes: float | None
-    explore: bool = False  # only whether a plan fits: no propagated candidates, no refitting
 
 
 def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
@@ -116,7 +115,7 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
     result.remat = remat_choice
     if not result.solution.fits_budget:
         searched = remat and search and choice is None
-        fitting = _remat_search(traced, opts, result.solution) if searched else None
+        fitting = _remat_search(traced, opts, result) if searched else None
         if fitting is not None and fitting.solution.fits_budget:
             result = fitting
         else:
@@ -196,14 +195,14 @@ def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
     def by_node(seeds: dict) -> dict:
         return {name: {graph.input_nodes[i]: spec for i, spec in enumerate(leaf_specs)
                        if spec is not None} for name, leaf_specs in seeds.items()}
-    seeds, batch_seeds = o.seeds_of(traced) if o.seeds_of and not o.explore else ({}, {})
+    seeds, batch_seeds = o.seeds_of(traced) if o.seeds_of else ({}, {})
     o.progress(f"propagating {len(seeds) + bool(labels)} candidate plans")
     candidates = propagated_plans(graph, strats, o.mesh_ctx, labels, ties, by_node(seeds))
     o.progress(f"solving the ILP over {len(groups.members)} groups "
                f"({len(graph.nodes)} nodes before coarsening)")
     solution = solve(graph, strats, groups, o.mesh_ctx, time_limit_s=o.time_limit_s,
                      memory_budget_bytes=o.memory_budget_bytes,
-                     warm=list(candidates.values()), refine=not o.explore,
+                     warm=list(candidates.values()),
                      progress=o.progress)
     ilp_stats.update(ilp_edges_before=solution.edges_before, ilp_edges=solution.edges_after,
                      memory_rows=solution.memory_rows,
@@ -219,51 +218,68 @@ def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
                    f"{len(batch_seeds)} mesh axes")
         candidates.update(propagated_plans(graph, strats, o.mesh_ctx, labels, ties,
                                            by_node(batch_seeds), annotations_alone=False))
-    if candidates:
-        o.progress(f"comparing the ILP's plan with {len(candidates)} propagated ones")
-        solution, ilp_stats["candidates_step_s"] = best_of(
-            solution, graph, strats, o.mesh_ctx, candidates, o.memory_budget_bytes)
+    # Also the predicted step time and peak of the plan taken (and of the others).
+    o.progress(f"comparing the ILP's plan with {len(candidates)} propagated ones")
+    solution, ilp_stats["candidates_step_s"], ilp_stats["candidates_peak_bytes"] = best_of(
+        solution, graph, strats, o.mesh_ctx, candidates, o.memory_budget_bytes)
     return solution
 
 
-def _remat_search(traced: Traced, o: _Options, plain: Solution) -> PipelineResult | None:
-    """The plan of the program with the fewest layers rematerialized, by the cheaper policy
-    first, that fits the memory budget; None when even every layer does not make one fit.
-    ``plain``: the solution without rematerialization (its least peak found).
+#: A plan with every layer rematerialized is taken when it is predicted at most this much
+#: slower than the plan that ignores the budget; else fewer layers are tried too.
+REMAT_SLACK = 0.1
 
-    Layers are taken largest residuals first. Exploring attempts only ask whether a plan fits
-    (the least peak, ``_Options.explore``): every layer first, then the number of layers the
-    two least peaks call for if each layer saves alike, grown by half until it fits; the
-    number found is planned in full."""
-    explore = dataclasses.replace(o, explore=True)
+
+def _step_s(result: PipelineResult) -> float:
+    """The predicted step time of an attempt's chosen plan (``passes.propagate.best_of``)."""
+    return result.ilp_stats["candidates_step_s"][result.solution.status]
+
+
+def _fastest_peak_bytes(result: PipelineResult) -> float:
+    """The predicted peak of an attempt's fastest plan, whether it fits the budget or not."""
+    times = result.ilp_stats["candidates_step_s"]
+    return result.ilp_stats["candidates_peak_bytes"][min(times, key=times.get)]
+
+
+def _remat_search(traced: Traced, o: _Options, plain: PipelineResult) -> PipelineResult | None:
+    """The fastest plan found of the program with layers rematerialized, by the cheaper policy
+    first, that fits the memory budget; None when even every layer does not make one fit.
+    ``plain``: the plan without rematerialization, over the budget.
+
+    Every layer is rematerialized first. Its plan is taken when it is predicted within
+    :data:`REMAT_SLACK` of ``plain``'s: the recomputation is cheap next to a sharding the
+    budget forces. Else fewer layers, largest residuals first, are planned too: as many as
+    bring the fastest plan's peak under the budget if each layer lowers it alike (from
+    ``plain``'s fastest plan to the every-layer one's), and the faster of the two fitting
+    plans is taken."""
+    budget = o.memory_budget_bytes
     for policy in (RematPolicy.DOTS, RematPolicy.NOTHING):
         saved = residual_bytes(traced, policy)
         order = sorted(saved, key=lambda name: -saved[name])
         if not order:
             return None
 
-        def attempt(k: int, opts: _Options) -> PipelineResult:
+        def attempt(k: int) -> PipelineResult:
             o.progress(f"rematerializing {k} of {len(order)} layers ({policy.value}) to fit "
                        "the memory budget")
-            result = _plan(rematerialize(traced, order[:k], policy), opts)
+            result = _plan(rematerialize(traced, order[:k], policy), o)
             result.remat = Remat(tuple(order[:k]), policy)
             return result
 
-        every = attempt(len(order), explore)
+        every = attempt(len(order))
         if not every.solution.fits_budget:
             continue
-        k = _layers_needed(plain.least_peak_bytes, every.solution.least_peak_bytes,
-                           o.memory_budget_bytes, len(order))
-        while k < len(order) and not attempt(k, explore).solution.fits_budget:
-            k = min(len(order), math.ceil(k * 1.5))
-        return attempt(k, o)
+        if _step_s(every) <= (1 + REMAT_SLACK) * _step_s(plain):
+            return every
+        none_peak, every_peak = _fastest_peak_bytes(plain), _fastest_peak_bytes(every)
+        if every_peak > budget or none_peak <= every_peak:
+            return every  # fewer layers would not let the fastest plans fit
+        k = math.ceil(len(order) * (none_peak - budget) / (none_peak - every_peak))
+        if k >= len(order):
+            return every
+        fewer = attempt(k)
+        o.progress(f"{k} layers rematerialized: {_step_s(fewer) * 1e3:.2f} ms a step; all "
+                   f"{len(order)}: {_step_s(every) * 1e3:.2f} ms")
+        faster = fewer.solution.fits_budget and _step_s(fewer) < _step_s(every)
+        return fewer if faster else every
     return None
-
-
-def _layers_needed(none_peak, every_peak, budget, layers: int) -> int:
-    """How many of ``layers`` to rematerialize to bring the least peak from ``none_peak``
-    (none) to ``budget``, if each saves alike on the way to ``every_peak`` (all of them)."""
-    if none_peak is None or every_peak is None or none_peak <= every_peak:
-        return layers
-    per_layer = (none_peak - every_peak) / layers
-    return max(1, min(layers, math.ceil((none_peak - budget) / per_layer)))

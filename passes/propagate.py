@@ -707,17 +707,19 @@ def best_of(solution, graph: Graph, strats, mesh: MeshContext, candidates: dict[
     plan, :func:`propagated_plans`), by the estimate (``cost_model.estimate``); a plan that
     fits ``memory_budget_bytes`` first. So with annotations, search never does worse than
     ``search=False``, and never worse than the seeds' plans. Returns (solution, predicted step
-    time per candidate name)."""
+    time per candidate name, predicted peak bytes per candidate name); the ILP's plan is named
+    by its status."""
     def predicted(choice):
         return estimate(graph, strats, choice, mesh, plan_collectives(graph, strats, choice, mesh))
 
-    times = {solution.status: predicted(solution.choice).step_time_s}
+    e = predicted(solution.choice)
+    times, peaks = {solution.status: e.step_time_s}, {solution.status: e.peak_memory_bytes}
     best, best_key = solution, (not solution.fits_budget, times[solution.status])
     for name, choice in candidates.items():
         e = predicted(choice)
-        times[name] = e.step_time_s
+        times[name], peaks[name] = e.step_time_s, e.peak_memory_bytes
         fits = memory_budget_bytes is None or e.peak_memory_bytes <= memory_budget_bytes
         if (not fits, e.step_time_s) < best_key:
             best = dataclasses.replace(solution, choice=choice, status=name, fits_budget=fits)
             best_key = (not fits, e.step_time_s)
-    return best, times
+    return best, times, peaks

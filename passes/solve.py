@@ -305,13 +305,12 @@ def _choice_of(x, graph: Graph, groups: Groups, offset: dict[int, int]) -> list[
 
 def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
           time_limit_s: float = 60.0, memory_budget_bytes: float | None = None,
-          warm: list[list[int]] = (), refine: bool = True,
+          warm: list[list[int]] = (),
           progress=lambda msg: None) -> Solution:
     """The ILP's plan. ``warm``: plans made elsewhere (propagated ones) to start from: the
     best objective among them is HiGHS's cutoff (:func:`_milp`), and when the solver finds
     nothing better in its time limit, that plan is the solution (status "warm start"). With
-    ``memory_budget_bytes``, a plan over the budget is refitted (:func:`_fit_budget`;
-    ``refine=False``: to the least-peak plan only, which tells whether any plan fits). When
+    ``memory_budget_bytes``, a plan over the budget is refitted (:func:`_fit_budget`). When
     none fits, the plan without the budget, marked ``fits_budget=False``
     (:func:`over_budget_error` says why)."""
     builder = IlpBuilder(graph, strats, groups, mesh)
@@ -359,8 +358,7 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
     progress(f"memory: the plan peaks at {peak / 2**20:.1f} MiB at node {t}, over the budget "
              f"of {budget.budget_bytes / 2**20:.1f} MiB")
     budget.cuts.append((t, copies))
-    least, fitted = _fit_budget(builder, budget, time_limit_s, solution.choice, took, refine,
-                                progress)
+    least, fitted = _fit_budget(builder, budget, time_limit_s, solution.choice, took, progress)
     if fitted is None:
         return dataclasses.replace(solution, fits_budget=False, memory_rows=len(budget.cuts),
                                    least_peak_bytes=least)
@@ -401,10 +399,10 @@ PENALTY_REFINES = 2
 
 
 def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
-                start: list[int], start_s: float, refine: bool, progress):
+                start: list[int], start_s: float, progress):
     """(least peak found, (choice, objective in us, seconds) of the cheapest plan found that
     fits the budget, or None). ``start``: the plan that ignores the budget, solved in
-    ``start_s``. ``refine=False``: the least-peak plan, no search for a faster one.
+    ``start_s``.
 
     First the plan of least peak (:func:`_smallest_peak`, memory only): when even it does not
     fit, no plan is found. Then faster ones, by penalty (Lagrangian relaxation): minimize
@@ -419,10 +417,6 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
     progress(f"least peak found: {least / 2**20:.1f} MiB")
     if least > budget.budget_bytes:
         return least, None
-    if not refine:
-        x = builder.point(least_choice)
-        return least, (least_choice, float("nan") if x is None else float(c @ x),
-                       time.perf_counter() - t0)
 
     def penalty() -> np.ndarray:
         p = np.zeros(builder.n)

@@ -15,6 +15,7 @@ from autopar.errors import ArgumentError, InfeasiblePlanError
 from cost_model.hardware import get_profile
 from cost_model.hlo import analyze, compiled_peak_bytes
 from examples.models import gpt, mlp
+from passes import pipeline
 from passes.solve import MemoryBudgetWarning
 
 MESH = {"data": 2, "model": 4}
@@ -130,6 +131,37 @@ def test_remat_makes_a_budget_fit_that_no_sharding_does():
     assert plan.stats["remat"] is not None and plan.stats["remat"]["layers"]
     assert plan.estimate.peak_memory_bytes <= budget
     _assert_same_numerics(plan, fn, args)
+
+
+#: Activations dominate at these shapes (planned from abstract arguments, not run): every
+#: layer rematerialized lets the fastest sharding fit a budget no plan without remat fits.
+REMAT_DEEP = dataclasses.replace(ACTIVATION_HEAVY, batch=64, seq=128, layers=4)
+
+
+@pytest.mark.parametrize("slack", [None, -1.0])
+def test_remat_search_is_no_slower_than_every_layer(monkeypatch, capsys, slack):
+    """Under a budget below every plan without remat, the search's plan fits and is predicted
+    no slower than rematerializing every layer. With a negative slack it also plans fewer
+    layers (as many as let the fastest sharding fit) and keeps the faster of the two."""
+    if slack is not None:
+        monkeypatch.setattr(pipeline, "REMAT_SLACK", slack)
+    fn, args = gpt.make_train_step(REMAT_DEEP, abstract=True)
+    mesh = {"data": 8}
+    with pytest.raises(InfeasiblePlanError) as info:
+        autopar.plan(fn, *args, mesh=mesh, hardware="h100", memory_budget=1.0, remat=False)
+    unbounded = autopar.plan(fn, *args, mesh=mesh, hardware="h100", memory_budget=1e15,
+                             remat="dots_saveable")
+    assert unbounded.estimate.peak_memory_bytes < info.value.smallest_peak_bytes
+    budget = (unbounded.estimate.peak_memory_bytes + info.value.smallest_peak_bytes) / 2
+    searched = autopar.plan(fn, *args, mesh=mesh, hardware="h100", memory_budget=budget,
+                            verbose=True)
+    every = autopar.plan(fn, *args, mesh=mesh, hardware="h100", memory_budget=budget,
+                         remat="dots_saveable")
+    assert searched.stats["remat"]["layers"]
+    assert searched.estimate.peak_memory_bytes <= budget
+    assert searched.estimate.step_time_s <= every.estimate.step_time_s * (1 + 1e-9)
+    tried_fewer = "layers rematerialized:" in capsys.readouterr().err
+    assert tried_fewer == (slack is not None)
 
 
 @pytest.mark.parametrize("bad", ["everything", 1, None])
