@@ -24,7 +24,7 @@ from passes.emit import build_flat_fn
 from passes.ir import Graph
 from passes.memory_budget import input_labels
 from passes.propagate import best_of, propagate, propagated_plans
-from passes.remat import RematPolicy, rematerialize, residual_bytes
+from passes.remat import RematPolicy, rematerialize, residual_bytes, scanned_layers
 from passes.solve import Groups, MemoryBudgetWarning, Solution, over_budget_error, solve
 from passes.strategies import MeshContext, Strategy, build_strategies
 from passes.trace import Traced, trace
@@ -123,7 +123,8 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
                 result.graph, result.strats, result.groups, mesh_ctx, memory_budget_bytes,
                 input_labels(traced.in_tree), time_limit_s, result.solution.choice,
                 " (rematerializing every layer did not make one fit either)"
-                if searched and residual_bytes(traced, RematPolicy.NOTHING) else "")
+                if searched and residual_bytes(traced, RematPolicy.NOTHING) else "",
+                _scan_advice(traced) if remat and search else "")
             if strict_budget:
                 raise error
             warnings.warn(f"autopar: {error} The plan below ignores the default budget.",
@@ -223,6 +224,16 @@ def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
     solution, ilp_stats["candidates_step_s"], ilp_stats["candidates_peak_bytes"] = best_of(
         solution, graph, strats, o.mesh_ctx, candidates, o.memory_budget_bytes)
     return solution
+
+
+def _scan_advice(traced: Traced) -> str:
+    """What to do about layers under a ``lax.scan``, which the remat pass cannot recompute."""
+    stacked = scanned_layers(traced)
+    if not stacked:
+        return ""
+    return (f" autopar cannot rematerialize the layers under a scan ({', '.join(stacked)}): "
+            "wrap the scanned layer in `nn.remat` (`jax.checkpoint`) with a policy such as "
+            "`jax.checkpoint_policies.dots_saveable` to keep fewer activations.")
 
 
 #: A plan with every layer rematerialized is taken when it is predicted at most this much

@@ -360,20 +360,51 @@ def _multi_use(graph: Graph) -> set[int]:
             if len(uses) > 1 and graph.values[v].rank > 0}
 
 
+@dataclass
+class _Shape:
+    """What complete propagation reads of the graph alone, made once per graph (every seed's
+    propagation walks the same graph)."""
+    multi_use: set[int]
+    broadcasts: list[frozenset]      # per node: see _broadcast_operands
+    consumers: dict
+    order: list[int]                 # _post_order
+    kinds: list[tuple]               # per node: what _directions reads of it
+    neighbours: list[list[int]]      # per node: its operands' and results' values
+    slots: list[list[tuple]]         # per node: ("in", pos, vid) / ("out", k, vid) slots
+    open_slots: list[list[tuple]]    # ... without its broadcasting operands (see shut)
+
+    @staticmethod
+    def of(graph: Graph) -> "_Shape":
+        if "propagate.shape" not in graph.analyses:
+            multi_use = _multi_use(graph)
+            broadcasts = [_broadcast_operands(graph, node) for node in graph.nodes]
+            operands = [_operands(node) for node in graph.nodes]
+            slots = [[("in", pos, vid) for pos, vid in ops]
+                     + [("out", k, vid) for k, vid in enumerate(node.outs)]
+                     for node, ops in zip(graph.nodes, operands)]
+            graph.analyses["propagate.shape"] = _Shape(
+                multi_use, broadcasts, graph.consumers(), _post_order(graph),
+                [(node.kind, node.prim, _is_broadcast(node),
+                  any(v in multi_use for _, v in ops))
+                 for node, ops in zip(graph.nodes, operands)],
+                [[v for _, v in ops] + list(node.outs)
+                 for node, ops in zip(graph.nodes, operands)],
+                slots,
+                [[t for t in sl if not (t[0] == "in" and t[1] in b)] if b else sl
+                 for sl, b in zip(slots, broadcasts)])
+        return graph.analyses["propagate.shape"]
+
+
 def _complete_sweeps(graph: Graph, strats, prop: Propagation, ties, axis_sizes: dict) -> None:
     """Complete mode, level by level. Each level drains a worklist as Shardy's rewrite driver
     does: every node once, in the order XLA lists the program (:func:`_post_order`), and
     whenever a value changes, its producer and those of its consumers not yet waiting are
     visited next (last pushed, first visited). The order matters where two shardings race to
     a tensor: the one that arrives first is kept, the other one gets resharded."""
-    multi_use = _multi_use(graph)
-    broadcasts = [_broadcast_operands(graph, node) for node in graph.nodes]
-    consumers = graph.consumers()
-    order = _post_order(graph)
-    # What _directions reads of a node, so that it runs once per kind of node and level.
-    kinds = [(node.kind, node.prim, _is_broadcast(node),
-              any(v in multi_use for _, v in _operands(node))) for node in graph.nodes]
-    neighbours = [[v for _, v in _operands(node)] + list(node.outs) for node in graph.nodes]
+    shape = _Shape.of(graph)
+    multi_use, broadcasts, consumers, order = (shape.multi_use, shape.broadcasts,
+                                               shape.consumers, shape.order)
+    kinds, neighbours = shape.kinds, shape.neighbours
     # A visit decides from the node's inputs below and its neighbours' specs alone, so a node
     # whose inputs are as at its last visit and none of whose neighbours was fixed since is
     # skipped: it would decide the same (this keeps deep models fast).
@@ -399,27 +430,28 @@ def _complete_sweeps(graph: Graph, strats, prop: Propagation, ties, axis_sizes: 
         none = frozenset()
         shut = broadcasts if level < Level.PASS_THROUGH else [none] * len(broadcasts)
         quiet = broadcasts if level < Level.ANY else [none] * len(broadcasts)
+        fixed_at = prop.fixed_at
         stack = order[::-1]
         while stack:
             queued = set(stack)
             while stack:
-                node = graph.nodes[stack.pop()]
-                queued.discard(node.id)
-                if not dirs[node.id]:
+                n = stack.pop()
+                queued.discard(n)
+                if not dirs[n]:
                     continue
-                inputs = (dirs[node.id], id(allowed[node.id]), shut[node.id], quiet[node.id])
-                if inputs == last_inputs[node.id] and all(
-                        prop.fixed_at.get(v, 0) <= last_stamp[node.id]
-                        for v in neighbours[node.id]):
-                    continue
-                last_inputs[node.id], last_stamp[node.id] = inputs, prop.stamp
-                for vid in _complete_visit(graph, node, strats[node.id], allowed[node.id],
-                                           prop, dirs[node.id], axis_sizes, shut[node.id],
-                                           quiet[node.id], memo):
-                    for n in [graph.producer[vid][0]] + [n for n, _ in consumers.get(vid, ())]:
-                        if n not in queued:
-                            stack.append(n)
-                            queued.add(n)
+                inputs = (dirs[n], id(allowed[n]), shut[n], quiet[n])
+                if inputs == last_inputs[n]:
+                    since = last_stamp[n]
+                    if not any(fixed_at.get(v, 0) > since for v in neighbours[n]):
+                        continue
+                last_inputs[n], last_stamp[n] = inputs, prop.stamp
+                slots = shape.open_slots[n] if shut[n] else shape.slots[n]
+                for vid in _complete_visit(graph, graph.nodes[n], strats[n], allowed[n], prop,
+                                           dirs[n], axis_sizes, shut[n], quiet[n], memo, slots):
+                    for m in [graph.producer[vid][0]] + [m for m, _ in consumers.get(vid, ())]:
+                        if m not in queued:
+                            stack.append(m)
+                            queued.add(m)
             prop.sweeps += 1
             if _tie(prop, graph, ties):
                 stack = order[::-1]
@@ -449,7 +481,8 @@ def _post_order(graph: Graph) -> list[int]:
 
 def _complete_visit(graph: Graph, node: Node, strats: list[Strategy], allowed: list[int],
                     prop: Propagation, directions: tuple[bool, ...], axis_sizes: dict,
-                    shut=frozenset(), quiet=frozenset(), memo: dict | None = None) -> list[int]:
+                    shut=frozenset(), quiet=frozenset(), memo: dict | None = None,
+                    slots: list[tuple] | None = None) -> list[int]:
     """Complete mode: give ``node``'s free and propagated values (results if ``directions``
     holds True, forward; operands if it holds False, backward) the splits its fixed neighbours
     imply. Returns the values fixed. Operands at positions ``shut`` take no part; those at
@@ -466,9 +499,11 @@ def _complete_visit(graph: Graph, node: Node, strats: list[Strategy], allowed: l
 
     ``memo``: decisions by (strategy list, level's reach, the slots' specs): the copies of a
     layer share a strategy list (``passes.strategies``) and, in a deep model, meet the same
-    specs, so each decision is made once."""
-    slots = [("in", pos, vid) for pos, vid in _operands(node) if pos not in shut] + \
-        [("out", k, vid) for k, vid in enumerate(node.outs)]
+    specs, so each decision is made once. ``slots``: the node's slots without those ``shut``,
+    when the caller has them."""
+    if slots is None:
+        slots = [("in", pos, vid) for pos, vid in _operands(node) if pos not in shut] + \
+            [("out", k, vid) for k, vid in enumerate(node.outs)]
     key = None
     if memo is not None:
         key = (id(strats), id(allowed), directions, shut, quiet,

@@ -227,6 +227,16 @@ def remat_layers(traced: Traced) -> dict[str, list[int]]:
     return forward_layers(traced.closed_jaxpr, parameter_layers(traced.in_tree))
 
 
+def scanned_layers(traced: Traced) -> list[str]:
+    """The layers whose parameters a top-level ``scan`` reads (an ``nn.scan`` stack): this pass
+    cannot rematerialize them (see the module docstring)."""
+    jaxpr = traced.closed_jaxpr.jaxpr
+    owner = {v: name for v, name in zip(jaxpr.invars, parameter_layers(traced.in_tree))
+             if name is not None}
+    return list(dict.fromkeys(owner[a] for eqn in jaxpr.eqns if eqn.primitive.name == "scan"
+                              for a in eqn.invars if _is_var(a) and a in owner))
+
+
 def _plans(traced: Traced, layers, policy: RematPolicy) -> list[_Recompute]:
     closed = traced.closed_jaxpr
     forward = remat_layers(traced)

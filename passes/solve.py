@@ -523,11 +523,12 @@ _ADVICE = {
 
 
 def over_budget_error(graph, strats, groups, mesh, budget_bytes: float, input_labels,
-                      time_limit_s: float, choice: list[int], tried: str = ""
-                      ) -> InfeasiblePlanError:
+                      time_limit_s: float, choice: list[int], tried: str = "",
+                      advice: str = "") -> InfeasiblePlanError:
     """The error for a program no plan of which fits ``budget_bytes`` (``choice``: the plan
     found without it): the smallest peak found (a min-peak ILP) and what dominates it.
-    ``tried``: what else was tried, said in the message (rematerialization, say)."""
+    ``tried``: what else was tried, said in the message (rematerialization, say); ``advice``:
+    a sentence more on what to do."""
     budget = BudgetRows(graph, strats, groups, mesh, budget_bytes)
     peak, choice = _smallest_peak(graph, strats, groups, mesh, budget, time_limit_s, choice)
     parts = breakdown(graph, strats, choice, mesh, input_labels)
@@ -537,7 +538,7 @@ def over_budget_error(graph, strats, groups, mesh, budget_bytes: float, input_la
         f"no sharding plan fits `memory_budget` = {_gib(budget_bytes)} per device{tried}: the "
         f"smallest peak autopar found is {_gib(peak)} per device, dominated by {top} "
         f"({detail}). Raise `memory_budget`, plan on more devices, or shrink {top} "
-        f"({_ADVICE.get(top, 'smaller or lower-precision arrays')}).")
+        f"({_ADVICE.get(top, 'smaller or lower-precision arrays')}).{advice}")
     error.smallest_peak_bytes = peak
     error.peak_breakdown = parts
     return error

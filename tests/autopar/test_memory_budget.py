@@ -164,6 +164,19 @@ def test_remat_search_is_no_slower_than_every_layer(monkeypatch, capsys, slack):
     assert tried_fewer == (slack is not None)
 
 
+def test_over_budget_scanned_stack_is_told_to_use_nn_remat():
+    """autopar cannot rematerialize inside a scan over layers: the error says which layers
+    and how to rematerialize them in the model instead."""
+    config = dataclasses.replace(gpt.TINY, scan_layers=True)
+    fn, args = gpt.make_train_step(config, abstract=True)
+    with pytest.raises(InfeasiblePlanError, match=r"under a scan \(blocks\).*nn\.remat"):
+        autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget=1.0)
+    with pytest.raises(InfeasiblePlanError) as info:
+        fn, args = gpt.make_train_step(gpt.TINY, abstract=True)
+        autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget=1.0)
+    assert "nn.remat" not in str(info.value)
+
+
 @pytest.mark.parametrize("bad", ["everything", 1, None])
 def test_bad_remat_is_an_argument_error(bad):
     fn, args = mlp.make_train_step(mlp.TINY, abstract=True)
