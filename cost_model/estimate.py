@@ -82,7 +82,10 @@ def value_specs(graph: Graph, strats, choice) -> dict:
     return specs
 
 
-def estimate(graph: Graph, strats, choice, mesh, comms: list[ChosenComm]) -> Estimate:
+def estimate(graph: Graph, strats, choice, mesh, comms: list[ChosenComm],
+             memory: bool = True) -> Estimate:
+    """The plan's predictions; ``memory=False``: without the peak (0), which takes most of
+    the time on a large graph."""
     compute_s = flops = 0.0
     for node in graph.nodes:
         s = strats[node.id][choice[node.id]]
@@ -90,7 +93,8 @@ def estimate(graph: Graph, strats, choice, mesh, comms: list[ChosenComm]) -> Est
         flops += s.flops * node.trip_count
     comm_s = sum(c.time_s * c.trips for c in comms)
     comm_bytes = sum(c.step.wire_bytes * c.trips for c in comms)
-    peak = plan_peak_memory_bytes(graph, strats, choice, mesh.axis_sizes, mesh.results_held)
+    peak = (plan_peak_memory_bytes(graph, strats, choice, mesh.axis_sizes, mesh.results_held)
+            if memory else 0)
     return Estimate(compute_s + comm_s, compute_s, comm_s, flops, comm_bytes, peak)
 
 

@@ -51,7 +51,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from autopar.errors import ShardingConflictWarning
-from cost_model.estimate import estimate, plan_collectives
+from cost_model.estimate import estimate, plan_collectives, plan_peak_memory_bytes
 from passes.ir import Graph, Node, NodeKind
 from passes.rules.dot import CONTRACTIONS
 from passes.rules.elementwise import UNARY_AND_NARY
@@ -742,19 +742,23 @@ def best_of(solution, graph: Graph, strats, mesh: MeshContext, candidates: dict[
     plan, :func:`propagated_plans`), by the estimate (``cost_model.estimate``); a plan that
     fits ``memory_budget_bytes`` first. So with annotations, search never does worse than
     ``search=False``, and never worse than the seeds' plans. Returns (solution, predicted step
-    time per candidate name, predicted peak bytes per candidate name); the ILP's plan is named
-    by its status."""
-    def predicted(choice):
-        return estimate(graph, strats, choice, mesh, plan_collectives(graph, strats, choice, mesh))
-
-    e = predicted(solution.choice)
-    times, peaks = {solution.status: e.step_time_s}, {solution.status: e.peak_memory_bytes}
-    best, best_key = solution, (not solution.fits_budget, times[solution.status])
-    for name, choice in candidates.items():
-        e = predicted(choice)
-        times[name], peaks[name] = e.step_time_s, e.peak_memory_bytes
-        fits = memory_budget_bytes is None or e.peak_memory_bytes <= memory_budget_bytes
-        if (not fits, e.step_time_s) < best_key:
-            best = dataclasses.replace(solution, choice=choice, status=name, fits_budget=fits)
-            best_key = (not fits, e.step_time_s)
+    time per plan name, predicted peak bytes per plan name); the ILP's plan is named by its
+    status. Peaks are predicted fastest plan first, up to the first that fits (the slower ones
+    cannot win), so the fastest plan's is always there."""
+    plans = {solution.status: solution.choice, **candidates}
+    comms = {name: plan_collectives(graph, strats, choice, mesh) for name, choice in plans.items()}
+    times = {name: estimate(graph, strats, plans[name], mesh, comms[name], memory=False)
+             .step_time_s for name in plans}
+    peaks: dict[str, int] = {}
+    best = None
+    for name in sorted(plans, key=times.get):  # stable: the ILP's plan first among equals
+        peaks[name] = plan_peak_memory_bytes(graph, strats, plans[name], mesh.axis_sizes,
+                                             mesh.results_held)
+        fits = (solution.fits_budget if name == solution.status else
+                memory_budget_bytes is None or peaks[name] <= memory_budget_bytes)
+        if best is None or fits:
+            best = solution if name == solution.status else dataclasses.replace(
+                solution, choice=plans[name], status=name, fits_budget=fits)
+        if fits:
+            break
     return best, times, peaks
