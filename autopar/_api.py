@@ -136,8 +136,9 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         from a good start can beat it.
       remat: True: when no sharding plan fits the memory budget, let the planner
         rematerialize layers of a train step (``passes.remat``: as ``jax.checkpoint`` with the
-        ``dots_saveable`` policy, else ``nothing_saveable``): the fewest layers, largest
-        activations first, that make a plan fit. A policy name (``"dots_saveable"`` or
+        ``dots_saveable`` policy, else ``nothing_saveable``): every layer, or fewer (largest
+        activations first) when that gives a plan predicted faster that still fits
+        (``passes.pipeline``'s remat search). A policy name (``"dots_saveable"`` or
         ``"nothing_saveable"``): rematerialize every layer with it. False: never.
         ``plan.stats["remat"]`` and the report say which layers.
       verbose: print progress to stderr.
