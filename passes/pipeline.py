@@ -4,7 +4,8 @@ trace -> [remat] -> annotate -> strategies -> propagate -> cluster -> solve -> e
 
 With ``search=False`` propagation gives the whole plan and cluster/solve do not run (plain
 GSPMD). When no plan fits the memory budget, the passes after trace run again on the program
-with layers rematerialized (``passes.remat``), as few and as cheaply as makes a plan fit.
+with layers rematerialized (``passes.remat``): every layer, or fewer when that is predicted
+faster and still fits (:func:`_remat_search`).
 Pipeline stages and collective overlap are not in this version; see README.
 """
 
