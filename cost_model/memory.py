@@ -139,19 +139,17 @@ def library_fusions(graph: Graph, users: dict[int, list]) -> dict[int, int]:
     for start in reversed(graph.nodes):
         if not _op(start, LIBRARY) or start.id in fusion:
             continue
-        members = {start.id}
-        fusion[start.id] = start.id
-        members_of[start.id] = [start.id]
+        members: set[int] = set()
+        members_of[start.id] = []
         work = [start.id]
-
-        def add(n: int) -> None:
+        while work:
+            n = work.pop()
+            if n in members:
+                continue
             fusion[n] = start.id
             members.add(n)
             members_of[start.id].append(n)
-            work.append(n)
-
-        while work:
-            node = graph.nodes[work.pop()]
+            node = graph.nodes[n]
             for vid in node.ins:
                 if vid is None or vid not in graph.producer:
                     continue
@@ -159,17 +157,18 @@ def library_fusions(graph: Graph, users: dict[int, list]) -> dict[int, int]:
                 if (p.id not in fusion and _op(p, LIBRARY_ELEMENTWISE)
                         and not recomputable(graph, p)
                         and all(u.id in members for o in p.outs for u in users.get(o, ()))):
-                    add(p.id)
+                    work.append(p.id)
             readers = [u for o in node.outs for u in users.get(o, ())]
             if len(node.outs) == 1 and len(readers) == 1:
                 r = readers[0]
                 if r.id in members or not _op(r, LIBRARY_ELEMENTWISE | LIBRARY):
                     continue
-                if r.id in fusion:  # another library fusion below: merge it
-                    for n in members_of.pop(fusion[r.id]):
-                        add(n)
+                if r.id in fusion and fusion[r.id] != start.id:  # another fusion below: merge
+                    merged = members_of.pop(fusion[r.id])
+                    fusion.update((m, start.id) for m in merged)
+                    work += merged
                 else:
-                    add(r.id)
+                    work.append(r.id)
     return fusion
 
 

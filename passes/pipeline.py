@@ -11,7 +11,6 @@ Pipeline stages and collective overlap are not in this version; see README.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 import warnings
@@ -271,7 +270,7 @@ def _remat_search(traced: Traced, o: _Options, plain: PipelineResult) -> Pipelin
         if not order:
             return None
 
-        def attempt(k: int) -> PipelineResult:
+        def attempt(k: int, order=order, policy=policy) -> PipelineResult:
             o.progress(f"rematerializing {k} of {len(order)} layers ({policy.value}) to fit "
                        "the memory budget")
             result = _plan(rematerialize(traced, order[:k], policy), o)

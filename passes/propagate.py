@@ -374,7 +374,7 @@ class _Shape:
     open_slots: list[list[tuple]]    # ... without its broadcasting operands (see shut)
 
     @staticmethod
-    def of(graph: Graph) -> "_Shape":
+    def of(graph: Graph) -> _Shape:
         if "propagate.shape" not in graph.analyses:
             multi_use = _multi_use(graph)
             broadcasts = [_broadcast_operands(graph, node) for node in graph.nodes]
