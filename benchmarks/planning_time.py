@@ -5,7 +5,8 @@ shapes of ``examples/models/gpt.py``, nothing executed) and planned with
 ``autopar.plan(..., hardware="h100")``. The table shows where the time goes (tracing,
 strategies, clustering with layer deduplication, the ILP solve), the whole ``plan()`` call
 (tracing included), and the ILP's size before and after coarsening: graph nodes -> groups
-after follower merging -> groups after layer deduplication, graph edges -> edge classes.
+after follower merging -> groups after layer deduplication, graph edges -> edge classes; and
+how many layers the planner rematerialized to fit the H100's memory (``remat``).
 
 Targets (issue 4): 96 layers planned in under 10 s, tracing included; 32 layers in under 3x
 the 2-layer time.
@@ -30,7 +31,7 @@ def _setup_devices() -> None:
 
 COLUMNS = ("variant", "layers", "setup_s", "trace_s", "strategies_s", "cluster_s", "solve_s",
            "plan_s", "nodes", "groups_followed", "groups", "edges", "edge_classes",
-           "ilp_vars", "status")
+           "ilp_vars", "remat", "status")
 
 
 def measure(layers: int, scan: bool, time_limit_s: float) -> dict:
@@ -53,6 +54,7 @@ def measure(layers: int, scan: bool, time_limit_s: float) -> dict:
             "nodes": st["nodes"], "groups_followed": st.get("ilp_groups_followed"),
             "groups": st["ilp_groups"], "edges": st.get("ilp_edges_before"),
             "edge_classes": st.get("ilp_edges"), "ilp_vars": st["ilp_variables"],
+            "remat": len(st["remat"]["layers"]) if st["remat"] else 0,
             "status": st["solver_status"]}
 
 
