@@ -121,7 +121,7 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
         else:
             error = over_budget_error(
                 result.graph, result.strats, result.groups, mesh_ctx, memory_budget_bytes,
-                input_labels(traced.in_tree), time_limit_s, result.solution.choice,
+                input_labels(traced.in_tree), time_limit_s, result.solution,
                 " (rematerializing every layer did not make one fit either)"
                 if searched and residual_bytes(traced, RematPolicy.NOTHING) else "",
                 _scan_advice(traced) if remat and search else "")

@@ -90,6 +90,7 @@ class Solution:
     memory_rows: int = 0       # liveness rows the memory budget needed (passes.memory_budget)
     fits_budget: bool = True   # False: no plan found fits the memory budget (this one ignores it)
     least_peak_bytes: float | None = None  # the least peak found, when the budget was refitted
+    least_peak_choice: list[int] | None = None  # ... and its plan
 
 
 class IlpBuilder:
@@ -358,15 +359,17 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
     progress(f"memory: the plan peaks at {peak / 2**20:.1f} MiB at node {t}, over the budget "
              f"of {budget.budget_bytes / 2**20:.1f} MiB")
     budget.cuts.append((t, copies))
-    least, fitted = _fit_budget(builder, budget, time_limit_s, solution.choice, took, progress)
+    (least, least_choice), fitted = _fit_budget(builder, budget, time_limit_s, solution.choice,
+                                                took, progress)
     if fitted is None:
         return dataclasses.replace(solution, fits_budget=False, memory_rows=len(budget.cuts),
-                                   least_peak_bytes=least)
+                                   least_peak_bytes=least, least_peak_choice=least_choice)
     choice, objective_us, took = fitted
     _inputs_take_their_slices(graph, strats, groups, mesh, choice)
     return dataclasses.replace(solution, choice=choice, objective_us=objective_us,
                                solve_time_s=solution.solve_time_s + took,
-                               memory_rows=len(budget.cuts), least_peak_bytes=least)
+                               memory_rows=len(budget.cuts), least_peak_bytes=least,
+                               least_peak_choice=least_choice)
 
 
 def _solution(res, graph, strats, groups, mesh, builder: IlpBuilder, took: float) -> Solution:
@@ -400,8 +403,8 @@ PENALTY_REFINES = 2
 
 def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
                 start: list[int], start_s: float, progress):
-    """(least peak found, (choice, objective in us, seconds) of the cheapest plan found that
-    fits the budget, or None). ``start``: the plan that ignores the budget, solved in
+    """((least peak found, its plan), (choice, objective in us, seconds) of the cheapest plan
+    found that fits the budget, or None). ``start``: the plan that ignores the budget, solved in
     ``start_s``.
 
     First the plan of least peak (:func:`_smallest_peak`, memory only): when even it does not
@@ -416,7 +419,7 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
     least, least_choice = _smallest_peak(g, strats, groups, mesh, budget, time_limit_s, start)
     progress(f"least peak found: {least / 2**20:.1f} MiB")
     if least > budget.budget_bytes:
-        return least, None
+        return (least, least_choice), None
 
     def penalty() -> np.ndarray:
         p = np.zeros(builder.n)
@@ -467,9 +470,11 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
         else:
             lam = (max(lo, hi / 64) * hi) ** 0.5
     if best is not None:
-        return least, (_choice_of(best.x, g, groups, builder.offset), float(c @ best.x), total)
+        return (least, least_choice), (_choice_of(best.x, g, groups, builder.offset),
+                                       float(c @ best.x), total)
     x = builder.point(least_choice)
-    return least, (least_choice, float("nan") if x is None else float(c @ x), total)
+    return (least, least_choice), (least_choice, float("nan") if x is None else float(c @ x),
+                                   total)
 
 
 def _smallest_peak(graph: Graph, strats, groups: Groups, mesh: MeshContext,
@@ -523,14 +528,18 @@ _ADVICE = {
 
 
 def over_budget_error(graph, strats, groups, mesh, budget_bytes: float, input_labels,
-                      time_limit_s: float, choice: list[int], tried: str = "",
+                      time_limit_s: float, solution: Solution, tried: str = "",
                       advice: str = "") -> InfeasiblePlanError:
-    """The error for a program no plan of which fits ``budget_bytes`` (``choice``: the plan
-    found without it): the smallest peak found (a min-peak ILP) and what dominates it.
-    ``tried``: what else was tried, said in the message (rematerialization, say); ``advice``:
-    a sentence more on what to do."""
-    budget = BudgetRows(graph, strats, groups, mesh, budget_bytes)
-    peak, choice = _smallest_peak(graph, strats, groups, mesh, budget, time_limit_s, choice)
+    """The error for a program no plan of which fits ``budget_bytes`` (``solution``: the plan
+    found without it): the smallest peak found (the solve's, or a min-peak ILP's when the
+    solve did not look for one) and what dominates it. ``tried``: what else was tried, said in
+    the message (rematerialization, say); ``advice``: a sentence more on what to do."""
+    if solution.least_peak_choice is not None:
+        peak, choice = solution.least_peak_bytes, solution.least_peak_choice
+    else:
+        budget = BudgetRows(graph, strats, groups, mesh, budget_bytes)
+        peak, choice = _smallest_peak(graph, strats, groups, mesh, budget, time_limit_s,
+                                      solution.choice)
     parts = breakdown(graph, strats, choice, mesh, input_labels)
     detail = ", ".join(f"{name} {_gib(size)}" for name, size in parts if size)
     top = parts[0][0]
