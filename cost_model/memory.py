@@ -71,9 +71,11 @@ test_memory_compiled.py``, 20%). What is left out, and why:
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 
 import jax.numpy as jnp
+import numpy as np
 
 from passes.ir import Graph, NodeKind, recomputable
 from passes.rules.elementwise import UNARY_AND_NARY
@@ -354,27 +356,43 @@ def running_sum(spans, end: int) -> list[int]:
 def not_in_outputs(spans, outputs) -> list:
     """The temporaries XLA:CPU's buffer assignment does not place in a result's buffer before
     the result is written: largest first, each into the first result buffer (largest first)
-    that holds it, is written after it dies, and holds nothing else then."""
+    that holds it, is written after it dies, and holds nothing else then.
+
+    A result buffer counts as taken from when its result is written. Buffers of one size form
+    a group with, per node, how many of them are taken there: a group taken in full somewhere
+    in a temporary's life is passed over without looking at its buffers one by one."""
     slots = sorted(outputs, key=lambda o: -o[1])
-    taken: list[list] = [[] for _ in slots]  # sorted (born, dies) per result buffer
+    end = max([dies for _, dies, _ in spans] + [made for made, _ in slots] + [0]) + 2
+    groups = []  # (capacity, buffers taken per node, sorted (born, dies) per buffer)
+    for cap, members in itertools.groupby(slots, key=lambda o: o[1]):
+        made = [m for m, _ in members]
+        taken = np.zeros(end, np.int64)
+        np.add.at(taken, made, 1)
+        groups.append((cap, np.cumsum(taken), [[(m, end)] for m in made]))
     left = []
     for span in sorted(spans, key=lambda s: -s[2]):
         born, dies, nbytes = span
-        placed = False
-        for (made, cap), iv in zip(slots, taken):
-            if nbytes > cap:
-                break
-            if dies >= made:
-                continue
-            k = bisect.bisect_left(iv, (born, dies))
-            if (k > 0 and iv[k - 1][1] >= born) or (k < len(iv) and iv[k][0] <= dies):
-                continue
-            iv.insert(k, (born, dies))
-            placed = True
-            break
-        if not placed:
+        if not any(_place(born, dies, taken, buffers)
+                   for cap, taken, buffers in itertools.takewhile(lambda g: nbytes <= g[0],
+                                                                  groups)):
             left.append(span)
     return left
+
+
+def _place(born: int, dies: int, taken, buffers: list[list]) -> bool:
+    """Put (born, dies) in the first of ``buffers`` free for all of it (see
+    :func:`not_in_outputs`); whether one was."""
+    life = slice(born, max(born, dies + 1))
+    if taken[life].max(initial=0) >= len(buffers):
+        return False
+    for iv in buffers:
+        k = bisect.bisect_left(iv, (born, dies))
+        if (k > 0 and iv[k - 1][1] >= born) or (k < len(iv) and iv[k][0] <= dies):
+            continue
+        iv.insert(k, (born, dies))
+        taken[life] += 1
+        return True
+    return False
 
 
 def copy_spans(graph: Graph, value_specs: dict, operand_specs: dict | None,
