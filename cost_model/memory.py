@@ -372,9 +372,8 @@ def not_in_outputs(spans, outputs) -> list:
     left = []
     for span in sorted(spans, key=lambda s: -s[2]):
         born, dies, nbytes = span
-        if not any(_place(born, dies, taken, buffers)
-                   for cap, taken, buffers in itertools.takewhile(lambda g: nbytes <= g[0],
-                                                                  groups)):
+        fitting = [(taken, buffers) for cap, taken, buffers in groups if nbytes <= cap]
+        if not any(_place(born, dies, taken, buffers) for taken, buffers in fitting):
             left.append(span)
     return left
 
