@@ -360,7 +360,7 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
              f"of {budget.budget_bytes / 2**20:.1f} MiB")
     budget.cuts.append((t, copies))
     (least, least_choice), fitted = _fit_budget(builder, budget, time_limit_s, solution.choice,
-                                                took, progress)
+                                                took, solution.objective_us, progress)
     if fitted is None:
         return dataclasses.replace(solution, fits_budget=False, memory_rows=len(budget.cuts),
                                    least_peak_bytes=least, least_peak_choice=least_choice)
@@ -402,16 +402,17 @@ PENALTY_REFINES = 2
 
 
 def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
-                start: list[int], start_s: float, progress):
+                start: list[int], start_s: float, objective_us: float, progress):
     """((least peak found, its plan), (choice, objective in us, seconds) of the cheapest plan
     found that fits the budget, or None). ``start``: the plan that ignores the budget, solved in
-    ``start_s``.
+    ``start_s``, of ILP objective ``objective_us``.
 
     First the plan of least peak (:func:`_smallest_peak`, memory only): when even it does not
     fit, no plan is found. Then faster ones, by penalty (Lagrangian relaxation): minimize
     time + lam * (bytes live at the rows of ``budget.cuts``, the nodes where plans peaked),
-    raising lam until the plan fits and then bisecting it down, adding the row of every node
-    a plan peaks at. Each solve is an ordinary ILP, fast; a penalty may miss a plan that
+    from lam = ``objective_us`` per budget (so a plan just over the budget gives up little
+    time), raising lam until the plan fits and then bisecting it down, adding the row of every
+    node a plan peaks at. Each solve is an ordinary ILP, fast; a penalty may miss a plan that
     exists, and then the least-peak plan is the answer."""
     g, strats, groups, mesh = builder.g, builder.strats, builder.groups, builder.mesh
     c, A, lb, ub, integer = builder.matrices()
@@ -439,7 +440,11 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
 
     best, total, last_peak = None, time.perf_counter() - t0, float("inf")
     refine = PENALTY_REFINES
-    lam, lo, hi = max(float(np.abs(c).sum()), 1.0), 0.0, None  # lam in us per budget
+    # lam in us per budget: from the plain plan's step time (a budget's worth of bytes at the
+    # rows costs as much as a step), raised until a plan fits (past lam_max, where memory
+    # outweighs every cost, only while that still lowers the peak), then bisected down.
+    lam_max = max(float(np.abs(c).sum()), 1.0)
+    lam, lo, hi = min(max(objective_us, 1.0), lam_max), 0.0, None
     for _ in range(PENALTY_SOLVES):
         res, took = _milp(c + lam * penalty(), A, lb, ub, integer,
                           min(time_limit_s, PENALTY_TIME_LIMIT_S,
@@ -461,7 +466,7 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
         if refine < 0:
             break
         if hi is None:
-            if peak >= last_peak * 0.999:
+            if peak >= last_peak * 0.999 and lam >= lam_max:
                 break  # a larger penalty no longer lowers the peak
             last_peak = peak
             lam *= 8
