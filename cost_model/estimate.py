@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from cost_model.collectives import CommStep
-from cost_model.memory import peak_memory_bytes
+from cost_model.memory import peak_memory_bytes, reduction_bytes
 from passes.ir import Graph
 
 
@@ -105,4 +105,12 @@ def plan_peak_memory_bytes(graph: Graph, strats, choice, axis_sizes, results_hel
     return peak_memory_bytes(graph, value_specs(graph, strats, choice), axis_sizes,
                              donated, results_held=results_held,
                              operand_specs={n.id: strats[n.id][choice[n.id]].in_specs
-                                            for n in graph.nodes})
+                                            for n in graph.nodes},
+                             reductions=reductions(graph, strats, choice, axis_sizes))
+
+
+def reductions(graph: Graph, strats, choice, axis_sizes) -> dict[int, int]:
+    """Node id -> bytes its partial results' reductions hold while it runs, for the nodes
+    that reduce (``cost_model.memory.reduction_bytes``)."""
+    return {n.id: reduction_bytes(graph, n, strats[n.id][choice[n.id]], axis_sizes)
+            for n in graph.nodes if strats[n.id][choice[n.id]].collectives}

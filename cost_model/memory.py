@@ -113,6 +113,21 @@ def value_bytes(graph: Graph, vid: int, spec, axis_sizes) -> int:
     return local_bytes(spec, v.shape, v.itemsize, axis_sizes)
 
 
+def reduction_bytes(graph: Graph, node, strategy, axis_sizes) -> int:
+    """Per-device bytes ``node``'s reductions of partial results hold while it runs under
+    ``strategy``, besides its result: the partial result itself (a contraction split over its
+    summed dim makes a full-size partial sum on every device) and each collective's output
+    but the last when that is the result. Where XLA:CPU emulates a reduce-scatter, its
+    all-reduce's full-size output is sliced into the result, so it counts too."""
+    steps = strategy.collectives
+    if not steps:
+        return 0
+    outs = [step.out_bytes for step in steps]
+    if outs[-1] <= value_bytes(graph, node.outs[0], strategy.out_specs[0], axis_sizes):
+        outs.pop()
+    return steps[0].in_bytes + sum(outs)
+
+
 def consumers(graph: Graph) -> dict[int, list]:
     users: dict[int, list] = {}
     for node in graph.nodes:
@@ -272,16 +287,18 @@ def _f32_dot_copies(graph, users, fusions) -> list[Buffer]:
 
 
 def peak_memory_bytes(graph: Graph, value_specs: dict, axis_sizes, donated=frozenset(),
-                      results_held: bool = False, operand_specs: dict | None = None) -> int:
+                      results_held: bool = False, operand_specs: dict | None = None,
+                      reductions: dict | None = None) -> int:
     """Per-device peak bytes of the planned graph (see the module docstring).
 
     ``donated``: input node ids whose buffers the results may reuse. ``results_held``: the
     backend holds result buffers for the whole call (XLA:CPU). ``operand_specs``: node id ->
     the specs its operands are resharded to; a resharded copy is a temporary live while the
-    node runs.
+    node runs. ``reductions``: node id -> bytes its partial results' reductions hold while it
+    runs (:func:`reduction_bytes`).
     """
     held, live = memory_timeline(graph, value_specs, axis_sizes, donated, results_held,
-                                 operand_specs)
+                                 operand_specs, reductions)
     return held + max(live, default=0)
 
 
@@ -310,9 +327,10 @@ def argument_and_result_bytes(graph: Graph, value_specs: dict, axis_sizes,
 
 
 def memory_timeline(graph: Graph, value_specs: dict, axis_sizes, donated=frozenset(),
-                    results_held: bool = False, operand_specs: dict | None = None
-                    ) -> tuple[int, list[int]]:
-    """(bytes held for the whole call, bytes of the other live buffers at each node)."""
+                    results_held: bool = False, operand_specs: dict | None = None,
+                    reductions: dict | None = None) -> tuple[int, list[int]]:
+    """(bytes held for the whole call, bytes of the other live buffers at each node);
+    ``reductions`` as in :func:`peak_memory_bytes`."""
     def size(vid, spec=None):
         return value_bytes(graph, vid, value_specs[vid] if spec is None else spec, axis_sizes)
 
@@ -334,6 +352,7 @@ def memory_timeline(graph: Graph, value_specs: dict, axis_sizes, donated=frozens
     spans += [(b.born, b.dies, int(b.scale * size(b.vid)))
               for b in temporaries(graph, results_held, frozenset(in_place))]
     spans += copy_spans(graph, value_specs, operand_specs, axis_sizes)
+    spans += [(n, n, nbytes) for n, nbytes in (reductions or {}).items() if nbytes]
     if results_held and not donated:
         made = [(graph.producer[v][0] if v in in_place else n, size(v, spec))
                 for n, v, spec in results]

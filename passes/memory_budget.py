@@ -28,8 +28,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cost_model.estimate import value_specs
-from cost_model.memory import Buffer, memory_timeline, temporaries, value_bytes
+from cost_model.estimate import reductions, value_specs
+from cost_model.memory import (
+    Buffer,
+    memory_timeline,
+    reduction_bytes,
+    temporaries,
+    value_bytes,
+)
 from passes.ir import Graph
 
 #: Rounds of adding rows before giving up on a plan that keeps exceeding the budget.
@@ -76,8 +82,10 @@ def plan_peak(graph: Graph, strats, choice, mesh) -> tuple[int, int, int]:
     resharded operand copies, less what XLA:CPU places in result buffers not yet written."""
     specs = value_specs(graph, strats, choice)
     operand = {n.id: strats[n.id][choice[n.id]].in_specs for n in graph.nodes}
+    reduced = reductions(graph, strats, choice, mesh.axis_sizes)
     held, live = memory_timeline(graph, specs, mesh.axis_sizes,
-                                 results_held=mesh.results_held, operand_specs=operand)
+                                 results_held=mesh.results_held, operand_specs=operand,
+                                 reductions=reduced)
     if not live:
         return held, 0, 0
     t = max(range(len(live)), key=live.__getitem__)
@@ -87,7 +95,7 @@ def plan_peak(graph: Graph, strats, choice, mesh) -> tuple[int, int, int]:
         return value_bytes(graph, vid, specs[vid], mesh.axis_sizes)
 
     row_bytes = (sum(size(v) for v in lv.held)
-                 + sum(int(b.scale * size(b.vid)) for b in lv.live_at(t)))
+                 + sum(int(b.scale * size(b.vid)) for b in lv.live_at(t)) + reduced.get(t, 0))
     return held + live[t], t, held + live[t] - row_bytes
 
 
@@ -120,7 +128,21 @@ class BudgetRows:
             g, by_index = self._value_coefs(vid)
             for i, c in by_index.items():
                 coefs[offset[g] + i] = coefs.get(offset[g] + i, 0.0) + scale * c
+        g, by_index = self._reduction_coefs(t)
+        for i, c in by_index.items():
+            coefs[offset[g] + i] = coefs.get(offset[g] + i, 0.0) + c
         return coefs
+
+    def _reduction_coefs(self, t: int) -> tuple[int, dict[int, float]]:
+        """(group of node t, {strategy index in the group: the bytes node t's reductions of
+        partial results hold as it runs / budget}, for the strategies that reduce)."""
+        node = self.g.nodes[t]
+        coefs = {}
+        for i, j in enumerate(self.groups.index_map[t]):
+            nbytes = reduction_bytes(self.g, node, self.strats[t][j], self.mesh.axis_sizes)
+            if nbytes:
+                coefs[i] = nbytes / self.budget_bytes
+        return self.groups.group_of[t], coefs
 
     def rhs(self, offset_bytes: float) -> float:
         """The row's bound, less the plan's bytes the row does not cover (:func:`plan_peak`)."""

@@ -744,7 +744,8 @@ def best_of(solution, graph: Graph, strats, mesh: MeshContext, candidates: dict[
     ``search=False``, and never worse than the seeds' plans. Returns (solution, predicted step
     time per plan name, predicted peak bytes per plan name); the ILP's plan is named by its
     status. Peaks are predicted fastest plan first, up to the first that fits (the slower ones
-    cannot win), so the fastest plan's is always there."""
+    cannot win), so the fastest plan's is always there. When none fits, every peak is
+    predicted, and a candidate's below the solve's least peak found becomes it."""
     plans = {solution.status: solution.choice, **candidates}
     comms = {name: plan_collectives(graph, strats, choice, mesh) for name, choice in plans.items()}
     times = {name: estimate(graph, strats, plans[name], mesh, comms[name], memory=False)
@@ -761,4 +762,10 @@ def best_of(solution, graph: Graph, strats, mesh: MeshContext, candidates: dict[
                 solution, choice=plans[name], status=name, fits_budget=fits)
         if fits:
             break
+    if not best.fits_budget and best.least_peak_choice is not None:
+        # Nothing fits: the smallest peak found (the error reports it) may be a candidate's.
+        least = min(peaks, key=peaks.get)
+        if peaks[least] < best.least_peak_bytes:
+            best = dataclasses.replace(best, least_peak_bytes=peaks[least],
+                                       least_peak_choice=plans[least])
     return best, times, peaks

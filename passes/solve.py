@@ -429,14 +429,16 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
                 p[i] += coef
         return p
 
-    def attempt(res) -> float:
-        """The plan's peak; the row where it peaks joins the cuts."""
+    def attempt(res) -> tuple[float, bool]:
+        """The plan's peak, and whether the row where it peaks joined the cuts (it was over
+        the budget at a node no row covered)."""
         choice = _choice_of(res.x, g, groups, builder.offset)
         _inputs_take_their_slices(g, strats, groups, mesh, choice)
         peak, t, copies = plan_peak(g, strats, choice, mesh)
         if peak > budget.budget_bytes and (t, copies) not in budget.cuts:
             budget.cuts.append((t, copies))
-        return peak
+            return peak, True
+        return peak, False
 
     best, total, last_peak = None, time.perf_counter() - t0, float("inf")
     refine = PENALTY_REFINES
@@ -452,7 +454,7 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
         total += took
         if res.x is None:
             break
-        peak = attempt(res)
+        peak, new_row = attempt(res)
         fits = peak <= budget.budget_bytes
         progress(f"memory penalty {lam:.3g} us per budget: {took:.2f}s, peak "
                  f"{peak / 2**20:.1f} MiB")
@@ -461,6 +463,8 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
                 best = res
             hi = lam
             refine -= 1
+        elif new_row:
+            continue  # the same penalty again, now over the row where this plan peaked too
         else:
             lo = lam
         if refine < 0:
