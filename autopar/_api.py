@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from autopar._check_memory import check_compiled_memory
 from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar._plan import Plan
 from autopar._cache import PlanCache, graph_fingerprint
@@ -94,7 +95,8 @@ def _progress(enabled: bool):
 def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
          in_shardings=None, out_shardings=None, search: bool = True, logical_axis_rules=None,
          time_limit_s: float = 60.0, tie_state: bool = True, axis_level_overrides=None,
-         baseline_seeds: bool = True, remat: bool | str = True, verbose: bool = False,
+         baseline_seeds: bool = True, remat: bool | str = True,
+         check_memory: bool | None = None, verbose: bool = False,
          _choice=None, _remat=None) -> Plan:
     """Plan how to run ``fn`` on ``mesh``.
 
@@ -141,6 +143,13 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         (``passes.pipeline``'s remat search). A policy name (``"dots_saveable"`` or
         ``"nothing_saveable"``): rematerialize every layer with it. False: never.
         ``plan.stats["remat"]`` and the report say which layers.
+      check_memory: compile the plan (from abstract arguments; nothing runs) and check its
+        per-device peak as XLA reports it (``memory_analysis()``) against ``memory_budget``.
+        When it is over, plan again under a budget lowered by the miss, up to
+        ``autopar._check_memory.CHECK_MEMORY_ROUNDS`` (2) times, then raise
+        ``InfeasiblePlanError`` with the predicted and compiled peaks.
+        ``plan.stats["memory_checks"]`` lists each round. Default: on when ``memory_budget``
+        is given (and the plan is not loaded from a plan cache).
       verbose: print progress to stderr.
 
     Returns:
@@ -156,6 +165,35 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                                           and memory_budget > 0):
         raise ArgumentError(f"`memory_budget` must be a positive number of bytes per device, "
                             f"got {memory_budget!r}")
+    options = {"mesh": mesh, "hardware": hardware, "in_shardings": in_shardings,
+               "out_shardings": out_shardings, "search": search,
+               "logical_axis_rules": logical_axis_rules, "time_limit_s": time_limit_s,
+               "tie_state": tie_state, "axis_level_overrides": axis_level_overrides,
+               "baseline_seeds": baseline_seeds, "remat": remat, "_choice": _choice,
+               "_remat": _remat}
+    progress = _progress(verbose)
+    planned = _plan_once(fn, example_args, memory_budget, progress=progress, **options)
+    if check_memory is None:
+        check_memory = memory_budget is not None and _choice is None
+    if check_memory:
+        if memory_budget is None:
+            raise ArgumentError("`check_memory=True` needs a `memory_budget` to check against")
+        planned = check_compiled_memory(
+            planned, memory_budget,
+            lambda target: _plan_once(fn, example_args, memory_budget, target,
+                                      progress=progress, **options),
+            progress)
+    return planned
+
+
+def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, mesh, hardware,
+               in_shardings, out_shardings, search, logical_axis_rules, time_limit_s,
+               tie_state, axis_level_overrides, baseline_seeds, remat, progress, _choice,
+               _remat) -> Plan:
+    """:func:`plan` without the compiled memory check; ``target_bytes``: the budget to plan
+    under when it is not ``memory_budget`` itself (lowered after a check)."""
+    if target_bytes is None:
+        target_bytes = memory_budget
     forced = _remat if _remat is not None else _remat_option(remat)
     jax_mesh = as_auto_mesh(mesh)
     sizes = axis_sizes(jax_mesh)
@@ -186,24 +224,24 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                           in_specs_of=pins(in_shardings, "in_shardings"),
                           out_specs_of=pins(out_shardings, "out_shardings"),
                           ties_of=_state_ties if tie_state else None,
-                          time_limit_s=time_limit_s, progress=_progress(verbose),
+                          time_limit_s=time_limit_s, progress=progress,
                           choice=_choice, search=search,
                           hint_labels_of=lambda _: (labels.get("in_shardings"),
                                                     labels.get("out_shardings")),
                           seeds_of=(_baseline_seeds(example_args, jax_mesh, sizes)
                                     if baseline_seeds else None),
                           memory_budget_bytes=(
-                              memory_budget if memory_budget is not None
+                              target_bytes if target_bytes is not None
                               else default_memory_budget_bytes(profile)),
                           strict_budget=memory_budget is not None, remat=remat is True,
                           remat_choice=None if forced is None else Remat.from_dict(forced))
     graph, strats, choice = result.graph, result.strats, result.solution.choice
     comms = plan_collectives(graph, strats, choice, mesh_ctx)
     est = estimate(graph, strats, choice, mesh_ctx, comms)
-    if not search and memory_budget is not None and est.peak_memory_bytes > memory_budget:
+    if not search and target_bytes is not None and est.peak_memory_bytes > target_bytes:
         raise InfeasiblePlanError(
             f"with search=False the propagated plan peaks at {est.peak_memory_bytes / 2**20:.1f} "
-            f"MiB per device, over memory_budget={memory_budget / 2**20:.1f} MiB; propagation "
+            f"MiB per device, over memory_budget={target_bytes / 2**20:.1f} MiB; propagation "
             "does not search for a plan that fits. Use search=True (the default) to let the "
             "ILP fit the budget, or annotate more of the program (e.g. shard the parameters).")
     traced = result.traced

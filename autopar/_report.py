@@ -39,6 +39,12 @@ def render_text(plan, baselines: dict | None = None) -> str:
         lines.append(f"  donated      argument(s) {', '.join(map(str, plan.donate_argnums))}: "
                      "their buffers are reused for the results")
     lines += _remat_lines(plan.stats.get("remat"))
+    checks = plan.stats.get("memory_checks")
+    if checks:
+        lines.append(f"  compiled     peak memory {_fmt_bytes(checks[-1]['compiled_bytes'])} "
+                     "per device as XLA compiled it (`memory_analysis()`)"
+                     + (f", after {len(checks) - 1} plan(s) that compiled over the budget"
+                        if len(checks) > 1 else ""))
     if baselines:
         lines += ["",
                   "Beside hand-written baselines (autopar's prediction of each jax.jit program):",

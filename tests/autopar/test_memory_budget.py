@@ -37,7 +37,10 @@ def test_budget_at_35_percent_of_data_parallel_holds(wide_mlp):
     plan = autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget=budget)
     assert plan.estimate.peak_memory_bytes <= budget
     assert plan.stats["memory_rows"] >= 1 and plan.stats["memory_budget_bytes"] == budget
-    assert compiled_peak_bytes(plan.compile().memory_analysis(), "cpu") < budget
+    compiled = compiled_peak_bytes(plan.compile().memory_analysis(), "cpu")
+    assert compiled < budget
+    assert plan.stats["memory_checks"][-1]["compiled_bytes"] == compiled  # checked on planning
+    assert "as XLA compiled it" in plan.report()
     expected = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
     got = jax.tree_util.tree_leaves(plan.jit()(*args))
     for a, b in zip(got, expected):
@@ -145,6 +148,41 @@ def test_budget_just_under_the_fastest_peak_costs_little_time():
                         remat=False)
     assert plan.estimate.peak_memory_bytes <= budget
     assert plan.estimate.step_time_s <= 1.05 * free.estimate.step_time_s
+
+
+#: A GPT whose budget-fitted plans at 60% of its fastest plan's peak split the sequence and the
+#: contractions over all 8 devices; XLA:CPU keeps far more of those than the memory model
+#: counts (README, "Not yet"), so they compile over the budget.
+MISSED = dataclasses.replace(gpt.TINY, batch=16, seq=128, hidden=256, heads=4, layers=2)
+
+
+def test_compiled_memory_check_never_returns_a_plan_over_the_budget():
+    """The plan predicted to fit compiles over the budget (the first round of the check);
+    autopar then plans again under a lowered budget and returns only a plan whose compiled
+    peak fits, or raises an InfeasiblePlanError that gives the rounds' peaks."""
+    fn, args = gpt.make_train_step(MISSED, abstract=True)
+    free = autopar.plan(fn, *args, mesh=MESH, hardware="h100")
+    budget = 0.6 * free.estimate.peak_memory_bytes
+    try:
+        plan = autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget=budget,
+                            remat=False)
+    except InfeasiblePlanError as err:
+        checks = err.memory_checks
+        assert "compiles within `memory_budget`" in str(err)
+        assert all(c["compiled_bytes"] > budget for c in checks)
+        if len(checks) == 1:  # no plan fits the lowered budget
+            assert "No plan fits the lowered budget either" in str(err)
+    else:
+        checks = plan.stats["memory_checks"]
+        assert len(checks) >= 2 and checks[1]["target_bytes"] < budget
+        assert compiled_peak_bytes(plan.compile().memory_analysis(), "cpu") <= budget
+    assert checks[0]["predicted_bytes"] <= budget < checks[0]["compiled_bytes"]
+
+
+def test_check_memory_needs_a_budget(wide_mlp):
+    fn, args, _ = wide_mlp
+    with pytest.raises(ArgumentError, match="needs a `memory_budget`"):
+        autopar.plan(fn, *args, mesh=MESH, hardware="h100", check_memory=True)
 
 
 #: Activations dominate at these shapes (planned from abstract arguments, not run): every
