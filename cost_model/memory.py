@@ -9,10 +9,10 @@ Three kinds of buffers make up a device's memory during one call:
   its resharded copy is the output;
 * **temporaries** (:func:`temporaries`): every other value XLA materializes, live from the
   node that makes it to its last use, plus an operand's resharded copy from the first node
-  that wants it in that spec to the last (XLA makes it once). A copy that only slices each
-  device's block further needs no collective and is fused into its reader (not into a dot or
-  reduction); the first operand of an in-place op (scatter, dynamic update) is its result's
-  buffer.
+  that wants it in that spec to the last (XLA makes it once; XLA:CPU makes it as soon as the
+  value exists, :func:`copy_spans`). A copy that only slices each device's block further
+  needs no collective and is fused into its reader (not into a dot or reduction); the first
+  operand of an in-place op (scatter, dynamic update) is its result's buffer.
 
 Which values XLA keeps (:func:`materialized`). It fuses elementwise chains: a value made by an
 elementwise (or broadcast/reshape-like) op whose every consumer is also such an op is
@@ -351,7 +351,7 @@ def memory_timeline(graph: Graph, value_specs: dict, axis_sizes, donated=frozens
         spans += [(n, end, size(v, spec)) for n, v, spec in results if v not in in_place]
     spans += [(b.born, b.dies, int(b.scale * size(b.vid)))
               for b in temporaries(graph, results_held, frozenset(in_place))]
-    spans += copy_spans(graph, value_specs, operand_specs, axis_sizes)
+    spans += copy_spans(graph, value_specs, operand_specs, axis_sizes, results_held)
     spans += [(n, n, nbytes) for n, nbytes in (reductions or {}).items() if nbytes]
     if results_held and not donated:
         made = [(graph.producer[v][0] if v in in_place else n, size(v, spec))
@@ -414,12 +414,20 @@ def _place(born: int, dies: int, taken, buffers: list[list]) -> bool:
 
 
 def copy_spans(graph: Graph, value_specs: dict, operand_specs: dict | None,
-               axis_sizes) -> list[tuple[int, int, int]]:
+               axis_sizes, from_producer: bool = False) -> list[tuple[int, int, int]]:
     """(first reader, last reader, bytes) of each operand copy resharded for the nodes that
     want it. XLA makes one copy per (value, spec) and keeps it from its first reader to its
     last (the all-gather of a sharded weight in the forward pass serves the backward pass
     too); a broadcast of a scalar is rebuilt at each reader instead. A result's copy is its
-    output buffer, counted with the results."""
+    output buffer, counted with the results.
+
+    ``from_producer`` (XLA:CPU): the copy is made as soon as its value is, so it lives from the
+    value's producer. XLA:CPU's schedule runs a resharding collective right after its operand
+    is ready: on a GPT at hidden 256 on (2, 4) the live ranges XLA dumps show the backward
+    pass's all-gathers of forward activations made in the forward pass, and with this the
+    model's peak of the FSDP program goes from 0.74x to 1.03x of the compiled one (the
+    propagated FSDP plan's from 0.60x to 0.84x), with no other program of the tests moving
+    by more than 0.2%."""
     if not operand_specs:
         return []
     spans: dict = {}
@@ -434,7 +442,9 @@ def copy_spans(graph: Graph, value_specs: dict, operand_specs: dict | None,
             if _slices(value_specs[vid], spec) and not _op(node, LIBRARY):
                 continue  # a local slice, which XLA fuses into the reader
             key = (vid, spec) if not graph.values[vid].recomputable else (vid, spec, node.id)
-            span = spans.setdefault(key, [node.id, node.id, 0])
+            born = (graph.producer[vid][0] if from_producer and not graph.values[vid].recomputable
+                    else node.id)
+            span = spans.setdefault(key, [born, node.id, 0])
             span[1] = node.id
             span[2] = value_bytes(graph, vid, spec, axis_sizes)
     return [tuple(s) for s in spans.values()]
@@ -444,10 +454,3 @@ def _slices(src, dst) -> bool:
     """Whether resharding ``src`` to ``dst`` only cuts each device's block further (every
     dimension's axes in ``src`` lead its axes in ``dst``): no collective, a local slice."""
     return all(d[:len(s)] == s for s, d in zip(src.dims, dst.dims))
-
-
-def resharded_copies_bytes(graph: Graph, value_specs: dict, operand_specs: dict | None,
-                           axis_sizes) -> list[int]:
-    """Per node, the bytes of resharded operand copies live there (:func:`copy_spans`)."""
-    return running_sum(copy_spans(graph, value_specs, operand_specs, axis_sizes),
-                       len(graph.nodes))

@@ -150,9 +150,9 @@ def test_budget_just_under_the_fastest_peak_costs_little_time():
     assert plan.estimate.step_time_s <= 1.05 * free.estimate.step_time_s
 
 
-#: A GPT whose budget-fitted plans at 60% of its fastest plan's peak split the sequence and the
-#: contractions over all 8 devices; XLA:CPU keeps far more of those than the memory model
-#: counts (README, "Not yet"), so they compile over the budget.
+#: A GPT whose budget-fitted plan at 70% of its fastest plan's peak splits the sequence and
+#: the contractions over all 8 devices; XLA:CPU keeps far more of it than the memory model
+#: counts (README, "Not yet"), so it compiles over the budget.
 MISSED = dataclasses.replace(gpt.TINY, batch=16, seq=128, hidden=256, heads=4, layers=2)
 
 
@@ -162,7 +162,7 @@ def test_compiled_memory_check_never_returns_a_plan_over_the_budget():
     peak fits, or raises an InfeasiblePlanError that gives the rounds' peaks."""
     fn, args = gpt.make_train_step(MISSED, abstract=True)
     free = autopar.plan(fn, *args, mesh=MESH, hardware="h100")
-    budget = 0.6 * free.estimate.peak_memory_bytes
+    budget = 0.7 * free.estimate.peak_memory_bytes
     try:
         plan = autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget=budget,
                             remat=False)
