@@ -149,7 +149,8 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         ``autopar._check_memory.CHECK_MEMORY_ROUNDS`` (2) times, then raise
         ``InfeasiblePlanError`` with the predicted and compiled peaks.
         ``plan.stats["memory_checks"]`` lists each round. Default: on when ``memory_budget``
-        is given (and the plan is not loaded from a plan cache).
+        is given (and the plan is not loaded from a plan cache); ``True`` without a
+        ``memory_budget`` checks against the default budget.
       verbose: print progress to stderr.
 
     Returns:
@@ -176,10 +177,10 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
     if check_memory is None:
         check_memory = memory_budget is not None and _choice is None
     if check_memory:
-        if memory_budget is None:
-            raise ArgumentError("`check_memory=True` needs a `memory_budget` to check against")
+        budget = (memory_budget if memory_budget is not None
+                  else default_memory_budget_bytes(get_profile(hardware)))
         planned = check_compiled_memory(
-            planned, memory_budget,
+            planned, budget,
             lambda target: _plan_once(fn, example_args, memory_budget, target,
                                       progress=progress, **options),
             progress)

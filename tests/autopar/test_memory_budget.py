@@ -16,6 +16,7 @@ from cost_model.hardware import get_profile
 from cost_model.hlo import analyze, compiled_peak_bytes
 from examples.models import gpt, mlp
 from passes import pipeline
+from passes.memory_budget import default_memory_budget_bytes
 from passes.solve import MemoryBudgetWarning
 
 MESH = {"data": 2, "model": 4}
@@ -179,10 +180,15 @@ def test_compiled_memory_check_never_returns_a_plan_over_the_budget():
     assert checks[0]["predicted_bytes"] <= budget < checks[0]["compiled_bytes"]
 
 
-def test_check_memory_needs_a_budget(wide_mlp):
+def test_check_memory_without_a_budget_checks_the_default_one(wide_mlp):
+    """``check_memory=True`` alone checks the compiled peak against the profile's capacity
+    less the margin (the default budget), which the small MLP fits."""
     fn, args, _ = wide_mlp
-    with pytest.raises(ArgumentError, match="needs a `memory_budget`"):
-        autopar.plan(fn, *args, mesh=MESH, hardware="h100", check_memory=True)
+    plan = autopar.plan(fn, *args, mesh=MESH, hardware="h100", check_memory=True)
+    (check,) = plan.stats["memory_checks"]
+    assert check["target_bytes"] == default_memory_budget_bytes(get_profile("h100"))
+    assert 0 < check["compiled_bytes"] <= check["target_bytes"]
+    assert "memory_checks" not in autopar.plan(fn, *args, mesh=MESH, hardware="h100").stats
 
 
 #: Activations dominate at these shapes (planned from abstract arguments, not run): every
