@@ -25,8 +25,9 @@ Layers are the top-level modules of the parameters (the first argument): ``block
 ``layers[3]`` for a list of modules (flax nnx). A forward equation belongs to the layer whose
 parameters the next parameter-reading equation reads (a layer's norm statistics, computed
 before its scale is applied, belong to it); equations after the last one (the loss) belong to
-no layer. Equations with effects are never recomputed. A layer under ``lax.scan`` (a stacked
-``nn.scan``) is one equation at the top level and is not rematerialized here.
+no layer. Equations with effects are never recomputed. A stack of layers under ``lax.scan``
+(an ``nn.scan``) is one layer, named by its stacked parameters: its forward and backward scans
+are rewritten by ``passes.remat_scan``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 import jax
 from jax.extend import core as jcore
 
+from passes import remat_scan
 from passes.trace import Traced, from_jaxpr
 
 
@@ -227,38 +229,65 @@ def remat_layers(traced: Traced) -> dict[str, list[int]]:
     return forward_layers(traced.closed_jaxpr, parameter_layers(traced.in_tree))
 
 
+def _scan_pairs(closed, in_tree) -> list[remat_scan.ScanPair]:
+    """The layer stacks under a scan that the rewrite of ``passes.remat_scan`` applies to."""
+    jaxpr = closed.jaxpr
+    start = _backward_start(jaxpr.eqns)
+    if start is None:
+        return []
+    owner = {v: name for v, name in zip(jaxpr.invars, parameter_layers(in_tree))
+             if name is not None}
+    return remat_scan.scan_pairs(jaxpr, owner, start)
+
+
 def scanned_layers(traced: Traced) -> list[str]:
-    """The layers whose parameters a top-level ``scan`` reads (an ``nn.scan`` stack): this pass
-    cannot rematerialize them (see the module docstring)."""
+    """The layers whose parameters a top-level ``scan`` reads (an ``nn.scan`` stack) that this
+    pass cannot rematerialize: no backward scan slices that scan's residuals."""
     jaxpr = traced.closed_jaxpr.jaxpr
     owner = {v: name for v, name in zip(jaxpr.invars, parameter_layers(traced.in_tree))
              if name is not None}
+    paired = {p.layer for p in _scan_pairs(traced.closed_jaxpr, traced.in_tree)}
     return list(dict.fromkeys(owner[a] for eqn in jaxpr.eqns if eqn.primitive.name == "scan"
-                              for a in eqn.invars if _is_var(a) and a in owner))
+                              for a in eqn.invars if _is_var(a) and a in owner
+                              and owner[a] not in paired))
 
 
 def _plans(traced: Traced, layers, policy: RematPolicy) -> list[_Recompute]:
+    """The rewrites of the unrolled ``layers`` (None: every layer) under ``policy``; a stack
+    under a scan is left to ``passes.remat_scan``."""
     closed = traced.closed_jaxpr
     forward = remat_layers(traced)
+    stacked = {p.layer for p in _scan_pairs(closed, traced.in_tree)}
     start = _backward_start(closed.jaxpr.eqns)
     uses, producer = _uses_and_producers(closed.jaxpr)
     plans = [_plan_layer(closed.jaxpr, name, forward[name], policy, uses, producer, start)
-             for name in (forward if layers is None else layers) if name in forward]
+             for name in (forward if layers is None else layers)
+             if name in forward and name not in stacked]
     return [p for p in plans if p is not None]
 
 
 def residual_bytes(traced: Traced, policy: RematPolicy) -> dict[str, int]:
     """Layer -> the bytes (whole arrays, unsharded) of the values ``policy`` would recompute
-    instead of keeping, for every layer it applies to."""
-    return {p.layer: sum(v.aval.size * v.aval.dtype.itemsize for v in p.residuals)
-            for p in _plans(traced, None, policy)}
+    instead of keeping, for every layer it applies to; for a stack under a scan, less the
+    stacked layer inputs kept instead."""
+    saved = {p.layer: sum(v.aval.size * v.aval.dtype.itemsize for v in p.residuals)
+             for p in _plans(traced, None, policy)}
+    for pair in _scan_pairs(traced.closed_jaxpr, traced.in_tree):
+        freed = remat_scan.saved_bytes(traced.closed_jaxpr.jaxpr, pair,
+                                       keep_dots=policy is RematPolicy.DOTS)
+        if freed > 0:
+            saved[pair.layer] = freed
+    return saved
 
 
 def rematerialize(traced: Traced, layers: list[str], policy: RematPolicy) -> Traced:
     """``traced`` with ``layers`` rematerialized under ``policy``: a new jaxpr, traced to a new
     graph. Layers with nothing to recompute are left as they are."""
     plans = _plans(traced, layers, policy)
-    if not plans:
+    closed = _rewrite(traced.closed_jaxpr, plans) if plans else traced.closed_jaxpr
+    pairs = [p for p in _scan_pairs(closed, traced.in_tree) if p.layer in layers]
+    if pairs:
+        closed = remat_scan.rewrite(closed, pairs, keep_dots=policy is RematPolicy.DOTS)
+    if closed is traced.closed_jaxpr:
         return traced
-    return from_jaxpr(_rewrite(traced.closed_jaxpr, plans), traced.in_tree, traced.out_tree,
-                      traced.out_avals)
+    return from_jaxpr(closed, traced.in_tree, traced.out_tree, traced.out_avals)

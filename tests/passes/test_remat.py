@@ -96,3 +96,63 @@ def test_barriers_alias_their_operands_in_the_memory_model():
         for vin, vout in zip(node.ins, node.outs):
             if vout in users:  # the barrier's tie to the backward pass has no reader
                 assert last[vin] >= max(u.id for u in users[vout]) > node.id
+
+
+#: A stack of layers under ``nn.scan``: one layer to the remat pass, named ``blocks``.
+SCANNED = dataclasses.replace(gpt.TINY, layers=3, scan_layers=True)
+
+
+def _scans(traced):
+    return [e for e in traced.closed_jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+
+
+def _stacks_read_backward(traced) -> int:
+    """Bytes of the forward scan's stacked results that the backward scan reads."""
+    forward, backward = _scans(traced)
+    ys = set(forward.outvars[forward.params["num_carry"]:])
+    return sum(a.aval.size * a.aval.dtype.itemsize for a in set(backward.invars) & ys)
+
+
+@pytest.mark.parametrize("policy", list(RematPolicy))
+def test_rematerialized_scan_matches_the_original(policy):
+    """The scan pair is rewritten: the backward scan reads fewer stacked bytes of the forward
+    one, by what ``residual_bytes`` says, and the step computes the same."""
+    fn, args = gpt.make_train_step(SCANNED)
+    traced = trace(fn, args)
+    saved = residual_bytes(traced, policy)
+    remat = rematerialize(traced, ["blocks"], policy)
+    jcore.check_jaxpr(remat.closed_jaxpr.jaxpr)
+    assert len(_scans(remat)) == 2
+    assert saved["blocks"] > 0
+    assert _stacks_read_backward(traced) - _stacks_read_backward(remat) == saved["blocks"]
+    for got, want in zip(_run(remat, args), _run(traced, args)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_dots_saveable_keeps_more_of_a_scan_than_nothing_saveable():
+    fn, args = gpt.make_train_step(SCANNED, abstract=True)
+    traced = trace(fn, args)
+    dots, nothing = (residual_bytes(traced, p)["blocks"] for p in
+                     (RematPolicy.DOTS, RematPolicy.NOTHING))
+    assert 0 < dots < nothing
+
+
+def test_compiled_scanned_stack_holds_less_and_recomputes():
+    """The scanned twin of ``test_compiled_program_holds_less_and_recomputes`` (measured:
+    1641 / 752 / 456 MiB of temporaries compiled for no remat / dots_saveable /
+    nothing_saveable, 1528 / 568 / 304 MiB predicted)."""
+    fn, args = gpt.make_train_step(dataclasses.replace(WIDE, scan_layers=True), abstract=True)
+    traced = trace(fn, args)
+    temps, flops, predicted = {}, {}, {}
+    for policy in (None, RematPolicy.DOTS, RematPolicy.NOTHING):
+        t = traced if policy is None else rematerialize(traced, ["blocks"], policy)
+        compiled = (jax.jit(jcore.jaxpr_as_fun(t.closed_jaxpr))
+                    .lower(*jax.tree_util.tree_leaves(args)).compile())
+        truth = analyze(compiled)
+        specs, operand = _replicated(t.graph)
+        _, live = memory_timeline(t.graph, specs, {}, results_held=True, operand_specs=operand)
+        temps[policy], flops[policy], predicted[policy] = truth.temp_bytes, truth.flops, max(live)
+    assert temps[RematPolicy.NOTHING] < 0.75 * temps[RematPolicy.DOTS]
+    assert temps[RematPolicy.DOTS] < 0.6 * temps[None]
+    assert flops[RematPolicy.NOTHING] > 1.1 * flops[None]
+    assert predicted[RematPolicy.NOTHING] < predicted[RematPolicy.DOTS] < predicted[None]
