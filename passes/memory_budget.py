@@ -33,6 +33,7 @@ from cost_model.memory import (
     Buffer,
     memory_timeline,
     reduction_bytes,
+    running_sum,
     temporaries,
     value_bytes,
 )
@@ -147,6 +148,19 @@ class BudgetRows:
     def rhs(self, offset_bytes: float) -> float:
         """The row's bound, less the plan's bytes the row does not cover (:func:`plan_peak`)."""
         return 1.0 - offset_bytes / self.budget_bytes
+
+
+def peak_lower_bound_bytes(graph: Graph, devices: int, results_held: bool) -> float:
+    """A per-device peak no plan of ``graph`` on ``devices`` goes under: the arguments and the
+    temporaries live at the worst node, each split evenly over all the devices. Which values are
+    temporaries and when they live does not depend on the plan, and no spec splits a value over
+    more than all the devices. (On XLA:CPU a temporary may sit in a result's buffer, which is
+    held for the call anyway; with donation, results and arguments share buffers: the
+    arguments plus the temporaries at a node stay under the peak either way.)"""
+    live = liveness(graph, results_held)
+    args = sum(graph.values[v].nbytes for n in graph.input_nodes for v in graph.nodes[n].outs)
+    spans = [(b.born, b.dies, int(b.scale * graph.values[b.vid].nbytes)) for b in live.buffers]
+    return (args + max(running_sum(spans, len(graph.nodes)), default=0)) / devices
 
 
 def breakdown(graph: Graph, strats, choice, mesh, input_labels: list[str]

@@ -22,7 +22,7 @@ from passes.cluster import cluster
 from passes.dedup import node_keys, structural_colors, tie_groups
 from passes.emit import build_flat_fn
 from passes.ir import Graph
-from passes.memory_budget import input_labels
+from passes.memory_budget import input_labels, peak_lower_bound_bytes
 from passes.propagate import best_of, propagate, propagated_plans
 from passes.remat import RematPolicy, rematerialize, residual_bytes, scanned_layers
 from passes.solve import Groups, MemoryBudgetWarning, Solution, over_budget_error, solve
@@ -111,24 +111,17 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
         remat_choice = Remat(layers, remat_choice.policy) if layers else None
         if remat_choice is not None:
             traced = rematerialize(traced, list(layers), remat_choice.policy)
-    result = _plan(traced, opts)
-    result.remat = remat_choice
-    if not result.solution.fits_budget:
-        searched = remat and search and choice is None
-        fitting = _remat_search(traced, opts, result) if searched else None
-        if fitting is not None and fitting.solution.fits_budget:
-            result = fitting
-        else:
-            error = over_budget_error(
-                result.graph, result.strats, result.groups, mesh_ctx, memory_budget_bytes,
-                input_labels(traced.in_tree), time_limit_s, result.solution,
-                " (rematerializing every layer did not make one fit either)"
-                if searched and residual_bytes(traced, RematPolicy.NOTHING) else "",
-                _scan_advice(traced) if remat and search else "")
-            if strict_budget:
-                raise error
-            warnings.warn(f"autopar: {error} The plan below ignores the default budget.",
-                          MemoryBudgetWarning, stacklevel=3)
+    searched = remat and search and choice is None
+    # No plan of the program as it is may fit: then the remat search goes first.
+    first = searched and _needs_remat(traced, opts)
+    result = _remat_search(traced, opts, None) if first else None
+    if result is None or not result.solution.fits_budget:
+        result = _plan(traced, opts)
+        result.remat = remat_choice
+        if not result.solution.fits_budget:
+            fitting = _remat_search(traced, opts, result) if searched and not first else None
+            result = fitting if fitting is not None and fitting.solution.fits_budget else (
+                _over_budget(traced, opts, result, searched, remat and search, strict_budget))
 
     graph, strats, solution = result.graph, result.strats, result.solution
     specs = value_specs(graph, strats, solution.choice)
@@ -226,6 +219,38 @@ def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
     return solution
 
 
+def _needs_remat(traced: Traced, o: _Options) -> bool:
+    """Whether no plan of the program as it is fits the memory budget, as
+    :func:`passes.memory_budget.peak_lower_bound_bytes` shows without planning it."""
+    budget = o.memory_budget_bytes
+    if budget is None:
+        return False
+    bound = peak_lower_bound_bytes(traced.graph, math.prod(o.mesh_ctx.axis_sizes.values()),
+                                   o.mesh_ctx.results_held)
+    if bound > budget:
+        o.progress(f"memory: every plan without rematerialization peaks at "
+                   f"{bound / 2**20:.1f} MiB or more, over the budget of "
+                   f"{budget / 2**20:.1f} MiB")
+    return bound > budget
+
+
+def _over_budget(traced: Traced, o: _Options, result: PipelineResult, searched: bool,
+                 advise: bool, strict: bool) -> PipelineResult:
+    """``result``, over the budget: InfeasiblePlanError when ``strict``, else it with a
+    MemoryBudgetWarning."""
+    error = over_budget_error(
+        result.graph, result.strats, result.groups, o.mesh_ctx, o.memory_budget_bytes,
+        input_labels(traced.in_tree), o.time_limit_s, result.solution,
+        " (rematerializing every layer did not make one fit either)"
+        if searched and residual_bytes(traced, RematPolicy.NOTHING) else "",
+        _scan_advice(traced) if advise else "")
+    if strict:
+        raise error
+    warnings.warn(f"autopar: {error} The plan below ignores the default budget.",
+                  MemoryBudgetWarning, stacklevel=4)
+    return result
+
+
 def _scan_advice(traced: Traced) -> str:
     """What to do about layers under a ``lax.scan``, which the remat pass cannot recompute."""
     stacked = scanned_layers(traced)
@@ -252,17 +277,21 @@ def _fastest_peak_bytes(result: PipelineResult) -> float:
     return result.ilp_stats["candidates_peak_bytes"][min(times, key=times.get)]
 
 
-def _remat_search(traced: Traced, o: _Options, plain: PipelineResult) -> PipelineResult | None:
+def _remat_search(traced: Traced, o: _Options,
+                  plain: PipelineResult | None) -> PipelineResult | None:
     """The fastest plan found of the program with layers rematerialized, by the cheaper policy
     first, that fits the memory budget; None when even every layer does not make one fit.
-    ``plain``: the plan without rematerialization, over the budget.
+    ``plain``: the plan without rematerialization, over the budget; None when it was not
+    planned, as no plan without rematerialization fits (:func:`_needs_remat`).
 
     Every layer is rematerialized first. Its plan is taken when it is predicted within
     :data:`REMAT_SLACK` of ``plain``'s: the recomputation is cheap next to a sharding the
     budget forces. Else fewer layers, largest residuals first, are planned too: as many as
     bring the fastest plan's peak under the budget if each layer lowers it alike (from
     ``plain``'s fastest plan to the every-layer one's), and the faster of the two fitting
-    plans is taken."""
+    plans is taken. Without ``plain`` there is neither a time to compare with nor a peak to
+    interpolate from: the every-layer plan is taken (planning the program as it is would
+    cost as much as the search itself, for a plan known not to fit)."""
     budget = o.memory_budget_bytes
     for policy in (RematPolicy.DOTS, RematPolicy.NOTHING):
         saved = residual_bytes(traced, policy)
@@ -280,7 +309,7 @@ def _remat_search(traced: Traced, o: _Options, plain: PipelineResult) -> Pipelin
         every = attempt(len(order))
         if not every.solution.fits_budget:
             continue
-        if _step_s(every) <= (1 + REMAT_SLACK) * _step_s(plain):
+        if plain is None or _step_s(every) <= (1 + REMAT_SLACK) * _step_s(plain):
             return every
         none_peak, every_peak = _fastest_peak_bytes(plain), _fastest_peak_bytes(every)
         if every_peak > budget or none_peak <= every_peak:

@@ -11,13 +11,15 @@ import pytest
 import autopar
 from autopar import baselines
 from autopar._mesh import as_auto_mesh
+from autopar.compare import predict_baselines
 from autopar.errors import ArgumentError, InfeasiblePlanError
 from cost_model.hardware import get_profile
 from cost_model.hlo import analyze, compiled_peak_bytes
 from examples.models import gpt, mlp
 from passes import pipeline
-from passes.memory_budget import default_memory_budget_bytes
+from passes.memory_budget import default_memory_budget_bytes, peak_lower_bound_bytes
 from passes.solve import MemoryBudgetWarning
+from passes.trace import trace
 
 MESH = {"data": 2, "model": 4}
 
@@ -209,8 +211,10 @@ def test_remat_search_is_no_slower_than_every_layer(monkeypatch, capsys, slack):
         autopar.plan(fn, *args, mesh=mesh, hardware="h100", memory_budget=1.0, remat=False)
     unbounded = autopar.plan(fn, *args, mesh=mesh, hardware="h100", memory_budget=1e15,
                              remat="dots_saveable")
-    assert unbounded.estimate.peak_memory_bytes < info.value.smallest_peak_bytes
-    budget = (unbounded.estimate.peak_memory_bytes + info.value.smallest_peak_bytes) / 2
+    bound = peak_lower_bound_bytes(trace(fn, args).graph, 8, results_held=True)
+    assert unbounded.estimate.peak_memory_bytes < bound <= info.value.smallest_peak_bytes
+    # over the lower bound: the program as it is is planned first, and found not to fit
+    budget = (bound + info.value.smallest_peak_bytes) / 2
     searched = autopar.plan(fn, *args, mesh=mesh, hardware="h100", memory_budget=budget,
                             verbose=True)
     every = autopar.plan(fn, *args, mesh=mesh, hardware="h100", memory_budget=budget,
@@ -224,6 +228,34 @@ def test_remat_search_is_no_slower_than_every_layer(monkeypatch, capsys, slack):
 
 #: The layers under ``nn.scan``, executed at these shapes: the remat pass recomputes the stack.
 SCANNED_HEAVY = dataclasses.replace(ACTIVATION_HEAVY, layers=4, scan_layers=True)
+
+
+def test_budget_under_the_lower_bound_goes_straight_to_remat(capsys):
+    """A budget under the peak no plan of the program as it is goes under: the planner says so
+    and rematerializes every layer without planning the program as it is first."""
+    fn, args = gpt.make_train_step(REMAT_DEEP, abstract=True)
+    bound = peak_lower_bound_bytes(trace(fn, args).graph, 8, results_held=True)
+    unbounded = autopar.plan(fn, *args, mesh={"data": 8}, hardware="h100", memory_budget=1e15,
+                             remat="dots_saveable")
+    budget = (unbounded.estimate.peak_memory_bytes + bound) / 2
+    plan = autopar.plan(fn, *args, mesh={"data": 8}, hardware="h100", memory_budget=budget,
+                        verbose=True)
+    err = capsys.readouterr().err
+    assert "every plan without rematerialization peaks at" in err
+    assert err.index("rematerializing") < err.index("solving the ILP")
+    assert set(plan.stats["remat"]["layers"]) == set(unbounded.stats["remat"]["layers"])
+    assert plan.estimate.peak_memory_bytes <= budget
+
+
+def test_lower_bound_is_under_every_plans_peak(wide_mlp):
+    """No plan the planner makes, nor a baseline, peaks under the bound."""
+    fn, args, _ = wide_mlp
+    bound = peak_lower_bound_bytes(trace(fn, args).graph, 8, results_held=True)
+    plans = [autopar.plan(fn, *args, mesh=MESH, hardware="h100"),
+             autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget=1e15)]
+    assert 0 < bound <= min(p.estimate.peak_memory_bytes for p in plans)
+    assert bound <= min(p.estimate.peak_memory_bytes for p in
+                        predict_baselines(fn, args, as_auto_mesh(MESH), hardware="h100").values())
 
 
 def test_scanned_stack_is_rematerialized_to_fit_the_budget():
