@@ -48,7 +48,8 @@ def scan_pairs(jaxpr, owner: dict, start: int) -> list[ScanPair]:
     """The forward/backward scan pairs of a train step's jaxpr. ``owner``: input var -> the
     layer its parameters belong to; ``start``: the first equation of the backward pass. A
     forward scan belongs to the layer whose parameters it slices; its residuals are the ``ys``
-    the backward scan slices and nothing else reads."""
+    the backward scan slices and nothing else reads. A forward body with effects is left as
+    it is."""
     uses: dict = {}
     for j, eqn in enumerate(jaxpr.eqns):
         for a in eqn.invars:
@@ -65,13 +66,16 @@ def scan_pairs(jaxpr, owner: dict, start: int) -> list[ScanPair]:
         ys = eqn.outvars[p["num_carry"]:]
         readers = {j for v in ys if _is_var(v) for j in uses.get(v, ()) if j >= start
                    and jaxpr.eqns[j].primitive.name == "scan"}
-        if not layers or len(readers) != 1:
-            continue
+        if not layers or len(readers) != 1 or p["jaxpr"].jaxpr.effects:
+            continue  # (effects would run twice)
         back = readers.pop()
         b = jaxpr.eqns[back].params
-        b_xs = set(jaxpr.eqns[back].invars[b["num_consts"] + b["num_carry"]:])
+        b_ins = jaxpr.eqns[back].invars
+        b_xs = set(b_ins[b["num_consts"] + b["num_carry"]:])
+        b_rest = set(b_ins[:b["num_consts"] + b["num_carry"]])
         residuals = tuple(k for k, v in enumerate(ys)
-                          if _is_var(v) and v in b_xs and uses[v] == {back} and v not in results)
+                          if _is_var(v) and v in b_xs and v not in b_rest
+                          and uses[v] == {back} and v not in results)
         if residuals:
             pairs.append(ScanPair(layers[0], i, back, residuals))
     return pairs

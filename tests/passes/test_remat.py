@@ -4,6 +4,7 @@ backward pass instead of keeping activations, and XLA's compiled program holds l
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend import core as jcore
@@ -156,3 +157,33 @@ def test_compiled_scanned_stack_holds_less_and_recomputes():
     assert temps[RematPolicy.DOTS] < 0.6 * temps[None]
     assert flops[RematPolicy.NOTHING] > 1.1 * flops[None]
     assert predicted[RematPolicy.NOTHING] < predicted[RematPolicy.DOTS] < predicted[None]
+
+
+def test_plain_lax_scan_stack_is_rematerialized():
+    """Not only flax: a ``lax.scan`` over a dict of stacked kernels is one layer too."""
+    import optax
+
+    def loss(params, x):
+        def layer(h, w):
+            return jnp.tanh(h @ w["kernel"]) + h, None
+        h, _ = jax.lax.scan(layer, x, params["stack"])
+        return jnp.mean((h @ params["head"]) ** 2)
+
+    opt = optax.adam(1e-3)
+
+    def step(params, opt_state, x):
+        value, grads = jax.value_and_grad(loss)(params, x)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    key = jax.random.PRNGKey(0)
+    params = {"stack": {"kernel": 0.1 * jax.random.normal(key, (4, 32, 32))},
+              "head": jax.random.normal(key, (32, 4))}
+    args = (params, opt.init(params), jax.random.normal(key, (16, 32)))
+    traced = trace(step, args)
+    for policy in RematPolicy:
+        assert residual_bytes(traced, policy)["stack"] > 0
+        remat = rematerialize(traced, ["stack"], policy)
+        assert _stacks_read_backward(remat) < _stacks_read_backward(traced)
+        for got, want in zip(_run(remat, args), _run(traced, args)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
