@@ -458,8 +458,9 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
             break
         peak, new_row = attempt(res)
         fits = peak <= budget.budget_bytes
+        slower = float(c @ res.x) / max(objective_us, 1e-9) - 1
         progress(f"memory penalty {lam:.3g} us per budget: {took:.2f}s, peak "
-                 f"{peak / 2**20:.1f} MiB, {float(c @ res.x) / max(objective_us, 1e-9) - 1:+.1%} time")
+                 f"{peak / 2**20:.1f} MiB, {slower:+.1%} time")
         if fits:
             if best is None or c @ res.x < c @ best.x:
                 best = res
