@@ -396,7 +396,7 @@ def _warm_start(builder: IlpBuilder, c: np.ndarray, plans) -> tuple[np.ndarray, 
 #: plain solve's time (and at most PENALTY_TIME_LIMIT_S): a penalized objective has many
 #: near-ties, and proving one optimal can take HiGHS far longer than finding it; the penalty
 #: is a heuristic anyway.
-PENALTY_SOLVES = 5
+PENALTY_SOLVES = 4
 PENALTY_TIME_FACTOR = 2.0
 PENALTY_TIME_LIMIT_S = 5.0
 #: Solves that lower the penalty after the first plan that fits, for a faster one.
