@@ -159,16 +159,60 @@ def test_compiled_scanned_stack_holds_less_and_recomputes():
     assert predicted[RematPolicy.NOTHING] < predicted[RematPolicy.DOTS] < predicted[None]
 
 
-def test_plain_lax_scan_stack_is_rematerialized():
-    """Not only flax: a ``lax.scan`` over a dict of stacked kernels is one layer too."""
-    import optax
-
+def _lax_scan_loss(hidden: int, layers: int):
+    """(loss, params): a ``lax.scan`` over a dict of stacked kernels."""
     def loss(params, x):
         def layer(h, w):
             return jnp.tanh(h @ w["kernel"]) + h, None
         h, _ = jax.lax.scan(layer, x, params["stack"])
         return jnp.mean((h @ params["head"]) ** 2)
 
+    key = jax.random.PRNGKey(0)
+    return loss, {"stack": {"kernel": 0.1 * jax.random.normal(key, (layers, hidden, hidden))},
+                  "head": jax.random.normal(key, (hidden, 4))}
+
+
+def _nnx_scan_loss(hidden: int, layers: int):
+    """(loss, params): flax nnx blocks made by ``nnx.vmap``, run by ``nnx.scan``."""
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(hidden, hidden, rngs=rngs)
+
+        def __call__(self, x):
+            return jnp.tanh(self.linear(x)) + x
+
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def stack(rngs):
+        return Block(rngs)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.stack = stack(rngs)
+            self.head = nnx.Linear(hidden, 4, rngs=rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def run(h, block):
+                return block(h)
+            return self.head(run(x, self.stack))
+
+    graphdef, params = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
+
+    def loss(params, x):
+        return jnp.mean(nnx.merge(graphdef, params)(x) ** 2)
+    return loss, params
+
+
+@pytest.mark.parametrize("make", [_lax_scan_loss, _nnx_scan_loss], ids=["lax.scan", "nnx.scan"])
+def test_scanned_stack_outside_linen_is_rematerialized(make):
+    """Not only flax linen: a ``lax.scan`` over stacked kernels, and an ``nnx.scan`` over
+    ``nnx.vmap``-made blocks, are one layer too (``stack``), recomputed with equal numerics."""
+    import optax
+
+    loss, params = make(32, 4)
     opt = optax.adam(1e-3)
 
     def step(params, opt_state, x):
@@ -176,10 +220,7 @@ def test_plain_lax_scan_stack_is_rematerialized():
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
-    key = jax.random.PRNGKey(0)
-    params = {"stack": {"kernel": 0.1 * jax.random.normal(key, (4, 32, 32))},
-              "head": jax.random.normal(key, (32, 4))}
-    args = (params, opt.init(params), jax.random.normal(key, (16, 32)))
+    args = (params, opt.init(params), jax.random.normal(jax.random.PRNGKey(1), (16, 32)))
     traced = trace(step, args)
     for policy in RematPolicy:
         assert residual_bytes(traced, policy)["stack"] > 0
