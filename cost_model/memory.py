@@ -271,8 +271,8 @@ def _buffers(graph: Graph, cpu: bool) -> tuple[list[Buffer], list[Buffer]]:
             copies, sliced = _f32_stacked_copies(graph, users)
             # the float32 copy is all the loop reads: the 16-bit input dies once it is made
             for b in copies:
-                last[b.vid] = max([u.id for u in users[b.vid] if u.outs[0] not in sliced],
-                                  default=b.born)
+                last[b.vid] = max([u.id for u in users[b.vid]
+                                   if not (u.outs and u.outs[0] in sliced)], default=b.born)
             copies += _f32_dot_copies(graph, users, fusions, skip=sliced)
         values = [Buffer(vid, node.id, last.get(vid, node.id))
                   for node in graph.nodes if node.kind not in (NodeKind.INPUT, NodeKind.OUTPUT)

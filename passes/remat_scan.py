@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
-from jax._src import source_info_util
-from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jcore
+from jax.extend import source_info_util
+from jax.interpreters import partial_eval as pe
 
 
 @dataclass(frozen=True)
