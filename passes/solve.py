@@ -396,7 +396,9 @@ def _warm_start(builder: IlpBuilder, c: np.ndarray, plans) -> tuple[np.ndarray, 
 #: plain solve's time (and at most PENALTY_TIME_LIMIT_S): a penalized objective has many
 #: near-ties, and proving one optimal can take HiGHS far longer than finding it; the penalty
 #: is a heuristic anyway.
-PENALTY_SOLVES = 4
+PENALTY_SOLVES = 3
+#: The factor between successive penalties until a plan fits.
+PENALTY_STEP = 8.0
 PENALTY_TIME_FACTOR = 2.0
 PENALTY_TIME_LIMIT_S = 5.0
 #: Solves that lower the penalty after the first plan that fits, for a faster one.
@@ -444,11 +446,12 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
 
     best, total, last_peak = None, time.perf_counter() - t0, float("inf")
     refine = PENALTY_REFINES
-    # lam in us per budget: from the plain plan's step time (a budget's worth of bytes at the
-    # rows costs as much as a step), raised until a plan fits (past lam_max, where memory
-    # outweighs every cost, only while that still lowers the peak), then bisected down.
+    # lam in us per budget: from an eighth of the plain plan's step time (a budget's worth of
+    # bytes at the rows costs an eighth of a step), raised until a plan fits (past lam_max,
+    # where memory outweighs every cost, only while that still lowers the peak), then
+    # bisected down.
     lam_max = max(float(np.abs(c).sum()), 1.0)
-    lam, lo, hi = min(max(objective_us, 1.0), lam_max), 0.0, None
+    lam, lo, hi = min(max(objective_us / PENALTY_STEP, 1.0), lam_max), 0.0, None
     for _ in range(PENALTY_SOLVES):
         res, took = _milp(c + lam * penalty(), A, lb, ub, integer,
                           min(time_limit_s, PENALTY_TIME_LIMIT_S,
@@ -466,21 +469,21 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
                 best = res
             hi = lam
             refine -= 1
-        elif new_row:
+        elif new_row and hi is None:
             continue  # the same penalty again, now over the row where this plan peaked too
         else:
-            lo = lam
+            lo = lam  # (with a new row, the next solves see it)
         if refine < 0:
             break
         if hi is None:
             if peak >= last_peak * 0.999 and lam >= lam_max:
                 break  # a larger penalty no longer lowers the peak
             last_peak = peak
-            lam *= 8
-        elif hi / max(lo, hi / 64) < 1.5:
+            lam *= PENALTY_STEP
+        elif hi / max(lo, hi / PENALTY_STEP**2) < 1.5:
             break
         else:
-            lam = (max(lo, hi / 64) * hi) ** 0.5
+            lam = (max(lo, hi / PENALTY_STEP**2) * hi) ** 0.5
     if best is not None:
         return (least, least_choice), (_choice_of(best.x, g, groups, builder.offset),
                                        float(c @ best.x), total)
