@@ -102,18 +102,21 @@ class Graph:
     def add_node(self, kind: NodeKind, prim: str, ins, in_avals, outs, **kw) -> Node:
         node = Node(len(self.nodes), kind, prim, tuple(ins), tuple(in_avals), tuple(outs), **kw)
         self.nodes.append(node)
+        self.analyses.pop("consumers", None)
         for pos, vid in enumerate(node.outs):
             self.producer[vid] = (node.id, pos)
         return node
 
     def consumers(self) -> dict[int, list[tuple[int, int]]]:
-        """value -> [(node, operand position)]."""
-        uses: dict[int, list[tuple[int, int]]] = {}
-        for node in self.nodes:
-            for pos, vid in enumerate(node.ins):
-                if vid is not None:
-                    uses.setdefault(vid, []).append((node.id, pos))
-        return uses
+        """value -> [(node, operand position)], computed once (do not change it)."""
+        if "consumers" not in self.analyses:
+            uses: dict[int, list[tuple[int, int]]] = {}
+            for node in self.nodes:
+                for pos, vid in enumerate(node.ins):
+                    if vid is not None:
+                        uses.setdefault(vid, []).append((node.id, pos))
+            self.analyses["consumers"] = uses
+        return self.analyses["consumers"]
 
     def verify(self) -> None:
         """Internal invariants every pass may rely on."""

@@ -108,6 +108,7 @@ class BudgetRows:
         self.budget_bytes = float(budget_bytes)
         self.live = liveness(graph, mesh.results_held)
         self._coefs: dict[int, tuple[int, dict[int, float]]] = {}
+        self._rows: dict[int, dict[tuple[int, int], float]] = {}
         self.cuts: list[tuple[int, float]] = []    # (node, resharded-copy bytes) of each row
 
     def _value_coefs(self, vid: int) -> tuple[int, dict[int, float]]:
@@ -122,16 +123,24 @@ class BudgetRows:
 
     def row(self, t: int, offset: dict[int, int]) -> dict[int, float]:
         """The bytes held or live at node t over the group variables (x budget)."""
-        coefs: dict[int, float] = {}
+        return {offset[g] + i: c for (g, i), c in self._group_row(t).items()}
+
+    def _group_row(self, t: int) -> dict[tuple[int, int], float]:
+        """:meth:`row` by (group, strategy index in the group), computed once per node: every
+        solve of a refit prices the rows again."""
+        if t in self._rows:
+            return self._rows[t]
+        coefs: dict[tuple[int, int], float] = {}
         weighted = ([(vid, 1.0) for vid in self.live.held]
                     + [(b.vid, b.scale) for b in self.live.live_at(t)])
         for vid, scale in weighted:
             g, by_index = self._value_coefs(vid)
             for i, c in by_index.items():
-                coefs[offset[g] + i] = coefs.get(offset[g] + i, 0.0) + scale * c
+                coefs[g, i] = coefs.get((g, i), 0.0) + scale * c
         g, by_index = self._reduction_coefs(t)
         for i, c in by_index.items():
-            coefs[offset[g] + i] = coefs.get(offset[g] + i, 0.0) + c
+            coefs[g, i] = coefs.get((g, i), 0.0) + c
+        self._rows[t] = coefs
         return coefs
 
     def _reduction_coefs(self, t: int) -> tuple[int, dict[int, float]]:

@@ -282,9 +282,12 @@ def _milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: float = 1
     start): HiGHS's ``objective_bound`` option, which prunes every branch that cannot beat it;
     scipy passes it through verbatim, with a RuntimeWarning that says so. HiGHS's feasibility
     jump heuristic is off: these ILPs are solved at the root (their LP relaxation is integral
-    or nearly), and on the 96-layer GPT it spent 0.5 s of each 1.4 s solve before the LP."""
+    or nearly), and on the 96-layer GPT it spent 0.5 s of each 1.4 s solve before the LP. So is
+    symmetry detection: copies of a layer are tied already (``passes.dedup``), and it cost
+    3-7% of each solve of the planning benchmark's GPTs."""
     options = {"time_limit": time_limit_s, "disp": bool(os.environ.get("AUTOPAR_HIGHS_LOG")),
-               "mip_rel_gap": gap, "mip_heuristic_run_feasibility_jump": False}
+               "mip_rel_gap": gap, "mip_heuristic_run_feasibility_jump": False,
+               "mip_detect_symmetry": False}
     if cutoff is not None:
         options["objective_bound"] = cutoff
     start = time.perf_counter()
@@ -412,11 +415,12 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
     ``start_s``, of ILP objective ``objective_us``.
 
     First the plan of least peak (:func:`_smallest_peak`, memory only): when even it does not
-    fit, no plan is found. Then faster ones, by penalty (Lagrangian relaxation): minimize
-    time + lam * (bytes live at the rows of ``budget.cuts``, the nodes where plans peaked),
-    from lam = ``objective_us`` per budget (so a plan just over the budget gives up little
-    time), raising lam until the plan fits and then bisecting it down, adding the row of every
-    node a plan peaks at. Each solve is an ordinary ILP, fast; a penalty may miss a plan that
+    fit, no plan is found. The rows its search adds, where memory-light plans peak, spare the
+    penalty solves below re-solving for each. Then faster plans, by penalty (Lagrangian
+    relaxation): minimize time + lam * (bytes live at the rows of ``budget.cuts``, the nodes
+    where plans peaked), from lam = ``objective_us`` / PENALTY_STEP per budget (so a plan just
+    over the budget gives up little time), raising lam until the plan fits and then bisecting
+    it down, adding the row of every node a plan peaks at. Each solve is an ordinary ILP, fast; a penalty may miss a plan that
     exists, and then the least-peak plan is the answer."""
     g, strats, groups, mesh = builder.g, builder.strats, builder.groups, builder.mesh
     c, A, lb, ub, integer = builder.matrices()
@@ -496,18 +500,17 @@ def _smallest_peak(graph: Graph, strats, groups: Groups, mesh: MeshContext,
                    budget: BudgetRows, time_limit_s: float, start: list[int]
                    ) -> tuple[int, list[int]]:
     """(peak, choice) of the plan with the least peak found: minimize M over the memory rows
-    (each <= M), starting from the rows of ``budget.cuts`` and the one where plan ``start``
-    peaks, and adding (to ``budget.cuts``) the row where each plan found peaks, as long as
-    that lowers the peak."""
+    (each <= M), starting from the rows of ``budget.cuts`` (when there are none, the one where
+    plan ``start`` peaks), and adding (to ``budget.cuts``) the row where each plan found
+    peaks, as long as that lowers the peak."""
     b = IlpBuilder(graph, strats, groups, mesh)
     b.add_groups()
     m = b._new_vars(1, False)
     b.cost[m] = 1.0
     best: tuple[int, list[int]] | None = None
-    _, t, copies = plan_peak(graph, strats, start, mesh)
     cuts = budget.cuts  # the rows found here serve the caller's later solves too
-    if (t, copies) not in cuts:
-        cuts.append((t, copies))
+    if not cuts:
+        cuts.append(plan_peak(graph, strats, start, mesh)[1:])
     for _ in range(MAX_ROUNDS):
         b.rows = b.rows[:len(groups.sizes)] + [
             ({**budget.row(t, b.offset), m: -1.0}, -np.inf, budget.rhs(copies) - 1.0)
@@ -573,14 +576,10 @@ def _inputs_take_their_slices(graph: Graph, strats, groups: Groups, mesh: MeshCo
     """An argument whose every consumer slices it to the same spec (a free local slice) is
     given that spec itself. The time is the same, and the argument then takes less memory
     per device; the ILP sees the two as a tie."""
-    users: dict[int, list[tuple[int, int]]] = {}
-    for node in graph.nodes:
-        for pos, vid in enumerate(node.ins):
-            if vid is not None:
-                users.setdefault(vid, []).append((node.id, pos))
+    users = graph.consumers()
+    tied = {groups.group_of[n.id] for n in graph.nodes if n.kind is not NodeKind.INPUT}
     for n in graph.input_nodes:
-        if any(graph.nodes[m].kind is not NodeKind.INPUT
-               for m in groups.members[groups.group_of[n]]):
+        if groups.group_of[n] in tied:
             continue  # tied to other nodes (a state output): keep the group's choice
         vid = graph.nodes[n].outs[0]
         wanted = {strats[w][choice[w]].in_specs[pos] for w, pos in users.get(vid, ())}
