@@ -24,7 +24,13 @@ from passes.emit import build_flat_fn
 from passes.ir import Graph
 from passes.memory_budget import input_labels, peak_lower_bound_bytes
 from passes.propagate import best_of, propagate, propagated_plans
-from passes.remat import RematPolicy, rematerialize, residual_bytes, scanned_layers
+from passes.remat import (
+    RematPolicy,
+    RematWarning,
+    rematerialize,
+    residual_bytes,
+    scanned_layers,
+)
 from passes.solve import Groups, MemoryBudgetWarning, Solution, over_budget_error, solve
 from passes.strategies import MeshContext, Strategy, build_strategies
 from passes.trace import Traced, trace
@@ -108,6 +114,15 @@ def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
                     choice, search, hint_labels_of, seeds_of, dedup_layers, memory_budget_bytes)
     if remat_choice is not None:
         layers = remat_choice.layers or tuple(residual_bytes(traced, remat_choice.policy))
+        if not layers and remat_choice.layers is None:
+            warnings.warn(
+                f"autopar: remat={remat_choice.policy.value!r} asks to rematerialize every "
+                "layer, but this program has none autopar can recompute. Layers are the "
+                "top-level modules of the first argument (the parameters) of a differentiated "
+                "train step, found at the top level of the program (or in one `jax.jit` of the "
+                "whole function); a function without a backward pass, or whose backward pass is "
+                "inside a nested `jax.jit`, has none. Planned without rematerialization: wrap "
+                "the layers in `jax.checkpoint` to recompute them.", RematWarning, stacklevel=4)
         remat_choice = Remat(layers, remat_choice.policy) if layers else None
         if remat_choice is not None:
             traced = rematerialize(traced, list(layers), remat_choice.policy)

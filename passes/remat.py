@@ -43,6 +43,11 @@ from passes import remat_scan
 from passes.trace import Traced, from_jaxpr
 
 
+class RematWarning(UserWarning):
+    """Rematerialization was asked for (``plan(remat="dots_saveable")``, say), but the program
+    has no layer the pass can recompute; it is planned as it is."""
+
+
 class RematPolicy(enum.Enum):
     DOTS = "dots_saveable"        # keep matmul results, recompute the rest
     NOTHING = "nothing_saveable"  # keep the layer's inputs only

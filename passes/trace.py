@@ -9,8 +9,9 @@ keeps one sharding across iterations and a loop body's costs are counted once pe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -62,7 +63,25 @@ def trace(fn: Callable, args: tuple) -> Traced:
     _, in_tree = check_args(args)
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
-    return from_jaxpr(closed, in_tree, out_tree, tuple(out_leaves))
+    return from_jaxpr(unwrap_jit(closed), in_tree, out_tree, tuple(out_leaves))
+
+
+def unwrap_jit(closed):
+    """The body of a jaxpr that is one ``jit`` of the whole function (``fn`` was ``jax.jit``-ed):
+    its equations at the top level, where ``passes.remat`` finds the train step's forward and
+    backward passes. Planning inlines calls anyway; the jit's own shardings are not read,
+    as for any inner call."""
+    while True:
+        jaxpr = closed.jaxpr
+        if len(jaxpr.eqns) != 1 or jaxpr.constvars:
+            return closed
+        eqn = jaxpr.eqns[0]
+        inner = eqn.params.get("jaxpr")
+        if (eqn.primitive.name not in ("jit", "pjit") or not isinstance(inner, jcore.ClosedJaxpr)
+                or list(eqn.invars) != list(jaxpr.invars)
+                or list(eqn.outvars) != list(jaxpr.outvars)):
+            return closed
+        closed = inner
 
 
 def from_jaxpr(closed, in_tree, out_tree, out_avals: tuple) -> Traced:

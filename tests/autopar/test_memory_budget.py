@@ -18,6 +18,7 @@ from cost_model.hlo import analyze, compiled_peak_bytes
 from examples.models import gpt, mlp
 from passes import pipeline
 from passes.memory_budget import default_memory_budget_bytes, peak_lower_bound_bytes
+from passes.remat import RematWarning
 from passes.solve import MemoryBudgetWarning
 from passes.trace import trace
 
@@ -121,6 +122,32 @@ def test_asked_remat_recomputes_every_layer_and_holds_less():
     assert ours.flops > 1.1 * theirs.flops
     assert ours.peak_memory_bytes < 0.8 * theirs.peak_memory_bytes
     _assert_same_numerics(remat, fn, args)
+
+
+def test_a_jitted_train_step_is_rematerialized_as_the_plain_one():
+    """``jax.jit(step)`` traces to one jit call of the whole step; planning looks inside it, so
+    its layers are rematerialized as the plain step's are (it was planned with none, silently,
+    although remat was asked), with the same plan and what one device computes."""
+    fn, args = gpt.make_train_step(ACTIVATION_HEAVY)
+    mesh = {"data": 8}
+    plain = autopar.plan(fn, *args, mesh=mesh, hardware="h100", remat="nothing_saveable")
+    jitted = autopar.plan(jax.jit(fn), *args, mesh=mesh, hardware="h100",
+                          remat="nothing_saveable")
+    assert jitted.stats["remat"] == plain.stats["remat"]
+    assert {"block_0", "block_1"} <= set(jitted.stats["remat"]["layers"])
+    assert jitted.estimate.peak_memory_bytes == plain.estimate.peak_memory_bytes
+    _assert_same_numerics(jitted, fn, args)
+
+
+def test_asked_remat_with_no_layer_to_recompute_warns():
+    """A forward pass has no residuals to recompute: remat="dots_saveable" says so, and the
+    plan is the one without rematerialization."""
+    fn, args = mlp.make_forward(mlp.TINY)
+    with pytest.warns(RematWarning, match="none autopar can recompute"):
+        asked = autopar.plan(fn, *args, mesh=MESH, hardware="h100", remat="dots_saveable")
+    assert asked.stats["remat"] is None
+    plain = autopar.plan(fn, *args, mesh=MESH, hardware="h100")
+    assert asked.estimate.step_time_s == plain.estimate.step_time_s
 
 
 def test_remat_makes_a_budget_fit_that_no_sharding_does():
