@@ -33,6 +33,7 @@ none a greedy plan is used and a warning says so.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 import warnings
@@ -44,7 +45,13 @@ import scipy.sparse
 
 from autopar.errors import InfeasiblePlanError
 from passes.ir import Graph, NodeKind
-from passes.memory_budget import MAX_ROUNDS, BudgetRows, breakdown, plan_peak
+from passes.memory_budget import (
+    MAX_ROUNDS,
+    BudgetRows,
+    breakdown,
+    peak_lower_bound_bytes,
+    plan_peak,
+)
 from passes.strategies import MeshContext, Strategy
 
 _US = 1e6
@@ -395,11 +402,13 @@ def _warm_start(builder: IlpBuilder, c: np.ndarray, plans) -> tuple[np.ndarray, 
     return best, float(c @ best)
 
 
-#: Penalty solves of :func:`_fit_budget`, and the time limit of each, as a multiple of the
-#: plain solve's time (and at most PENALTY_TIME_LIMIT_S): a penalized objective has many
-#: near-ties, and proving one optimal can take HiGHS far longer than finding it; the penalty
-#: is a heuristic anyway.
+#: Penalty solves of :func:`_fit_budget` (up to PENALTY_SOLVES_UNFIT while no plan fits, as
+#: a tight budget needs a penalty up to PENALTY_STEP ** 4 times the first), and the time limit
+#: of each, as a multiple of the plain solve's time (and at most PENALTY_TIME_LIMIT_S): a
+#: penalized objective has many near-ties, and proving one optimal can take HiGHS far longer
+#: than finding it; the penalty is a heuristic anyway.
 PENALTY_SOLVES = 3
+PENALTY_SOLVES_UNFIT = 5
 #: The factor between successive penalties until a plan fits.
 PENALTY_STEP = 8.0
 PENALTY_TIME_FACTOR = 2.0
@@ -414,20 +423,25 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
     found that fits the budget, or None). ``start``: the plan that ignores the budget, solved in
     ``start_s``, of ILP objective ``objective_us``.
 
-    First the plan of least peak (:func:`_smallest_peak`, memory only): when even it does not
-    fit, no plan is found. The rows its search adds, where memory-light plans peak, spare the
-    penalty solves below re-solving for each. Then faster plans, by penalty (Lagrangian
-    relaxation): minimize time + lam * (bytes live at the rows of ``budget.cuts``, the nodes
-    where plans peaked), from lam = ``objective_us`` / PENALTY_STEP per budget (so a plan just
-    over the budget gives up little time), raising lam until the plan fits and then bisecting
-    it down, adding the row of every node a plan peaks at. Each solve is an ordinary ILP, fast; a penalty may miss a plan that
-    exists, and then the least-peak plan is the answer."""
+    First the plan of least peak (:func:`_smallest_peak`, memory only). The rows its search
+    adds, where memory-light plans peak, spare the penalty solves below re-solving for each.
+    Then faster plans, by penalty (Lagrangian relaxation): minimize time + lam * (bytes live at
+    the rows of ``budget.cuts``, the nodes where plans peaked), from lam = ``objective_us`` /
+    PENALTY_STEP per budget (so a plan just over the budget gives up little time), raising lam
+    until the plan fits and then bisecting it down, adding the row of every node a plan peaks
+    at. Each solve is an ordinary ILP, fast; a penalty may miss a plan that exists, and then
+    the least-peak plan is the answer when it fits. The penalties run even when it does not:
+    the least-peak search prices no resharding, and its plans can peak on the copies their
+    mismatched shardings make (a GPT on (2, 4) at 95% of its fastest peak: least peak found
+    95.5%, while the penalties find a plan that fits). Only a budget under
+    :func:`passes.memory_budget.peak_lower_bound_bytes` skips them."""
     g, strats, groups, mesh = builder.g, builder.strats, builder.groups, builder.mesh
     c, A, lb, ub, integer = builder.matrices()
     t0 = time.perf_counter()
     least, least_choice = _smallest_peak(g, strats, groups, mesh, budget, time_limit_s, start)
     progress(f"least peak found: {least / 2**20:.1f} MiB")
-    if least > budget.budget_bytes:
+    bound = peak_lower_bound_bytes(g, math.prod(mesh.axis_sizes.values()), mesh.results_held)
+    if bound > budget.budget_bytes:
         return (least, least_choice), None
 
     def penalty() -> np.ndarray:
@@ -440,9 +454,12 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
     def attempt(res) -> tuple[float, bool]:
         """The plan's peak, and whether the row where it peaks joined the cuts (it was over
         the budget at a node no row covered)."""
+        nonlocal least, least_choice
         choice = _choice_of(res.x, g, groups, builder.offset)
         _inputs_take_their_slices(g, strats, groups, mesh, choice)
         peak, t, copies = plan_peak(g, strats, choice, mesh)
+        if peak < least:
+            least, least_choice = peak, choice
         if peak > budget.budget_bytes and (t, copies) not in budget.cuts:
             budget.cuts.append((t, copies))
             return peak, True
@@ -456,7 +473,9 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
     # bisected down.
     lam_max = max(float(np.abs(c).sum()), 1.0)
     lam, lo, hi = min(max(objective_us / PENALTY_STEP, 1.0), lam_max), 0.0, None
-    for _ in range(PENALTY_SOLVES):
+    for solves in range(PENALTY_SOLVES_UNFIT):
+        if solves >= PENALTY_SOLVES and hi is not None:
+            break
         res, took = _milp(c + lam * penalty(), A, lb, ub, integer,
                           min(time_limit_s, PENALTY_TIME_LIMIT_S,
                               max(1.0, PENALTY_TIME_FACTOR * start_s)), gap=MEMORY_GAP)
@@ -491,6 +510,8 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
     if best is not None:
         return (least, least_choice), (_choice_of(best.x, g, groups, builder.offset),
                                        float(c @ best.x), total)
+    if least > budget.budget_bytes:
+        return (least, least_choice), None
     x = builder.point(least_choice)
     return (least, least_choice), (least_choice, float("nan") if x is None else float(c @ x),
                                    total)

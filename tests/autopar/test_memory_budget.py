@@ -166,14 +166,17 @@ def test_remat_makes_a_budget_fit_that_no_sharding_does():
     _assert_same_numerics(plan, fn, args)
 
 
-def test_budget_just_under_the_fastest_peak_costs_little_time():
-    """A budget 2% under the fastest plan's predicted peak, without remat: the memory refit
-    finds a plan that fits and is predicted at most 5% slower, rather than jumping to a much
-    slower low-memory sharding (it took FSDP, 47% slower, when its penalty started at the sum
-    of every cost)."""
+@pytest.mark.parametrize("fraction", [0.98, 0.95])
+def test_budget_just_under_the_fastest_peak_costs_little_time(fraction):
+    """A budget 2% or 5% under the fastest plan's predicted peak, without remat: the memory
+    refit finds a plan that fits and is predicted at most 5% slower, rather than jumping to a
+    much slower low-memory sharding. At 98% it took FSDP, 47% slower, when its penalty started
+    at the sum of every cost; at 95% it took the same FSDP plan when the least-peak search,
+    which prices no resharding, found no plan under the budget and the penalties were
+    skipped."""
     fn, args = gpt.make_train_step(dataclasses.replace(gpt.REALISTIC, layers=2), abstract=True)
     free = autopar.plan(fn, *args, mesh=MESH, hardware="h100")
-    budget = 0.98 * free.estimate.peak_memory_bytes
+    budget = fraction * free.estimate.peak_memory_bytes
     plan = autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget=budget,
                         remat=False)
     assert plan.estimate.peak_memory_bytes <= budget
