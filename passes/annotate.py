@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from autopar.errors import ShardingHintError
 from passes.ir import Graph
 from passes.spec import Spec, spec_fits
+from passes.trace import CONSTRAINT_PRIMS, constraint_label
 
 
 def to_spec(hint, shape, axis_sizes: dict[str, int], where: str) -> Spec | None:
@@ -122,8 +123,8 @@ def annotate(graph: Graph, in_specs: list[Spec | None], out_specs: list[Spec | N
                 graph.nodes[node_id].pinned = (spec,)
                 labels[node_id] = names[i] if names else f"{what} leaf {i}"
     for node in graph.nodes:
-        if node.prim == "sharding_constraint" and node.pinned is not None:
+        if node.prim in CONSTRAINT_PRIMS and node.pinned is not None:
             shape = graph.values[node.outs[0]].shape
-            labels[node.id] = f"with_sharding_constraint at {node.where}"
+            labels[node.id] = constraint_label(node)
             node.pinned = (to_spec(node.pinned[0], shape, axis_sizes, labels[node.id]),)
     return labels

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from cost_model.collectives import plan_redistribute
 from passes.ir import Graph
 from passes.spec import Spec
-from passes.trace import CALL_PRIMS, Traced, call_body
+from passes.trace import CALL_PRIMS, CONSTRAINT_PRIMS, Traced, call_body
 
 _CUSTOM_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
@@ -112,7 +112,7 @@ class Emitter:
         node = self.graph.eqn_nodes.get(scope + (i,))
         if node is not None:
             invals = self.feed(invals, scope, eqn.invars, node, range(len(invals)))
-        if name == "sharding_constraint":
+        if name in CONSTRAINT_PRIMS:
             return self.pin_results(scope, eqn.outvars, invals)
         def bind():
             with eqn.ctx.manager:

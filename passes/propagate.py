@@ -58,6 +58,7 @@ from passes.rules.elementwise import UNARY_AND_NARY
 from passes.rules.gather import GATHER_SCATTER
 from passes.spec import Spec
 from passes.strategies import MeshContext, Strategy
+from passes.trace import CONSTRAINT_PRIMS, constraint_label
 
 
 @dataclass(frozen=True)
@@ -142,8 +143,8 @@ def seed(graph: Graph, labels: dict[int, str], extra: dict[int, Spec] | None = N
 
 
 def _describe(node: Node) -> str:
-    if node.prim == "sharding_constraint":
-        return f"with_sharding_constraint at {node.where}"
+    if node.prim in CONSTRAINT_PRIMS:
+        return constraint_label(node)
     return f"`{node.prim}` at {node.where or 'the program boundary'}"
 
 

@@ -23,9 +23,20 @@ from passes.ir import Graph, NodeKind
 # Calls whose body is inlined for planning. Value: how to find (jaxpr, consts) in the params.
 CALL_PRIMS = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
               "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
+# Primitives that pin their result to a sharding, by the parameter that holds it: a
+# `with_sharding_constraint`, and `jax.sharding.reshard` (jax adds one for the gradient seed
+# when the arguments are already sharded arrays).
+CONSTRAINT_PRIMS = {"sharding_constraint": "sharding", "reshard": "dst_sharding"}
 # Primitives whose operands pass through one to one; planned as independent identities (one
 # node per operand, named after the primitive).
 MULTI_IDENTITY_PRIMS = ("optimization_barrier",)
+
+
+def constraint_label(node) -> str:
+    """How messages name a node of :data:`CONSTRAINT_PRIMS`."""
+    what = ("with_sharding_constraint" if node.prim == "sharding_constraint"
+            else f"jax.sharding.{node.prim}")
+    return f"{what} at {node.where}"
 
 
 @dataclass
@@ -160,8 +171,8 @@ class _Tracer:
         ins = [self.read_operand(scope, a) for a in eqn.invars]
         outs = [self.g.new_value(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
         pinned = None
-        if eqn.primitive.name == "sharding_constraint":
-            pinned = (eqn.params["sharding"],)
+        if eqn.primitive.name in CONSTRAINT_PRIMS:
+            pinned = (eqn.params[CONSTRAINT_PRIMS[eqn.primitive.name]],)
         node = self.g.add_node(NodeKind.OP, eqn.primitive.name, ins,
                                [_aval(a) for a in eqn.invars], outs, params=dict(eqn.params),
                                trip_count=trip, where=_where(eqn), pinned=pinned,

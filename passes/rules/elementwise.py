@@ -15,6 +15,7 @@ UNARY_AND_NARY = (
     "population_count", "pow", "real", "reduce_precision", "rem", "round", "rsqrt",
     "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "sin",
     "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh", "xor", "sharding_constraint",
+    "reshard",
     "bitcast_convert_type",
 )
 

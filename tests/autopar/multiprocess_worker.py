@@ -1,0 +1,52 @@
+"""One process of ``test_multiprocess.py``: ``python -m tests.autopar.multiprocess_worker PORT
+PROCESS_ID``. Two such processes, 4 CPU devices each, form one 8-device mesh over gloo; each
+plans a GPT train step on (2, 4), runs it on global arrays, and checks the result against its
+own single-device run. Exits non-zero on any difference."""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+PROCESSES = 2
+
+
+def main(port: int, process_id: int) -> None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=PROCESSES,
+                               process_id=process_id)
+    from jax.experimental import multihost_utils
+
+    import autopar
+    from examples.models import gpt
+
+    assert len(jax.devices()) == 8 and len(jax.local_devices()) == 4
+    fn, args = gpt.make_train_step(gpt.TINY)
+    host = jax.tree_util.tree_map(np.asarray, args)
+    abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), host)
+    plan = autopar.plan(fn, *abstract, mesh={"data": 2, "model": 4}, hardware="h100")
+
+    leaves, tree = jax.tree_util.tree_flatten(host)
+    shardings = jax.tree_util.tree_leaves(plan.in_shardings)
+    placed = jax.tree_util.tree_unflatten(tree, [
+        jax.make_array_from_callback(a.shape, s, lambda index, a=a: a[index])
+        for a, s in zip(leaves, shardings)])
+    local = jax.local_devices()[0]
+    expected = jax.tree_util.tree_leaves(jax.jit(fn)(*jax.device_put(host, local)))
+
+    step = autopar.parallelize(fn, mesh={"data": 2, "model": 4}, hardware="h100")
+    for name, out in (("plan.jit()", plan.jit()(*placed)), ("parallelize", step(*placed))):
+        got = jax.tree_util.tree_leaves(multihost_utils.process_allgather(out, tiled=True))
+        assert len(got) == len(expected), name
+        for a, b in zip(got, expected):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-5,
+                                       err_msg=name)
+    print(f"process {process_id}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
