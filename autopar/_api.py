@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar._check_memory import check_compiled_memory
 from autopar._mesh import as_auto_mesh, axis_sizes
+from autopar._multiprocess import process_0_plan
 from autopar._plan import Plan
 from autopar._cache import PlanCache, graph_fingerprint
 from autopar.baselines import baseline_kinds, baseline_kwargs, baseline_shardings
@@ -154,7 +155,8 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
       verbose: print progress to stderr.
 
     Returns:
-      A :class:`Plan`.
+      A :class:`Plan`. In a multi-process run (``jax.distributed``) every process must call
+      ``plan`` alike; each returns process 0's plan, so all compile the same program.
 
     Example::
 
@@ -184,7 +186,12 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
             lambda target: _plan_once(fn, example_args, memory_budget, target,
                                       progress=progress, **options),
             progress)
-    return planned
+    # Multi-process: the same plan on every process (and on every process this call or none).
+    return process_0_plan(
+        planned, lambda choice, remat: _plan_once(
+            fn, example_args, memory_budget, progress=progress,
+            **{**options, "_choice": choice, "_remat": remat}),
+        progress)
 
 
 def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, mesh, hardware,

@@ -1,16 +1,19 @@
 """One process of ``test_multiprocess.py``: ``python -m tests.autopar.multiprocess_worker PORT
 PROCESS_ID``. Two such processes, 4 CPU devices each, form one 8-device mesh over gloo; each
 plans a GPT train step on (2, 4), runs it on global arrays, and checks the result against its
-own single-device run. Exits non-zero on any difference."""
+own single-device run. Process 1's planner is made to return another plan than process 0's:
+it must take process 0's (``autopar._multiprocess``). Exits non-zero on any difference."""
 
+import dataclasses
+import hashlib
 import os
 import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
 PROCESSES = 2
 
@@ -28,7 +31,15 @@ def main(port: int, process_id: int) -> None:
     fn, args = gpt.make_train_step(gpt.TINY)
     host = jax.tree_util.tree_map(np.asarray, args)
     abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), host)
+    if process_id == 1:
+        _take_the_slowest_candidate()
     plan = autopar.plan(fn, *abstract, mesh={"data": 2, "model": 4}, hardware="h100")
+    # Process 1 planned otherwise, and took process 0's plan.
+    assert plan.stats.get("plan_from_process_0", False) == (process_id == 1)
+    specs = str([s.spec for s in jax.tree_util.tree_leaves(plan.in_shardings)]).encode()
+    digests = multihost_utils.process_allgather(
+        np.frombuffer(hashlib.sha256(specs).digest(), np.uint8))
+    assert (digests[0] == digests[1]).all(), "the processes hold different plans"
 
     leaves, tree = jax.tree_util.tree_flatten(host)
     shardings = jax.tree_util.tree_leaves(plan.in_shardings)
@@ -46,6 +57,20 @@ def main(port: int, process_id: int) -> None:
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-5,
                                        err_msg=name)
     print(f"process {process_id}: ok", flush=True)
+
+
+def _take_the_slowest_candidate() -> None:
+    """Make this process plan otherwise than the others: its planner returns the slowest of
+    the propagated candidate plans instead of the best one."""
+    from passes import pipeline
+    best_of = pipeline.best_of
+
+    def slowest(solution, graph, strats, mesh, candidates, budget=None):
+        best, times, peaks = best_of(solution, graph, strats, mesh, candidates, budget)
+        name = max(candidates, key=times.get)
+        return dataclasses.replace(best, choice=candidates[name], status=name), times, peaks
+
+    pipeline.best_of = slowest
 
 
 if __name__ == "__main__":
