@@ -289,12 +289,12 @@ def _milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: float = 1
     start): HiGHS's ``objective_bound`` option, which prunes every branch that cannot beat it;
     scipy passes it through verbatim, with a RuntimeWarning that says so. HiGHS's feasibility
     jump heuristic is off: these ILPs are solved at the root (their LP relaxation is integral
-    or nearly), and on the 96-layer GPT it spent 0.5 s of each 1.4 s solve before the LP. So is
-    symmetry detection: copies of a layer are tied already (``passes.dedup``), and it cost
-    3-7% of each solve of the planning benchmark's GPTs."""
+    or nearly), and on the 96-layer GPT it spent 0.5 s of each 1.4 s solve before the LP.
+    (Symmetry detection stays on: off, it saved 3-7% of each solve on the planning
+    benchmark's GPTs, but the MLP on (2, 2, 2) of the sharding benchmark then took another
+    of its near-optimal plans, 3% slower as compiled.)"""
     options = {"time_limit": time_limit_s, "disp": bool(os.environ.get("AUTOPAR_HIGHS_LOG")),
-               "mip_rel_gap": gap, "mip_heuristic_run_feasibility_jump": False,
-               "mip_detect_symmetry": False}
+               "mip_rel_gap": gap, "mip_heuristic_run_feasibility_jump": False}
     if cutoff is not None:
         options["objective_bound"] = cutoff
     start = time.perf_counter()
