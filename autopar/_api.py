@@ -5,29 +5,30 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from autopar._cache import PlanCache, graph_fingerprint
 from autopar._check_memory import check_compiled_memory
 from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar._multiprocess import process_0_plan
 from autopar._plan import Plan
-from autopar._cache import PlanCache, graph_fingerprint
 from autopar.baselines import baseline_kinds, baseline_kwargs, baseline_shardings
 from autopar.errors import ArgumentError, InfeasiblePlanError
 from cost_model.estimate import estimate, plan_collectives
 from cost_model.hardware import axis_levels, get_profile
-from passes.memory_budget import default_memory_budget_bytes
+from passes.annotate import flatten_hints, to_spec
 from passes.emit import compiler_options
+from passes.flax_metadata import check as check_metadata
+from passes.flax_metadata import merge as merge_hints
+from passes.flax_metadata import metadata_hints, traced_under_rules
+from passes.memory_budget import default_memory_budget_bytes
 from passes.pipeline import Remat, run_pipeline
 from passes.remat import RematPolicy
-from passes.annotate import flatten_hints, to_spec
-from passes.flax_metadata import merge as merge_hints
-from passes.flax_metadata import check as check_metadata
-from passes.flax_metadata import metadata_hints, traced_under_rules
 from passes.strategies import MeshContext
 
 
@@ -84,20 +85,43 @@ def _remat_option(remat) -> dict | None:
     return {"layers": None, "policy": remat}
 
 
-def _progress(enabled: bool):
-    """Progress lines on stderr, each with the seconds since planning started."""
-    if not enabled:
+#: With ``verbose=None`` (the default), progress shows once planning has taken this long.
+QUIET_S = 10.0
+
+
+def _progress(enabled: bool | None):
+    """Progress lines on stderr, each with the seconds since planning started: always (True),
+    never (False), or (None) from the first line after :data:`QUIET_S` seconds on, after the
+    line before it, so a long plan (a deep unrolled model) says what it is doing and a short
+    one stays quiet."""
+    if enabled is False:
         return lambda msg: None
     start = time.perf_counter()
-    return lambda msg: print(f"[autopar {time.perf_counter() - start:6.1f}s] {msg}",
-                             file=sys.stderr, flush=True)
+    state = {"shown": enabled is True, "held": None}
+
+    def show(t, msg):
+        print(f"[autopar {t:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    def progress(msg):
+        t = time.perf_counter() - start
+        if not state["shown"]:
+            if t < QUIET_S:
+                state["held"] = (t, msg)
+                return
+            state["shown"] = True
+            print("[autopar] planning is taking a while (verbose=False silences this, "
+                  "verbose=True shows it all)", file=sys.stderr, flush=True)
+            if state["held"] is not None:
+                show(*state["held"])
+        show(t, msg)
+    return progress
 
 
 def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
          in_shardings=None, out_shardings=None, search: bool = True, logical_axis_rules=None,
          time_limit_s: float = 60.0, tie_state: bool = True, axis_level_overrides=None,
          baseline_seeds: bool = True, remat: bool | str = True,
-         check_memory: bool | None = None, verbose: bool = False,
+         check_memory: bool | None = None, verbose: bool | None = None,
          _choice=None, _remat=None) -> Plan:
     """Plan how to run ``fn`` on ``mesh``.
 
@@ -152,7 +176,8 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         ``plan.stats["memory_checks"]`` lists each round. Default: on when ``memory_budget``
         is given (and the plan is not loaded from a plan cache); ``True`` without a
         ``memory_budget`` checks against the default budget.
-      verbose: print progress to stderr.
+      verbose: print progress to stderr: True always, False never, None (the default) once
+        planning has taken 10 s.
 
     Returns:
       A :class:`Plan`. In a multi-process run (``jax.distributed``) every process must call

@@ -113,3 +113,29 @@ def test_validate_flags_collectives_the_plan_did_not_predict(monkeypatch):
     monkeypatch.setattr(_validate, "analyze", lambda compiled: fake)
     assert plan.validate()["unexpected_kinds"] == ["all-to-all"]
     assert "did not predict" in _validate.validation_table(plan)
+
+
+def test_default_progress_shows_only_once_planning_is_slow(monkeypatch, capsys):
+    """verbose=None (the default) says nothing while planning is quick; from the first line
+    after QUIET_S seconds it prints that line and the one before, then every line. False never
+    prints, True always does."""
+    from autopar import _api
+
+    clock = [0.0]
+    monkeypatch.setattr(_api.time, "perf_counter", lambda: clock[0])
+    quiet, never, always = _api._progress(None), _api._progress(False), _api._progress(True)
+    for t, msg in ((0.0, "tracing"), (3.0, "solving the ILP")):
+        clock[0] = t
+        quiet(msg)
+        never(msg)
+    assert capsys.readouterr().err == ""
+    always("tracing")
+    assert "tracing" in capsys.readouterr().err
+    clock[0] = _api.QUIET_S + 2.0
+    quiet("memory penalty")
+    never("memory penalty")
+    err = capsys.readouterr().err
+    assert "taking a while" in err and "solving the ILP" in err and "memory penalty" in err
+    assert "tracing" not in err and err.count("memory penalty") == 1
+    quiet("comparing")
+    assert "comparing" in capsys.readouterr().err
