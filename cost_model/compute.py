@@ -9,9 +9,9 @@ import numpy as np
 _FREE = frozenset({
     "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "slice", "iota",
     "copy", "copy_p", "input", "output", "const", "carry", "scan_in", "scan_out", "merge",
-    "convert_element_type", "sharding_constraint", "reshard", "stop_gradient", "bitcast_convert_type",
-    "dynamic_slice", "concatenate", "pad", "rev", "select_n", "gather", "scatter-add", "scatter",
-    "dynamic_update_slice", "split", "optimization_barrier",
+    "convert_element_type", "sharding_constraint", "reshard", "stop_gradient",
+    "bitcast_convert_type", "dynamic_slice", "concatenate", "pad", "rev", "select_n", "gather",
+    "scatter-add", "scatter", "dynamic_update_slice", "split", "optimization_barrier",
 })
 
 
