@@ -1,8 +1,9 @@
 """One process of ``test_multiprocess.py``: ``python -m tests.autopar.multiprocess_worker PORT
 PROCESS_ID``. Two such processes, 4 CPU devices each, form one 8-device mesh over gloo; each
-plans a GPT train step on (2, 4), runs it on global arrays, and checks the result against its
-own single-device run. Process 1's planner is made to return another plan than process 0's:
-it must take process 0's (``autopar._multiprocess``). Exits non-zero on any difference."""
+plans a GPT train step on (2, 4), as it is and with every layer rematerialized, runs it on
+global arrays, and checks the result against its own single-device run. Process 1's planner
+is made to return another plan than process 0's: it must take process 0's, remat layers
+included (``autopar._multiprocess``). Exits non-zero on any difference."""
 
 import dataclasses
 import hashlib
@@ -33,30 +34,40 @@ def main(port: int, process_id: int) -> None:
     abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), host)
     if process_id == 1:
         _take_the_slowest_candidate()
-    plan = autopar.plan(fn, *abstract, mesh={"data": 2, "model": 4}, hardware="h100")
-    # Process 1 planned otherwise, and took process 0's plan.
-    assert plan.stats.get("plan_from_process_0", False) == (process_id == 1)
-    specs = str([s.spec for s in jax.tree_util.tree_leaves(plan.in_shardings)]).encode()
-    digests = multihost_utils.process_allgather(
-        np.frombuffer(hashlib.sha256(specs).digest(), np.uint8))
-    assert (digests[0] == digests[1]).all(), "the processes hold different plans"
+    mesh = {"data": 2, "model": 4}
+    plan = autopar.plan(fn, *abstract, mesh=mesh, hardware="h100")
+    # with every layer rematerialized: process 0's remat layers are taken too
+    remat = autopar.plan(fn, *abstract, mesh=mesh, hardware="h100", remat="dots_saveable")
+    for p in (plan, remat):
+        # Process 1 planned otherwise, and took process 0's plan.
+        assert p.stats.get("plan_from_process_0", False) == (process_id == 1)
+        held = str(([s.spec for s in jax.tree_util.tree_leaves(p.in_shardings)],
+                    p.stats["remat"])).encode()
+        digests = multihost_utils.process_allgather(
+            np.frombuffer(hashlib.sha256(held).digest(), np.uint8))
+        assert (digests[0] == digests[1]).all(), "the processes hold different plans"
+    assert remat.stats["remat"]["layers"]
 
-    leaves, tree = jax.tree_util.tree_flatten(host)
-    shardings = jax.tree_util.tree_leaves(plan.in_shardings)
-    placed = jax.tree_util.tree_unflatten(tree, [
-        jax.make_array_from_callback(a.shape, s, lambda index, a=a: a[index])
-        for a, s in zip(leaves, shardings)])
     local = jax.local_devices()[0]
     expected = jax.tree_util.tree_leaves(jax.jit(fn)(*jax.device_put(host, local)))
-
-    step = autopar.parallelize(fn, mesh={"data": 2, "model": 4}, hardware="h100")
-    for name, out in (("plan.jit()", plan.jit()(*placed)), ("parallelize", step(*placed))):
+    step = autopar.parallelize(fn, mesh=mesh, hardware="h100")
+    for name, p, run in (("plan.jit()", plan, plan.jit()), ("remat", remat, remat.jit()),
+                         ("parallelize", plan, step)):
+        out = run(*_global(host, p.in_shardings))
         got = jax.tree_util.tree_leaves(multihost_utils.process_allgather(out, tiled=True))
         assert len(got) == len(expected), name
         for a, b in zip(got, expected):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-5,
                                        err_msg=name)
     print(f"process {process_id}: ok", flush=True)
+
+
+def _global(host, shardings):
+    """Global arrays of ``host`` (every process holds all of it) in ``shardings``."""
+    leaves, tree = jax.tree_util.tree_flatten(host)
+    return jax.tree_util.tree_unflatten(tree, [
+        jax.make_array_from_callback(a.shape, s, lambda index, a=a: a[index])
+        for a, s in zip(leaves, jax.tree_util.tree_leaves(shardings))])
 
 
 def _take_the_slowest_candidate() -> None:
