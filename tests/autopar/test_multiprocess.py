@@ -17,22 +17,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_plan_and_run_one_step_as_one_device_does():
+def test_two_processes_plan_and_run_one_step_as_one_device_does(tmp_path):
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.autopar.multiprocess_worker",
-                               str(port), str(i)], cwd=ROOT, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for i in range(2)]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=300)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    for i, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
-        assert f"process {i}: ok" in out
+    logs = [tmp_path / f"process_{i}.log" for i in range(2)]
+    procs = []
+    for i, log in enumerate(logs):
+        with open(log, "w") as out:  # a file, not a pipe: a full pipe would stall its process
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tests.autopar.multiprocess_worker", str(port), str(i)],
+                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
+    try:
+        for p in procs:
+            p.wait(timeout=300)
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        text = log.read_text()
+        assert p.returncode == 0, f"process {i} failed:\n{text[-4000:]}"
+        assert f"process {i}: ok" in text
