@@ -102,7 +102,6 @@ class Graph:
     def add_node(self, kind: NodeKind, prim: str, ins, in_avals, outs, **kw) -> Node:
         node = Node(len(self.nodes), kind, prim, tuple(ins), tuple(in_avals), tuple(outs), **kw)
         self.nodes.append(node)
-        self.analyses.pop("consumers", None)
         for pos, vid in enumerate(node.outs):
             self.producer[vid] = (node.id, pos)
         return node
