@@ -73,8 +73,9 @@ test_memory_compiled.py``, 20%). What is left out, and why:
 
 from __future__ import annotations
 
-import bisect
+import functools
 import itertools
+import operator
 from dataclasses import dataclass
 
 import jax.numpy as jnp
@@ -411,40 +412,81 @@ def not_in_outputs(spans, outputs) -> list:
     the result is written: largest first, each into the first result buffer (largest first)
     that holds it, is written after it dies, and holds nothing else then.
 
-    A result buffer counts as taken from when its result is written. Buffers of one size form
-    a group with, per node, how many of them are taken there: a group taken in full somewhere
-    in a temporary's life is passed over without looking at its buffers one by one."""
+    A result buffer counts as taken from when its result is written. Buffers of one size are
+    looked at together (:class:`_ResultBuffers`)."""
     slots = sorted(outputs, key=lambda o: -o[1])
     end = max([dies for _, dies, _ in spans] + [made for made, _ in slots] + [0]) + 2
-    groups = []  # (capacity, buffers taken per node, sorted (born, dies) per buffer)
-    for cap, members in itertools.groupby(slots, key=lambda o: o[1]):
-        made = [m for m, _ in members]
-        taken = np.zeros(end, np.int64)
-        np.add.at(taken, made, 1)
-        groups.append((cap, np.cumsum(taken), [[(m, end)] for m in made]))
+    groups = [(cap, _ResultBuffers([m for m, _ in members], end))
+              for cap, members in itertools.groupby(slots, key=lambda o: o[1])]
     left = []
     for span in sorted(spans, key=lambda s: -s[2]):
         born, dies, nbytes = span
-        fitting = [(taken, buffers) for cap, taken, buffers in groups if nbytes <= cap]
-        if not any(_place(born, dies, taken, buffers) for taken, buffers in fitting):
+        if not any(buffers.place(born, max(born, dies)) for cap, buffers in groups
+                   if nbytes <= cap):
             left.append(span)
     return left
 
 
-def _place(born: int, dies: int, taken, buffers: list[list]) -> bool:
-    """Put (born, dies) in the first of ``buffers`` free for all of it (see
-    :func:`not_in_outputs`); whether one was."""
-    life = slice(born, max(born, dies + 1))
-    if taken[life].max(initial=0) >= len(buffers):
-        return False
-    for iv in buffers:
-        k = bisect.bisect_left(iv, (born, dies))
-        if (k > 0 and iv[k - 1][1] >= born) or (k < len(iv) and iv[k][0] <= dies):
-            continue
-        iv.insert(k, (born, dies))
-        taken[life] += 1
+class _ResultBuffers:
+    """Result buffers of one size, in first-fit order, and the nodes each is taken at: a bit
+    mask over the buffers per node. Nodes come in blocks of :data:`BLOCK`; a span covering a
+    whole block marks the block (``full``), so a long-lived temporary (a residual kept from
+    the forward pass to the backward one) costs a step per block, not per node. ``some``:
+    per block, the buffers taken at some node of it."""
+
+    BLOCK = 128
+
+    def __init__(self, made: list[int], end: int):
+        blocks = end // self.BLOCK + 1
+        self.point = [0] * (blocks * self.BLOCK)
+        self.full = [0] * blocks
+        self.some = [0] * blocks
+        self.all = (1 << len(made)) - 1
+        # Buffer i is taken from made[i] to the end: the whole blocks by a running mask, ...
+        mask, k = 0, 0
+        for m, i in sorted((m, i) for i, m in enumerate(made)):
+            while k * self.BLOCK < m:
+                self.full[k] = self.some[k] = mask
+                k += 1
+            mask |= 1 << i
+        for k in range(k, blocks):
+            self.full[k] = self.some[k] = mask
+        for i, m in enumerate(made):  # ... and the rest of the block it is written in
+            if m % self.BLOCK:
+                self._take(m, (m // self.BLOCK + 1) * self.BLOCK - 1, 1 << i)
+
+    def _taken(self, born: int, dies: int) -> int:
+        """The buffers taken at some node in [born, dies]."""
+        kb, kd = born // self.BLOCK, dies // self.BLOCK
+        point, full = self.point, self.full
+        if kb == kd:
+            return functools.reduce(operator.or_, point[born:dies + 1], full[kb])
+        mask = functools.reduce(operator.or_, point[born:(kb + 1) * self.BLOCK],
+                                full[kb] | full[kd])
+        mask = functools.reduce(operator.or_, point[kd * self.BLOCK:dies + 1], mask)
+        return functools.reduce(operator.or_, self.some[kb + 1:kd], mask)
+
+    def _take(self, born: int, dies: int, bit: int) -> None:
+        kb, kd = born // self.BLOCK, dies // self.BLOCK
+        point, some = self.point, self.some
+        some[kb] |= bit
+        if kb == kd:
+            point[born:dies + 1] = [p | bit for p in point[born:dies + 1]]
+            return
+        some[kd] |= bit
+        first, last = (kb + 1) * self.BLOCK, kd * self.BLOCK
+        point[born:first] = [p | bit for p in point[born:first]]
+        point[last:dies + 1] = [p | bit for p in point[last:dies + 1]]
+        self.full[kb + 1:kd] = [f | bit for f in self.full[kb + 1:kd]]
+        some[kb + 1:kd] = [f | bit for f in some[kb + 1:kd]]
+
+    def place(self, born: int, dies: int) -> bool:
+        """Put [born, dies] in the first buffer free for all of it; whether one was."""
+        free = self.all & ~self._taken(born, dies)
+        if not free:
+            return False
+        self._take(born, dies, free & -free)
         return True
-    return False
 
 
 def copy_spans(graph: Graph, value_specs: dict, operand_specs: dict | None,
