@@ -428,11 +428,12 @@ def not_in_outputs(spans, outputs) -> list:
 
 
 class _ResultBuffers:
-    """Result buffers of one size, in first-fit order, and the nodes each is taken at: a bit
-    mask over the buffers per node. Nodes come in blocks of :data:`BLOCK`; a span covering a
-    whole block marks the block (``full``), so a long-lived temporary (a residual kept from
-    the forward pass to the backward one) costs a step per block, not per node. ``some``:
-    per block, the buffers taken at some node of it."""
+    """Result buffers of one size, in first-fit order, and the nodes each is taken at, as bit
+    masks over the buffers. Nodes come in blocks of ``BLOCK``: the buffers taken at node t
+    are ``point[t] | full[t // BLOCK]``, where ``full`` marks spans covering the whole block
+    and ``point`` the ends of spans that cover only part of it; ``some``: per block, the
+    buffers taken at some node of it. So a long-lived temporary (a residual kept from the
+    forward pass to the backward one) costs a step per block, not per node."""
 
     BLOCK = 128
 
