@@ -7,6 +7,7 @@ and returns a :class:`Plan`; ``autopar.parallelize`` does it on the first call o
 from autopar.errors import AutoparError as AutoparError
 from autopar.errors import InfeasiblePlanError as InfeasiblePlanError
 from autopar.errors import MeshError as MeshError
+from autopar.errors import OtherProcessError as OtherProcessError
 from autopar.errors import ShardingHintError as ShardingHintError
 
 # The compiler (passes/, cost_model/) imports autopar.errors, so the API is loaded on first use
@@ -15,7 +16,7 @@ _LAZY = {"plan": "autopar._api", "parallelize": "autopar._api", "Plan": "autopar
          "profile": "cost_model.profiler"}
 
 __all__ = ["plan", "parallelize", "Plan", "profile", "AutoparError", "InfeasiblePlanError", "MeshError",
-           "ShardingHintError"]
+           "OtherProcessError", "ShardingHintError"]
 
 
 def __getattr__(name):

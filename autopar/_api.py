@@ -200,23 +200,27 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                "baseline_seeds": baseline_seeds, "remat": remat, "_choice": _choice,
                "_remat": _remat}
     progress = _progress(verbose)
-    planned = _plan_once(fn, example_args, memory_budget, progress=progress, **options)
-    if check_memory is None:
-        check_memory = memory_budget is not None and _choice is None
-    if check_memory:
-        budget = (memory_budget if memory_budget is not None
-                  else default_memory_budget_bytes(get_profile(hardware)))
-        planned = check_compiled_memory(
-            planned, budget,
-            lambda target: _plan_once(fn, example_args, memory_budget, target,
-                                      progress=progress, **options),
-            progress)
+    planned, failure = None, None
+    try:
+        planned = _plan_once(fn, example_args, memory_budget, progress=progress, **options)
+        if check_memory is None:
+            check_memory = memory_budget is not None and _choice is None
+        if check_memory:
+            budget = (memory_budget if memory_budget is not None
+                      else default_memory_budget_bytes(get_profile(hardware)))
+            planned = check_compiled_memory(
+                planned, budget,
+                lambda target: _plan_once(fn, example_args, memory_budget, target,
+                                          progress=progress, **options),
+                progress)
+    except Exception as e:  # raised by process_0_plan, after telling the other processes
+        planned, failure = None, e
     # Multi-process: the same plan on every process (and on every process this call or none).
     return process_0_plan(
         planned, lambda choice, remat: _plan_once(
             fn, example_args, memory_budget, progress=progress,
             **{**options, "_choice": choice, "_remat": remat}),
-        progress)
+        progress, failure)
 
 
 def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, mesh, hardware,

@@ -33,6 +33,16 @@ class InfeasiblePlanError(AutoparError):
     """No plan satisfies the constraints (for example the memory budget)."""
 
 
+class OtherProcessError(AutoparError):
+    """In a multi-process run, planning failed on another process; this one stops too rather
+    than wait for it. ``process_index`` and ``message`` say which process and what it raised."""
+
+    def __init__(self, message: str, process_index: int, cause: str):
+        super().__init__(message)
+        self.process_index = process_index
+        self.message = cause
+
+
 class PlanFormatError(AutoparError):
     """A saved plan is malformed or was written by an incompatible version."""
 

@@ -3,7 +3,8 @@ PROCESS_ID``. Two such processes, 4 CPU devices each, form one 8-device mesh ove
 plans a GPT train step on (2, 4), as it is and with every layer rematerialized, runs it on
 global arrays, and checks the result against its own single-device run. Process 1's planner
 is made to return another plan than process 0's: it must take process 0's, remat layers
-included (``autopar._multiprocess``). Exits non-zero on any difference."""
+included (``autopar._multiprocess``). Then planning is made to fail on process 1 only: both processes must raise (process 0 an
+``OtherProcessError``), not wait for each other. Exits non-zero on any difference."""
 
 import dataclasses
 import hashlib
@@ -59,7 +60,30 @@ def main(port: int, process_id: int) -> None:
         for a, b in zip(got, expected):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-5,
                                        err_msg=name)
+    _planning_fails_on_process_1(fn, abstract, mesh, process_id)
     print(f"process {process_id}: ok", flush=True)
+
+
+def _planning_fails_on_process_1(fn, abstract, mesh, process_id: int) -> None:
+    """Planning raises on process 1 only: it raises its own error, and process 0 raises
+    OtherProcessError naming it, rather than wait in the plan broadcast for ever."""
+    import autopar
+    from autopar import _api
+    from autopar.errors import ArgumentError
+
+    if process_id == 1:
+        def broken(*args, **kwargs):
+            raise ArgumentError("an argument only process 1 has")
+        _api._plan_once = broken
+    try:
+        autopar.plan(fn, *abstract, mesh=mesh, hardware="h100")
+    except autopar.OtherProcessError as e:
+        assert process_id == 0 and e.process_index == 1, e
+        assert "ArgumentError: an argument only process 1 has" in str(e), e
+    except ArgumentError as e:
+        assert process_id == 1 and "only process 1" in str(e), e
+    else:
+        raise AssertionError("planning failed on process 1, and this process planned")
 
 
 def _global(host, shardings):
