@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -89,6 +90,7 @@ def _admits(fact, spec: Spec) -> bool:
     return fact.admits(spec) if isinstance(fact, Splits) else fact == spec
 
 
+@functools.lru_cache(maxsize=65536)
 def _splits_of(spec: Spec) -> frozenset:
     return frozenset((a, d) for d, axes in enumerate(spec.dims) for a in axes)
 
@@ -408,9 +410,11 @@ def _complete_sweeps(graph: Graph, strats, prop: Propagation, ties, axis_sizes: 
     kinds, neighbours = shape.kinds, shape.neighbours
     # A visit decides from the node's inputs below and its neighbours' specs alone, so a node
     # whose inputs are as at its last visit and none of whose neighbours was fixed since is
-    # skipped: it would decide the same (this keeps deep models fast).
+    # skipped: it would decide the same (this keeps deep models fast). touched[n]: the stamp
+    # of the last fix of one of n's neighbours.
     last_inputs: list = [None] * len(graph.nodes)
     last_stamp = [-1] * len(graph.nodes)
+    touched = _touched(prop, neighbours)
     memo: dict = {}
     by_list: dict = {}  # one allowed list per strategy list and reach, so the memo can key on it
     for level in Level:
@@ -431,7 +435,6 @@ def _complete_sweeps(graph: Graph, strats, prop: Propagation, ties, axis_sizes: 
         none = frozenset()
         shut = broadcasts if level < Level.PASS_THROUGH else [none] * len(broadcasts)
         quiet = broadcasts if level < Level.ANY else [none] * len(broadcasts)
-        fixed_at = prop.fixed_at
         stack = order[::-1]
         while stack:
             queued = set(stack)
@@ -441,21 +444,27 @@ def _complete_sweeps(graph: Graph, strats, prop: Propagation, ties, axis_sizes: 
                 if not dirs[n]:
                     continue
                 inputs = (dirs[n], id(allowed[n]), shut[n], quiet[n])
-                if inputs == last_inputs[n]:
-                    since = last_stamp[n]
-                    if not any(fixed_at.get(v, 0) > since for v in neighbours[n]):
-                        continue
+                if inputs == last_inputs[n] and touched[n] <= last_stamp[n]:
+                    continue
                 last_inputs[n], last_stamp[n] = inputs, prop.stamp
                 slots = shape.open_slots[n] if shut[n] else shape.slots[n]
                 for vid in _complete_visit(graph, graph.nodes[n], strats[n], allowed[n], prop,
                                            dirs[n], axis_sizes, shut[n], quiet[n], memo, slots):
                     for m in [graph.producer[vid][0]] + [m for m, _ in consumers.get(vid, ())]:
+                        touched[m] = prop.stamp
                         if m not in queued:
                             stack.append(m)
                             queued.add(m)
             prop.sweeps += 1
             if _tie(prop, graph, ties):
                 stack = order[::-1]
+                touched = _touched(prop, neighbours)
+
+
+def _touched(prop: Propagation, neighbours: list[list[int]]) -> list[int]:
+    """Per node, the stamp of the last fix of one of its ``neighbours`` (0: none)."""
+    fixed_at = prop.fixed_at
+    return [max([fixed_at.get(v, 0) for v in vs], default=0) for vs in neighbours]
 
 
 def _post_order(graph: Graph) -> list[int]:
@@ -507,8 +516,9 @@ def _complete_visit(graph: Graph, node: Node, strats: list[Strategy], allowed: l
             [("out", k, vid) for k, vid in enumerate(node.outs)]
     key = None
     if memo is not None:
+        specs, closed = prop.specs, prop.closed
         key = (id(strats), id(allowed), directions, shut, quiet,
-               tuple((prop.specs.get(vid), vid in prop.closed) for _, _, vid in slots))
+               tuple([(specs.get(vid), vid in closed) for _, _, vid in slots]))
         decision = memo.get(key)
     if key is None or decision is None:
         decision = _decide(graph, node, strats, allowed, prop, directions, axis_sizes, quiet,
@@ -708,6 +718,8 @@ def propagate(graph: Graph, strats: list[list[Strategy]], mesh: MeshContext,
     strategy. ``warn``: warn of the conflicts found (``Propagation.conflicts``); without it
     they are not looked for (a candidate plan's propagation)."""
     prop = seed(graph, labels, extra)
+    if not complete and not prop.specs:
+        return prop  # forced mode moves fixed shardings only: with none, nothing moves
     run_sweeps(graph, strats, prop, complete, ties, mesh.axis_sizes)
     if warn:
         prop.conflicts = find_conflicts(graph, strats, prop, labels)
