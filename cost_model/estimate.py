@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from cost_model.collectives import CommStep
-from cost_model.memory import peak_memory_bytes, reduction_bytes
+from cost_model.memory import memory_timeline, reduction_bytes
 from passes.ir import Graph
 
 
@@ -102,11 +102,36 @@ def plan_peak_memory_bytes(graph: Graph, strats, choice, axis_sizes, results_hel
                            donated=frozenset()) -> int:
     """Per-device peak memory of the planned graph (``cost_model.memory``); ``donated``: input
     node ids whose buffers the program may reuse for its results (``donate_argnums``)."""
-    return peak_memory_bytes(graph, value_specs(graph, strats, choice), axis_sizes,
-                             donated, results_held=results_held,
-                             operand_specs={n.id: strats[n.id][choice[n.id]].in_specs
-                                            for n in graph.nodes},
-                             reductions=reductions(graph, strats, choice, axis_sizes))
+    held, live = plan_timeline(graph, strats, choice, axis_sizes, results_held, donated)
+    return held + max(live, default=0)
+
+
+#: Plans whose timelines :func:`plan_timeline` keeps per graph (the newest).
+TIMELINES_KEPT = 8
+
+
+def plan_timeline(graph: Graph, strats, choice, axis_sizes, results_held: bool,
+                  donated=frozenset()) -> tuple[int, list[int]]:
+    """``cost_model.memory.memory_timeline`` of a plan: (bytes held for the whole call, bytes
+    of the other live buffers at each node), per device. The last :data:`TIMELINES_KEPT`
+    plans' are kept on the graph: the plan a memory refit takes is priced again when it is
+    compared with the propagated ones and when its estimate is made, and on a deep model each
+    pricing takes a second."""
+    cache = graph.analyses.setdefault("estimate.plan_timeline", {})
+    key = (id(strats), tuple(choice), tuple(sorted(axis_sizes.items())), results_held,
+           frozenset(donated))
+    hit = cache.get(key)
+    if hit is not None and hit[0] is strats:  # the same strategy lists, not a reused id
+        return hit[1]
+    timeline = memory_timeline(
+        graph, value_specs(graph, strats, choice), axis_sizes, donated,
+        results_held=results_held,
+        operand_specs={n.id: strats[n.id][choice[n.id]].in_specs for n in graph.nodes},
+        reductions=reductions(graph, strats, choice, axis_sizes))
+    cache[key] = (strats, timeline)
+    while len(cache) > TIMELINES_KEPT:
+        del cache[next(iter(cache))]
+    return timeline
 
 
 def reductions(graph: Graph, strats, choice, axis_sizes) -> dict[int, int]:

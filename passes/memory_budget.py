@@ -28,10 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cost_model.estimate import reductions, value_specs
+from cost_model.estimate import plan_timeline, reductions, value_specs
 from cost_model.memory import (
     Buffer,
-    memory_timeline,
     reduction_bytes,
     running_sum,
     temporaries,
@@ -81,16 +80,13 @@ def plan_peak(graph: Graph, strats, choice, mesh) -> tuple[int, int, int]:
     """(peak bytes, node where it peaks, the bytes at that node the rows do not cover) of a
     plan, by ``cost_model.memory``. The last is the peak less the plan's row at that node:
     resharded operand copies, less what XLA:CPU places in result buffers not yet written."""
-    specs = value_specs(graph, strats, choice)
-    operand = {n.id: strats[n.id][choice[n.id]].in_specs for n in graph.nodes}
-    reduced = reductions(graph, strats, choice, mesh.axis_sizes)
-    held, live = memory_timeline(graph, specs, mesh.axis_sizes,
-                                 results_held=mesh.results_held, operand_specs=operand,
-                                 reductions=reduced)
+    held, live = plan_timeline(graph, strats, choice, mesh.axis_sizes, mesh.results_held)
     if not live:
         return held, 0, 0
     t = max(range(len(live)), key=live.__getitem__)
     lv = liveness(graph, mesh.results_held)
+    specs = value_specs(graph, strats, choice)
+    reduced = reductions(graph, strats, choice, mesh.axis_sizes)
 
     def size(vid):
         return value_bytes(graph, vid, specs[vid], mesh.axis_sizes)

@@ -1,0 +1,44 @@
+"""``cost_model.estimate.plan_timeline``: a plan's memory timeline, kept on the graph for the
+plans priced last, is the one ``cost_model.memory.memory_timeline`` computes for it."""
+
+from cost_model import estimate
+from cost_model.estimate import plan_timeline, reductions, value_specs
+from cost_model.memory import memory_timeline
+from examples.models import gpt
+from passes.propagate import propagated_plans
+from tests.passes.test_propagate import _setup
+
+
+def _direct(graph, strats, choice, sizes):
+    return memory_timeline(graph, value_specs(graph, strats, choice), sizes,
+                           results_held=True,
+                           operand_specs={n.id: strats[n.id][choice[n.id]].in_specs
+                                          for n in graph.nodes},
+                           reductions=reductions(graph, strats, choice, sizes))
+
+
+def test_kept_timelines_are_the_plans_own():
+    fn, args = gpt.make_train_step(gpt.TINY)
+    traced, graph, strats, ctx, labels = _setup(fn, args)
+    seeds = {"fsdp": {n: s for n, s in zip(graph.input_nodes, _fsdp_specs(graph, strats))}}
+    plans = [[0] * len(graph.nodes),
+             *propagated_plans(graph, strats, ctx, labels, seeds=seeds).values()]
+    sizes = ctx.axis_sizes
+    first = [plan_timeline(graph, strats, p, sizes, True) for p in plans]
+    assert first[0] != first[1], "two different plans, two timelines"
+    for plan, timeline in zip(plans, first):
+        assert timeline == _direct(graph, strats, plan, sizes)
+        assert plan_timeline(graph, strats, plan, sizes, True) is timeline  # kept
+    # Other strategy lists with the same ids' contents are not taken for these.
+    copied = [list(s) for s in strats]
+    assert plan_timeline(graph, copied, plans[1], sizes, True) is not first[1]
+    # Only the newest are kept.
+    for k in range(estimate.TIMELINES_KEPT + 1):
+        plan_timeline(graph, strats, plans[1], sizes, True, frozenset(graph.input_nodes[:k]))
+    assert plan_timeline(graph, strats, plans[0], sizes, True) is not first[0]
+
+
+def _fsdp_specs(graph, strats):
+    """Each input's strategy splitting the most (an FSDP-like seed)."""
+    return [max((s.out_specs[0] for s in strats[n]), key=lambda sp: len(sp.axes))
+            for n in graph.input_nodes]
