@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import jax
 
 from autopar._plan import _flat_donation
-from cost_model.estimate import value_specs
-from cost_model.memory import memory_timeline, value_bytes
+from cost_model.estimate import plan_timeline, value_specs
+from cost_model.memory import value_bytes
 from passes.remat import layer_of_path
 
 OTHER = "other"
@@ -88,7 +88,4 @@ def memory_over_program(plan) -> tuple[int, list[int]]:
     on_cpu = plan.mesh.devices.flat[0].platform == "cpu"
     donated = frozenset(graph.input_nodes[i]
                         for i in _flat_donation(plan._in_tree, plan.donate_argnums))
-    return memory_timeline(graph, value_specs(graph, strats, choice), sizes, donated,
-                           results_held=on_cpu,
-                           operand_specs={n.id: strats[n.id][choice[n.id]].in_specs
-                                          for n in graph.nodes})
+    return plan_timeline(graph, strats, choice, sizes, on_cpu, donated)

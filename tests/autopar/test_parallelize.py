@@ -9,6 +9,7 @@ import optax
 import pytest
 from flax import linen as nn
 from flax.training import train_state
+from jax.sharding import PartitionSpec
 
 import autopar
 from autopar.errors import ArgumentError
@@ -195,3 +196,14 @@ def test_decorated_gpt_train_step_matches_one_device_and_restarts_from_the_cache
     np.testing.assert_allclose(float(loss), losses[0], rtol=1e-6)
     assert [s.spec for s in jax.tree_util.tree_leaves(restarted.plan.in_shardings)] == \
         [s.spec for s in jax.tree_util.tree_leaves(step.plan.in_shardings)]
+
+
+def test_donation_prices_the_partial_sums_the_estimate_prices():
+    """``with_donation`` recomputes the peak over the same buffers as the estimate: the
+    partial result a split contraction holds while it is reduced counts there too."""
+    x, w = jnp.ones((64, 512)), jnp.ones((512, 256))
+    plan = autopar.plan(lambda x, w: x @ w, x, w, mesh={"data": 2, "model": 4},
+                        in_shardings=(PartitionSpec(None, "model"),
+                                      PartitionSpec("model", None)))
+    assert plan.estimate.comm_bytes > 0  # the partial sums are reduced
+    assert plan.with_donation(()).estimate == plan.estimate
