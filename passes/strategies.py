@@ -11,9 +11,8 @@ cost; resharding between strategies is the ILP's edge cost (``cost_model.collect
 from __future__ import annotations
 
 import dataclasses
-
-import itertools
 import functools
+import itertools
 import math
 import warnings
 from dataclasses import dataclass
@@ -21,10 +20,10 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from autopar.errors import ShardingHintError
 from cost_model.collectives import CommStep, plan_redistribute, reduce_step, ring_steps
 from cost_model.compute import matmul_dims, op_flops, roofline_s
 from cost_model.hlo import CollectiveKind
-from autopar.errors import ShardingHintError
 from passes import dedup
 from passes.ir import Graph, Node, NodeKind, Value, itemsize, recomputable
 from passes.rules import DimMap, Reduce, RuleContext, dim_maps
@@ -46,7 +45,7 @@ class MeshContext:
     upcast_16bit_collectives: bool = False
     results_held: bool = False  # result buffers live for the whole call (cost_model/memory.py)
 
-    @property
+    @functools.cached_property
     def sizes_items(self):
         return tuple(self.axis_sizes.items())
 
@@ -58,7 +57,7 @@ class MeshContext:
         return value.itemsize
 
     def reshard(self, src: Spec, dst: Spec, value: Value) -> tuple[CommStep, ...]:
-        if value.recomputable:
+        if value.recomputable or src == dst:
             return ()
         return plan_redistribute(src, dst, value.shape, self.wire_itemsize(value),
                                  self.sizes_items)
