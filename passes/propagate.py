@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import itertools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -190,8 +191,8 @@ def _new_splits(s: Strategy, targets) -> int:
 
 def _origin_of(node: Node, specs, origins) -> Origin:
     """The origin a value fixed at ``node`` inherits: the first fixed neighbour's annotation."""
-    for vid in [v for _, v in _operands(node)] + list(node.outs):
-        if vid in specs:
+    for vid in itertools.chain(node.ins, node.outs):  # operands first, as _operands
+        if vid is not None and vid in specs:
             return Origin(origins[vid].label, False)
     raise AssertionError("a node is visited only with a fixed neighbour")
 
@@ -371,7 +372,8 @@ class _Shape:
     broadcasts: list[frozenset]      # per node: see _broadcast_operands
     consumers: dict
     order: list[int]                 # _post_order
-    kinds: list[tuple]               # per node: what _directions reads of it
+    kind_ids: list[int]              # per node: a class of what _directions reads of it
+    kind_nodes: list[int]            # per class: a node of it
     neighbours: list[list[int]]      # per node: its operands' and results' values
     slots: list[list[tuple]]         # per node: ("in", pos, vid) / ("out", k, vid) slots
     open_slots: list[list[tuple]]    # ... without its broadcasting operands (see shut)
@@ -385,11 +387,16 @@ class _Shape:
             slots = [[("in", pos, vid) for pos, vid in ops]
                      + [("out", k, vid) for k, vid in enumerate(node.outs)]
                      for node, ops in zip(graph.nodes, operands)]
+            classes: dict[tuple, int] = {}
+            kind_ids = [classes.setdefault((node.kind, node.prim, _is_broadcast(node),
+                                            any(v in multi_use for _, v in ops)), len(classes))
+                        for node, ops in zip(graph.nodes, operands)]
+            kind_nodes = [0] * len(classes)
+            for node_id, k in reversed(list(enumerate(kind_ids))):
+                kind_nodes[k] = node_id
             graph.analyses["propagate.shape"] = _Shape(
-                multi_use, broadcasts, graph.consumers(), _post_order(graph),
-                [(node.kind, node.prim, _is_broadcast(node),
-                  any(v in multi_use for _, v in ops))
-                 for node, ops in zip(graph.nodes, operands)],
+                multi_use, broadcasts, graph.consumers(), _post_order(graph), kind_ids,
+                kind_nodes,
                 [[v for _, v in ops] + list(node.outs)
                  for node, ops in zip(graph.nodes, operands)],
                 slots,
@@ -407,7 +414,7 @@ def _complete_sweeps(graph: Graph, strats, prop: Propagation, ties, axis_sizes: 
     shape = _Shape.of(graph)
     multi_use, broadcasts, consumers, order = (shape.multi_use, shape.broadcasts,
                                                shape.consumers, shape.order)
-    kinds, neighbours = shape.kinds, shape.neighbours
+    neighbours = shape.neighbours
     # A visit decides from the node's inputs below and its neighbours' specs alone, so a node
     # whose inputs are as at its last visit and none of whose neighbours was fixed since is
     # skipped: it would decide the same (this keeps deep models fast). touched[n]: the stamp
@@ -417,19 +424,19 @@ def _complete_sweeps(graph: Graph, strats, prop: Propagation, ties, axis_sizes: 
     touched = _touched(prop, neighbours)
     memo: dict = {}
     by_list: dict = {}  # one allowed list per strategy list and reach, so the memo can key on it
+    allowed_of: dict[bool, list] = {}  # reach -> the allowed list of every node
     for level in Level:
-        allowed = []
         wide = level >= Level.ANY_BUT_BROADCAST_FORWARD
-        for node in graph.nodes:
-            key = (id(strats[node.id]), wide)
-            if key not in by_list:
-                by_list[key] = _allowed(strats[node.id], level)
-            allowed.append(by_list[key])
-        by_kind: dict = {}
-        for node, kind in zip(graph.nodes, kinds):
-            if kind not in by_kind:
-                by_kind[kind] = _directions(node, level, multi_use)
-        dirs = [by_kind[kind] for kind in kinds]
+        if wide not in allowed_of:
+            allowed_of[wide] = []
+            for node_strats in strats:
+                key = (id(node_strats), wide)
+                if key not in by_list:
+                    by_list[key] = _allowed(node_strats, level)
+                allowed_of[wide].append(by_list[key])
+        allowed = allowed_of[wide]
+        by_kind = [_directions(graph.nodes[n], level, multi_use) for n in shape.kind_nodes]
+        dirs = [by_kind[k] for k in shape.kind_ids]
         # A broadcasting operand is crossed as a broadcast op: backward from PASS_THROUGH on,
         # forward only at ANY.
         none = frozenset()
@@ -622,7 +629,8 @@ def select(graph: Graph, strats, mesh: MeshContext, prop: Propagation, ties=()) 
     memo: dict = {}
     for node in graph.nodes:
         tie_want = actual[graph.nodes[tied[node.id]].outs[0]] if node.id in tied else None
-        want_in = [(pos, vid, current(vid)) for pos, vid in _operands(node)]
+        want_in = [(pos, vid, current(vid)) for pos, vid in enumerate(node.ins)
+                   if vid is not None]
         want_out = [(k, current(vid)) for k, vid in enumerate(node.outs)]
         key = (id(strats[node.id]), tie_want, tuple(sp for _, _, sp in want_in),
                tuple(sp for _, sp in want_out), node.trip_count, node.in_trips)

@@ -19,12 +19,25 @@ from jax.sharding import PartitionSpec
 class Spec:
     dims: tuple[tuple[str, ...], ...]
 
+    def __hash__(self) -> int:
+        # Specs key the planner's memos and caches, millions of lookups on a deep model: the
+        # hash of the nested tuple is computed once (it is not pickled: string hashes differ
+        # from process to process).
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(self.dims)
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        return {"dims": self.dims}
+
     @staticmethod
-    def replicated(rank: int) -> "Spec":
+    def replicated(rank: int) -> Spec:
         return Spec(((),) * rank)
 
     @staticmethod
-    def from_partition_spec(pspec: PartitionSpec | None, rank: int) -> "Spec":
+    def from_partition_spec(pspec: PartitionSpec | None, rank: int) -> Spec:
         entries = tuple(pspec or ())
         if len(entries) > rank:
             raise ValueError(f"PartitionSpec {pspec} has more entries than the rank {rank}")
