@@ -3,8 +3,9 @@ PROCESS_ID``. Two such processes, 4 CPU devices each, form one 8-device mesh ove
 plans a GPT train step on (2, 4), as it is and with every layer rematerialized, runs it on
 global arrays, and checks the result against its own single-device run. Process 1's planner
 is made to return another plan than process 0's: it must take process 0's, remat layers
-included (``autopar._multiprocess``). Then planning is made to fail on process 1 only: both processes must raise (process 0 an
-``OtherProcessError``), not wait for each other. Exits non-zero on any difference."""
+included (``autopar._multiprocess``). Then planning is made to fail on process 1 only: both
+processes must raise (process 0 an ``OtherProcessError``), not wait for each other. Exits
+non-zero on any difference."""
 
 import dataclasses
 import hashlib

@@ -29,7 +29,7 @@ def test_kept_timelines_are_the_plans_own():
     for plan, timeline in zip(plans, first):
         assert timeline == _direct(graph, strats, plan, sizes)
         assert plan_timeline(graph, strats, plan, sizes, True) is timeline  # kept
-    # Other strategy lists with the same ids' contents are not taken for these.
+    # Other strategy lists, even with the same contents, do not share the kept timelines.
     copied = [list(s) for s in strats]
     assert plan_timeline(graph, copied, plans[1], sizes, True) is not first[1]
     # Only the newest are kept.
