@@ -15,8 +15,8 @@ from autopar.errors import ShardingHintError as ShardingHintError
 _LAZY = {"plan": "autopar._api", "parallelize": "autopar._api", "Plan": "autopar._plan",
          "profile": "cost_model.profiler"}
 
-__all__ = ["plan", "parallelize", "Plan", "profile", "AutoparError", "InfeasiblePlanError", "MeshError",
-           "OtherProcessError", "ShardingHintError"]
+__all__ = ["plan", "parallelize", "Plan", "profile", "AutoparError", "InfeasiblePlanError",
+           "MeshError", "OtherProcessError", "ShardingHintError"]
 
 
 def __getattr__(name):

@@ -19,7 +19,7 @@ def _direct(graph, strats, choice, sizes):
 
 def test_kept_timelines_are_the_plans_own():
     fn, args = gpt.make_train_step(gpt.TINY)
-    traced, graph, strats, ctx, labels = _setup(fn, args)
+    _, graph, strats, ctx, labels = _setup(fn, args)
     seeds = {"fsdp": {n: s for n, s in zip(graph.input_nodes, _fsdp_specs(graph, strats))}}
     plans = [[0] * len(graph.nodes),
              *propagated_plans(graph, strats, ctx, labels, seeds=seeds).values()]
