@@ -81,7 +81,7 @@ def layer_rows(plan) -> list[LayerRow]:
     return list(rows.values()) + [other]
 
 
-def memory_over_program(plan) -> tuple[int, list[int]]:
+def memory_over_program(plan) -> tuple[int, tuple[int, ...]]:
     """(bytes held for the whole call, other live bytes at each node), per device."""
     graph, strats, choice, _ = plan._details
     sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))

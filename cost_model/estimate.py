@@ -111,23 +111,24 @@ TIMELINES_KEPT = 8
 
 
 def plan_timeline(graph: Graph, strats, choice, axis_sizes, results_held: bool,
-                  donated=frozenset()) -> tuple[int, list[int]]:
+                  donated=frozenset()) -> tuple[int, tuple[int, ...]]:
     """``cost_model.memory.memory_timeline`` of a plan: (bytes held for the whole call, bytes
     of the other live buffers at each node), per device. The last :data:`TIMELINES_KEPT`
-    plans' are kept on the graph: the plan a memory refit takes is priced again when it is
-    compared with the propagated ones and when its estimate is made, and on a deep model each
-    pricing takes a second."""
+    plans' are kept on the graph (as tuples, so no caller can change a kept one): the plan a
+    memory refit takes is priced again when it is compared with the propagated ones and when
+    its estimate is made, and on a deep model each pricing takes a second."""
     cache = graph.analyses.setdefault("estimate.plan_timeline", {})
     key = (id(strats), tuple(choice), tuple(sorted(axis_sizes.items())), results_held,
            frozenset(donated))
     hit = cache.get(key)
     if hit is not None and hit[0] is strats:  # the same strategy lists, not a reused id
         return hit[1]
-    timeline = memory_timeline(
+    held, live = memory_timeline(
         graph, value_specs(graph, strats, choice), axis_sizes, donated,
         results_held=results_held,
         operand_specs={n.id: strats[n.id][choice[n.id]].in_specs for n in graph.nodes},
         reductions=reductions(graph, strats, choice, axis_sizes))
+    timeline = (held, tuple(live))
     cache[key] = (strats, timeline)
     while len(cache) > TIMELINES_KEPT:
         del cache[next(iter(cache))]

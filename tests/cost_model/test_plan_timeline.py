@@ -10,11 +10,12 @@ from tests.passes.test_propagate import _setup
 
 
 def _direct(graph, strats, choice, sizes):
-    return memory_timeline(graph, value_specs(graph, strats, choice), sizes,
-                           results_held=True,
-                           operand_specs={n.id: strats[n.id][choice[n.id]].in_specs
-                                          for n in graph.nodes},
-                           reductions=reductions(graph, strats, choice, sizes))
+    held, live = memory_timeline(graph, value_specs(graph, strats, choice), sizes,
+                                 results_held=True,
+                                 operand_specs={n.id: strats[n.id][choice[n.id]].in_specs
+                                                for n in graph.nodes},
+                                 reductions=reductions(graph, strats, choice, sizes))
+    return held, tuple(live)
 
 
 def test_kept_timelines_are_the_plans_own():
