@@ -84,6 +84,33 @@ def plan_peak(graph: Graph, strats, choice, mesh) -> tuple[int, int, int]:
     if not live:
         return held, 0, 0
     t = max(range(len(live)), key=live.__getitem__)
+    return held + live[t], t, _uncovered(graph, strats, choice, mesh, held + live[t], t)
+
+
+def peaks_over(graph: Graph, strats, choice, mesh, budget_bytes: float, most: int
+               ) -> list[tuple[int, int]]:
+    """(node, bytes the rows do not cover there) at the peak of each of the ``most`` highest
+    stretches of consecutive nodes where the plan is over ``budget_bytes``, highest first: a
+    plan over the budget in several places gets a row for each at once, where the peak alone
+    would take a solve per place."""
+    held, live = plan_timeline(graph, strats, choice, mesh.axis_sizes, mesh.results_held)
+    stretches, top = [], None  # (live bytes, node) at each stretch's peak
+    for t, nbytes in enumerate(live):
+        if held + nbytes > budget_bytes:
+            if top is None or nbytes > top[0]:
+                top = (nbytes, t)
+        elif top is not None:
+            stretches.append(top)
+            top = None
+    if top is not None:
+        stretches.append(top)
+    stretches.sort(reverse=True)
+    return [(t, _uncovered(graph, strats, choice, mesh, held + nbytes, t))
+            for nbytes, t in stretches[:most]]
+
+
+def _uncovered(graph: Graph, strats, choice, mesh, total_bytes: int, t: int) -> int:
+    """The bytes of a plan's ``total_bytes`` at node t that its row there does not count."""
     lv = liveness(graph, mesh.results_held)
     specs = value_specs(graph, strats, choice)
     reduced = reductions(graph, strats, choice, mesh.axis_sizes)
@@ -93,7 +120,7 @@ def plan_peak(graph: Graph, strats, choice, mesh) -> tuple[int, int, int]:
 
     row_bytes = (sum(size(v) for v in lv.held)
                  + sum(int(b.scale * size(b.vid)) for b in lv.live_at(t)) + reduced.get(t, 0))
-    return held + live[t], t, held + live[t] - row_bytes
+    return total_bytes - row_bytes
 
 
 class BudgetRows:

@@ -166,21 +166,22 @@ def test_remat_makes_a_budget_fit_that_no_sharding_does():
     _assert_same_numerics(plan, fn, args)
 
 
-@pytest.mark.parametrize("fraction", [0.98, 0.95])
-def test_budget_just_under_the_fastest_peak_costs_little_time(fraction):
-    """A budget 2% or 5% under the fastest plan's predicted peak, without remat: the memory
-    refit finds a plan that fits and is predicted at most 5% slower, rather than jumping to a
-    much slower low-memory sharding. At 98% it took FSDP, 47% slower, when its penalty started
-    at the sum of every cost; at 95% it took the same FSDP plan when the least-peak search,
-    which prices no resharding, found no plan under the budget and the penalties were
-    skipped."""
+@pytest.mark.parametrize("fraction,slower", [(0.98, 0.05), (0.95, 0.05), (0.9, 0.1)])
+def test_budget_just_under_the_fastest_peak_costs_little_time(fraction, slower):
+    """A budget 2%, 5% or 10% under the fastest plan's predicted peak, without remat: the
+    memory refit finds a plan that fits and is predicted at most 5% (10%) slower, rather than
+    jumping to a much slower low-memory sharding. At 98% it took FSDP, 47% slower, when its
+    penalty started at the sum of every cost; at 95% it took the same FSDP plan when the
+    least-peak search, which prices no resharding, found no plan under the budget and the
+    penalties were skipped; at 90% it took a plan 16% slower and 23% under the budget, the
+    penalties' first that fits, before the memory rows were solved as constraints."""
     fn, args = gpt.make_train_step(dataclasses.replace(gpt.REALISTIC, layers=2), abstract=True)
     free = autopar.plan(fn, *args, mesh=MESH, hardware="h100")
     budget = fraction * free.estimate.peak_memory_bytes
     plan = autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget=budget,
                         remat=False)
     assert plan.estimate.peak_memory_bytes <= budget
-    assert plan.estimate.step_time_s <= 1.05 * free.estimate.step_time_s
+    assert plan.estimate.step_time_s <= (1 + slower) * free.estimate.step_time_s
 
 
 #: A GPT whose budget-fitted plan at 70% of its fastest plan's peak splits the sequence and
