@@ -61,6 +61,8 @@ MAX_EXACT_EDGE_PAIRS = 400
 # Relative optimality gap once memory rows are in: they weaken the LP bound, and closing the
 # last fraction of a percent can take HiGHS ten times as long.
 MEMORY_GAP = 5e-2
+#: scipy.optimize.milp's status for "other" (HiGHS refused an option, among others).
+HIGHS_OTHER_STATUS = 4
 
 
 class SolverFallbackWarning(UserWarning):
@@ -295,18 +297,34 @@ def _milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: float = 1
     or nearly), and on the 96-layer GPT it spent 0.5 s of each 1.4 s solve before the LP.
     (Symmetry detection stays on: off, it saved 3-7% of each solve on the planning
     benchmark's GPTs, but the MLP on (2, 2, 2) of the sharding benchmark then took another
-    of its near-optimal plans, 3% slower as compiled.)"""
+    of its near-optimal plans, 3% slower as compiled.)
+
+    One thread, so the same ILP gives the same plan: with its default threads HiGHS returned
+    either of two equally fast plans of the unrolled 96-layer GPT (2 of 6 solves of one
+    dumped ILP differed), and their peaks differ (68802.9 and 68930.9 MiB), so the memory
+    refit took different paths from run to run. HiGHS's thread pool is per process and fixed
+    by its first solve: when something in the process solved with another thread count
+    first, HiGHS refuses the option (status 4, no solution), and the solve runs again
+    without it."""
     options = {"time_limit": time_limit_s, "disp": bool(os.environ.get("AUTOPAR_HIGHS_LOG")),
-               "mip_rel_gap": gap, "mip_heuristic_run_feasibility_jump": False}
+               "mip_rel_gap": gap, "mip_heuristic_run_feasibility_jump": False,
+               "threads": 1}
     if cutoff is not None:
         options["objective_bound"] = cutoff
     start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
-        res = scipy.optimize.milp(
-            c, integrality=integer,
-            bounds=scipy.optimize.Bounds(0, 1 if upper is None else upper),
-            constraints=scipy.optimize.LinearConstraint(A, lb, ub), options=options)
+
+    def run():
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
+            return scipy.optimize.milp(
+                c, integrality=integer,
+                bounds=scipy.optimize.Bounds(0, 1 if upper is None else upper),
+                constraints=scipy.optimize.LinearConstraint(A, lb, ub), options=options)
+
+    res = run()
+    if res.x is None and res.status == HIGHS_OTHER_STATUS:
+        del options["threads"]
+        res = run()
     return res, time.perf_counter() - start
 
 
@@ -427,10 +445,11 @@ HARD_ROW_SOLVES = 2
 HARD_ROW_NEW_ROWS = 4
 HARD_ROW_TIME_FACTOR = 4.0
 HARD_ROW_MIN_S = 10.0
-#: Graphs with these nodes (loops) are not polished: the memory model under-counts what
-#: XLA:CPU keeps for a scanned stack (README), and a plan polished to the budget's edge
+#: Graphs with these nodes (loops) are not polished: a plan polished to the budget's edge
 #: compiles over it (scanned 32-layer GPT, default H100 budget of 67.06 GiB: 66.95 GiB
-#: predicted, 69.64 compiled; the penalties' plan, 11% slower: 44.1 and 49.6).
+#: predicted, 69.64 compiled; the penalties' plan, 11% slower: 44.1 and 49.6). XLA:CPU's own
+#: live-range report puts that plan's peak at 64.35 GiB, under the prediction: what the
+#: model misses is how XLA:CPU packs the stack's 2 and 8 GiB buffers into its temp arena.
 LOOP_KINDS = (NodeKind.CARRY, NodeKind.SCAN_IN, NodeKind.SCAN_OUT)
 
 

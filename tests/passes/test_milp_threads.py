@@ -1,0 +1,25 @@
+"""passes.solve._milp asks HiGHS for one thread (the same ILP, the same plan), and still
+solves when the process's HiGHS thread pool was started with another count."""
+
+import subprocess
+import sys
+
+SCRIPT = """
+import numpy as np, scipy.optimize, warnings
+from passes.solve import _milp
+c, A = np.array([1.0, 2.0, 3.0]), np.array([[1.0, 1.0, 0.0], [0.0, 1.0, 1.0]])
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    scipy.optimize.milp(c, integrality=[1, 1, 1], bounds=scipy.optimize.Bounds(0, 1),
+                        constraints=scipy.optimize.LinearConstraint(A, 1, 1),
+                        options={"threads": 3})
+res, _ = _milp(c, A, np.ones(2), np.ones(2), np.ones(3), 10.0)
+print(res.status, *[int(v) for v in res.x.round()])
+"""
+
+
+def test_a_thread_pool_started_elsewhere_does_not_stop_the_solve():
+    """A fresh process, as the thread pool lives as long as the process."""
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.split() == ["0", "0", "1", "0"]
