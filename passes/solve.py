@@ -436,7 +436,7 @@ PENALTY_TIME_LIMIT_S = 5.0
 #: A plan that fits within this of the plain plan's objective ends the refit; a slower one is
 #: polished by solves of the memory rows as hard constraints (:func:`_hard_rows`, at most
 #: HARD_ROW_SOLVES, each adding a row for each of up to HARD_ROW_NEW_ROWS stretches of nodes
-#: its plan is over the budget at), each limited to HARD_ROW_TIME_FACTOR times the plain
+#: its plan is over the budget at), limited together to HARD_ROW_TIME_FACTOR times the plain
 #: solve's time and at least HARD_ROW_MIN_S: HiGHS takes much longer under hard rows (the
 #: unrolled 96-layer GPT's: 5 s, its plain solve 2.4 s; the 2-layer GPT at 90% of its fastest
 #: peak: the whole 10 s).
@@ -564,18 +564,23 @@ def _hard_rows(builder: IlpBuilder, budget: BudgetRows, cutoff_us: float, object
                time_limit_s: float, attempt, progress):
     """The cheapest plan under the memory rows of ``budget.cuts`` as hard constraints and
     faster than ``cutoff_us``, each solve adding rows where its plan is over the budget, for
-    at most :data:`HARD_ROW_SOLVES` solves; None when none fits. The penalty solves price
+    at most :data:`HARD_ROW_SOLVES` solves in ``time_limit_s`` all told; None when none
+    fits. The penalty solves price
     every byte at every row, and the plans between a penalty's last plan over the budget and
     its first under it are out of their reach (not on the convex hull): on the 2-layer
     realistic GPT at 90% of its fastest peak the penalties go from 0.9% slower than the plain
     plan (over the budget) to 31.6% slower, and the rows as constraints find one 11.8% slower
     that fits."""
+    left_s = time_limit_s
     for _ in range(HARD_ROW_SOLVES):
+        if left_s < 1.0:
+            return None
         c, A, lb, ub, integer = builder.matrices(
             (budget.row(t, builder.offset), -np.inf, budget.rhs(copies))
             for t, copies in budget.cuts)
-        res, took = _milp(c, A, lb, ub, integer, time_limit_s, gap=MEMORY_GAP,
+        res, took = _milp(c, A, lb, ub, integer, left_s, gap=MEMORY_GAP,
                           cutoff=cutoff_us * (1 - 1e-6))
+        left_s -= took
         rows = len(budget.cuts)
         if res.x is None:
             progress(f"memory rows as constraints ({rows}): {took:.2f}s, none faster found")
