@@ -565,12 +565,11 @@ def _hard_rows(builder: IlpBuilder, budget: BudgetRows, cutoff_us: float, object
     """The cheapest plan under the memory rows of ``budget.cuts`` as hard constraints and
     faster than ``cutoff_us``, each solve adding rows where its plan is over the budget, for
     at most :data:`HARD_ROW_SOLVES` solves in ``time_limit_s`` all told; None when none
-    fits. The penalty solves price
-    every byte at every row, and the plans between a penalty's last plan over the budget and
-    its first under it are out of their reach (not on the convex hull): on the 2-layer
-    realistic GPT at 90% of its fastest peak the penalties go from 0.9% slower than the plain
-    plan (over the budget) to 31.6% slower, and the rows as constraints find one 11.8% slower
-    that fits."""
+    fits. The penalty solves price every byte at every row, and the plans between a
+    penalty's last plan over the budget and its first under it are out of their reach (not
+    on the convex hull): on the 2-layer realistic GPT at 90% of its fastest peak the
+    penalties go from 0.9% slower than the plain plan (over the budget) to 31.6% slower, and
+    the rows as constraints find one 11.8% slower that fits."""
     left_s = time_limit_s
     for _ in range(HARD_ROW_SOLVES):
         if left_s < 1.0:
