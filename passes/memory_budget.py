@@ -84,7 +84,7 @@ def plan_peak(graph: Graph, strats, choice, mesh) -> tuple[int, int, int]:
     if not live:
         return held, 0, 0
     t = max(range(len(live)), key=live.__getitem__)
-    return held + live[t], t, _uncovered(graph, strats, choice, mesh, held + live[t], t)
+    return held + live[t], t, _uncovered(graph, strats, choice, mesh, [(held + live[t], t)])[0]
 
 
 def peaks_over(graph: Graph, strats, choice, mesh, budget_bytes: float, most: int
@@ -104,13 +104,14 @@ def peaks_over(graph: Graph, strats, choice, mesh, budget_bytes: float, most: in
             top = None
     if top is not None:
         stretches.append(top)
-    stretches.sort(reverse=True)
-    return [(t, _uncovered(graph, strats, choice, mesh, held + nbytes, t))
-            for nbytes, t in stretches[:most]]
+    tops = [(held + nbytes, t) for nbytes, t in sorted(stretches, reverse=True)[:most]]
+    return list(zip([t for _, t in tops], _uncovered(graph, strats, choice, mesh, tops)))
 
 
-def _uncovered(graph: Graph, strats, choice, mesh, total_bytes: int, t: int) -> int:
-    """The bytes of a plan's ``total_bytes`` at node t that its row there does not count."""
+def _uncovered(graph: Graph, strats, choice, mesh, totals: list[tuple[int, int]]
+               ) -> list[int]:
+    """For each (total bytes, node t) of a plan, the bytes of the total that its row at t
+    does not count."""
     lv = liveness(graph, mesh.results_held)
     specs = value_specs(graph, strats, choice)
     reduced = reductions(graph, strats, choice, mesh.axis_sizes)
@@ -118,9 +119,9 @@ def _uncovered(graph: Graph, strats, choice, mesh, total_bytes: int, t: int) -> 
     def size(vid):
         return value_bytes(graph, vid, specs[vid], mesh.axis_sizes)
 
-    row_bytes = (sum(size(v) for v in lv.held)
-                 + sum(int(b.scale * size(b.vid)) for b in lv.live_at(t)) + reduced.get(t, 0))
-    return total_bytes - row_bytes
+    held = sum(size(v) for v in lv.held)
+    return [total - held - sum(int(b.scale * size(b.vid)) for b in lv.live_at(t))
+            - reduced.get(t, 0) for total, t in totals]
 
 
 class BudgetRows:

@@ -497,9 +497,9 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
                 p[i] += coef
         return p
 
-    def attempt(res) -> tuple[float, bool]:
-        """The plan's peak, and whether the row where it peaks joined the cuts (it was over
-        the budget at a node no row covered)."""
+    def attempt(res) -> tuple[float, bool, list[int]]:
+        """The plan's peak, whether the row where it peaks joined the cuts (it was over the
+        budget at a node no row covered), and the plan."""
         nonlocal least, least_choice
         choice = _choice_of(res.x, g, groups, builder.offset)
         _inputs_take_their_slices(g, strats, groups, mesh, choice)
@@ -508,8 +508,8 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
             least, least_choice = peak, choice
         if peak > budget.budget_bytes and (t, copies) not in budget.cuts:
             budget.cuts.append((t, copies))
-            return peak, True
-        return peak, False
+            return peak, True, choice
+        return peak, False, choice
 
     best, total, last_peak = None, time.perf_counter() - t0, float("inf")
     limit_s = min(time_limit_s, PENALTY_TIME_LIMIT_S, max(1.0, PENALTY_TIME_FACTOR * start_s))
@@ -523,7 +523,7 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
         total += took
         if res.x is None:
             break
-        peak, new_row = attempt(res)
+        peak, new_row, _ = attempt(res)
         slower = float(c @ res.x) / max(objective_us, 1e-9) - 1
         progress(f"memory penalty {lam:.3g} us per budget: {took:.2f}s, peak "
                  f"{peak / 2**20:.1f} MiB, {slower:+.1%} time")
@@ -584,13 +584,11 @@ def _hard_rows(builder: IlpBuilder, budget: BudgetRows, cutoff_us: float, object
         if res.x is None:
             progress(f"memory rows as constraints ({rows}): {took:.2f}s, none faster found")
             return None
-        peak, _ = attempt(res)
+        peak, _, choice = attempt(res)
         progress(f"memory rows as constraints ({rows}): {took:.2f}s, peak "
                  f"{peak / 2**20:.1f} MiB, {float(c @ res.x) / objective_us - 1:+.1%} time")
         if peak <= budget.budget_bytes:
             return res
-        choice = _choice_of(res.x, builder.g, builder.groups, builder.offset)
-        _inputs_take_their_slices(builder.g, builder.strats, builder.groups, builder.mesh, choice)
         budget.cuts += [cut for cut in peaks_over(builder.g, builder.strats, choice, builder.mesh,
                                                   budget.budget_bytes, HARD_ROW_NEW_ROWS)
                         if cut not in budget.cuts]

@@ -16,7 +16,8 @@ def timeline(monkeypatch):
     every node's uncovered bytes its id, so the test reads the nodes picked."""
     def use(live):
         monkeypatch.setattr(memory_budget, "plan_timeline", lambda *a, **k: (10, tuple(live)))
-        monkeypatch.setattr(memory_budget, "_uncovered", lambda g, s, c, m, total, t: -t)
+        monkeypatch.setattr(memory_budget, "_uncovered",
+                            lambda g, s, c, m, totals: [-t for _, t in totals])
     return use
 
 
