@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar._cache import PlanCache, graph_fingerprint
 from autopar._check_memory import check_compiled_memory
+from autopar._gc import with_gc_paused
 from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar._multiprocess import process_0_plan
 from autopar._plan import Plan
@@ -33,8 +34,17 @@ from passes.strategies import MeshContext
 
 
 def _paths(tree) -> list[str]:
+    """The key path of every leaf of ``tree`` (a treedef), as ``jax.tree_util.keystr`` writes
+    it."""
+    return list(_paths_of(tree))
+
+
+@functools.lru_cache(maxsize=64)
+def _paths_of(tree) -> tuple[str, ...]:
+    # Cached: a plan reads each tree's paths several times, and a deep model has thousands.
     dummy = jax.tree_util.tree_unflatten(tree, [0] * tree.num_leaves)
-    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
+    return tuple(jax.tree_util.keystr(p)
+                 for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0])
 
 
 def _state_ties(traced) -> list[tuple[int, int]]:
@@ -223,6 +233,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         progress, failure)
 
 
+@with_gc_paused
 def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, mesh, hardware,
                in_shardings, out_shardings, search, logical_axis_rules, time_limit_s,
                tie_state, axis_level_overrides, baseline_seeds, remat, progress, _choice,

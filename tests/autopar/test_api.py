@@ -5,6 +5,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding
 
 import autopar
@@ -139,3 +140,34 @@ def test_default_progress_shows_only_once_planning_is_slow(monkeypatch, capsys):
     assert "tracing" not in err and err.count("memory penalty") == 1
     quiet("comparing")
     assert "comparing" in capsys.readouterr().err
+
+
+def test_planning_pauses_the_garbage_collector_and_restores_it(monkeypatch):
+    """The cyclic collector is off while a plan is made (autopar._gc) and as it was after,
+    also when planning fails; a caller's disabled collector stays disabled."""
+    import gc
+
+    from autopar import _api
+    from autopar.errors import AutoparError
+
+    seen = []
+    trace = _api.run_pipeline
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return trace(*args, **kwargs)
+
+    monkeypatch.setattr(_api, "run_pipeline", spy)
+    fn, args = _step()
+    assert gc.isenabled()
+    autopar.plan(fn, *args, mesh={"data": 8})
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(AutoparError):  # 3 devices of 8 do not divide the batch of 8
+        autopar.plan(fn, *args, mesh={"data": 3})
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        autopar.plan(fn, *args, mesh={"data": 8})
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
