@@ -49,6 +49,7 @@ import enum
 import functools
 import itertools
 import math
+import operator
 import warnings
 from dataclasses import dataclass, field
 
@@ -111,6 +112,10 @@ class Propagation:
     # Complete mode: values whose spec is given (annotations, seeds), never changed by
     # propagation; a propagated spec may still grow by splits.
     closed: set[int] = field(default_factory=set)
+    # value -> a small int naming its fixed spec and whether it is closed (2 * the spec's
+    # number among those fixed + closed): what a memo key reads of a value, hashed at C speed.
+    codes: dict[int, int] = field(default_factory=dict, repr=False)
+    _numbers: dict = field(default_factory=dict, repr=False)  # spec -> its number
 
     def exact(self, vid: int) -> bool:
         return isinstance(self.specs.get(vid), Spec)
@@ -120,6 +125,13 @@ class Propagation:
         self.origins[vid] = origin
         self.stamp += 1
         self.fixed_at[vid] = self.stamp
+        self.codes[vid] = 2 * self._numbers.setdefault(spec, len(self._numbers))
+
+    def close(self) -> None:
+        """Make the values fixed so far given ones (:attr:`closed`)."""
+        self.closed = set(self.specs)
+        for vid in self.closed:
+            self.codes[vid] |= 1
 
 
 def seed(graph: Graph, labels: dict[int, str], extra: dict[int, Spec] | None = None
@@ -141,7 +153,7 @@ def seed(graph: Graph, labels: dict[int, str], extra: dict[int, Spec] | None = N
         node = graph.nodes[n]
         if node.pinned is not None and node.ins[0] not in prop.specs:
             prop.fix(node.ins[0], node.pinned[0], Origin(labels.get(n, _describe(node)), True))
-    prop.closed = set(prop.specs)
+    prop.close()
     return prop
 
 
@@ -193,8 +205,15 @@ def _origin_of(node: Node, specs, origins) -> Origin:
     """The origin a value fixed at ``node`` inherits: the first fixed neighbour's annotation."""
     for vid in itertools.chain(node.ins, node.outs):  # operands first, as _operands
         if vid is not None and vid in specs:
-            return Origin(origins[vid].label, False)
+            return _propagated(origins[vid].label)
     raise AssertionError("a node is visited only with a fixed neighbour")
+
+
+@functools.lru_cache(maxsize=1024)
+def _propagated(label: str) -> Origin:
+    """The origin of a sharding propagated from annotation ``label`` (one object per label:
+    a deep model fixes hundreds of thousands of values from a handful of annotations)."""
+    return Origin(label, False)
 
 
 def visit(node: Node, strats: list[Strategy], prop: Propagation, forward: bool,
@@ -233,7 +252,7 @@ def _tie(prop: Propagation, graph: Graph, ties) -> bool:
         a, b = graph.nodes[in_node].outs[0], graph.nodes[out_node].ins[0]
         for src, dst in ((a, b), (b, a)):
             if prop.exact(src) and not prop.exact(dst):
-                prop.fix(dst, prop.specs[src], Origin(prop.origins[src].label, False))
+                prop.fix(dst, prop.specs[src], _propagated(prop.origins[src].label))
                 changed = True
     return changed
 
@@ -433,6 +452,9 @@ def _complete_sweeps(graph: Graph, strats, prop: Propagation, ties, axis_sizes: 
                 key = (id(node_strats), wide)
                 if key not in by_list:
                     by_list[key] = _allowed(node_strats, level)
+                    narrow = by_list.get((id(node_strats), False))
+                    if wide and narrow == by_list[key]:
+                        by_list[key] = narrow  # the same list: no reason to visit it again
                 allowed_of[wide].append(by_list[key])
         allowed = allowed_of[wide]
         by_kind = [_directions(graph.nodes[n], level, multi_use) for n in shape.kind_nodes]
@@ -448,8 +470,8 @@ def _complete_sweeps(graph: Graph, strats, prop: Propagation, ties, axis_sizes: 
             while stack:
                 n = stack.pop()
                 queued.discard(n)
-                if not dirs[n]:
-                    continue
+                if not dirs[n] or not touched[n]:
+                    continue  # (no neighbour fixed: nothing to propagate)
                 inputs = (dirs[n], id(allowed[n]), shut[n], quiet[n])
                 if inputs == last_inputs[n] and touched[n] <= last_stamp[n]:
                     continue
@@ -496,6 +518,9 @@ def _post_order(graph: Graph) -> list[int]:
     return order
 
 
+_VID = operator.itemgetter(2)  # a slot's value
+
+
 def _complete_visit(graph: Graph, node: Node, strats: list[Strategy], allowed: list[int],
                     prop: Propagation, directions: tuple[bool, ...], axis_sizes: dict,
                     shut=frozenset(), quiet=frozenset(), memo: dict | None = None,
@@ -523,9 +548,9 @@ def _complete_visit(graph: Graph, node: Node, strats: list[Strategy], allowed: l
             [("out", k, vid) for k, vid in enumerate(node.outs)]
     key = None
     if memo is not None:
-        specs, closed = prop.specs, prop.closed
+        codes = prop.codes
         key = (id(strats), id(allowed), directions, shut, quiet,
-               tuple([(specs.get(vid), vid in closed) for _, _, vid in slots]))
+               tuple(map(codes.get, map(_VID, slots))))
         decision = memo.get(key)
     if key is None or decision is None:
         decision = _decide(graph, node, strats, allowed, prop, directions, axis_sizes, quiet,

@@ -50,6 +50,8 @@ def scan_pairs(jaxpr, owner: dict, start: int) -> list[ScanPair]:
     forward scan belongs to the layer whose parameters it slices; its residuals are the ``ys``
     the backward scan slices and nothing else reads. A forward body with effects is left as
     it is."""
+    if not any(eqn.primitive.name == "scan" for eqn in jaxpr.eqns[:start]):
+        return []  # an unrolled model: nothing to pair
     uses: dict = {}
     for j, eqn in enumerate(jaxpr.eqns):
         for a in eqn.invars:

@@ -9,6 +9,7 @@ both axes.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -33,8 +34,9 @@ class Spec:
         return {"dims": self.dims}
 
     @staticmethod
+    @functools.cache
     def replicated(rank: int) -> Spec:
-        return Spec(((),) * rank)
+        return Spec(((),) * rank)  # one per rank: its hash is computed once
 
     @staticmethod
     def from_partition_spec(pspec: PartitionSpec | None, rank: int) -> Spec:
