@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from autopar._mesh import as_auto_mesh
 from autopar.errors import PlanFormatError
@@ -81,15 +81,20 @@ class Plan:
         donate = _flat_donation(self._in_tree, donate_argnums)
         jitted = jax.jit(self._flat_fn, in_shardings=flat_in, out_shardings=flat_out,
                          donate_argnums=donate, compiler_options=self.compiler_options or None)
-        in_tree, out_tree = self._in_tree, self._out_tree
+        in_tree, out_tree, mesh = self._in_tree, self._out_tree, self.mesh
 
-        def run(*args):
+        def call(method, args):
             leaves, tree = jax.tree_util.tree_flatten(args)
             if tree != in_tree:
                 raise PlanFormatError(f"arguments do not match the planned signature: planned "
                                       f"{in_tree}, got {tree}. Plan again for the new one.")
-            return jax.tree_util.tree_unflatten(out_tree, jitted(*leaves))
-        run.lower = lambda *args: jitted.lower(*jax.tree_util.tree_leaves(args))
+            leaves = [_off_explicit_axes(x, s) for x, s in zip(leaves, flat_in)]
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # Auto axes, as planned
+                return method(*leaves)
+
+        def run(*args):
+            return jax.tree_util.tree_unflatten(out_tree, call(jitted, args))
+        run.lower = lambda *args: call(jitted.lower, args)
         return run
 
     def with_donation(self, donate_argnums) -> Plan:
@@ -195,3 +200,15 @@ def _flat_donation(in_tree, donate_argnums) -> tuple[int, ...]:
             out += range(start, start + c)
         start += c
     return tuple(out)
+
+
+def _off_explicit_axes(x, sharding):
+    """``x`` placed in its planned ``sharding`` when it lives on a mesh with Explicit (or
+    Manual) axes: the program runs on the same devices with Auto axes (``as_auto_mesh``),
+    and jax refuses to mix the two meshes in one program. Other arguments pass as they are
+    (``jax.jit`` places them). Such an argument is copied, so donating it frees the copy."""
+    placed = getattr(x, "sharding", None)
+    if (isinstance(x, jax.Array) and isinstance(placed, NamedSharding)
+            and any(t != AxisType.Auto for t in placed.mesh.axis_types)):
+        return jax.device_put(x, sharding)
+    return x

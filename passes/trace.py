@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.extend import core as jcore
+from jax.sharding import AxisType, NamedSharding
 
 from autopar.errors import ArgumentError
 from passes.ir import Graph, NodeKind
@@ -71,10 +72,23 @@ def check_args(args) -> tuple[list, Any]:
 
 
 def trace(fn: Callable, args: tuple) -> Traced:
-    _, in_tree = check_args(args)
+    leaves, in_tree = check_args(args)
+    args = jax.tree_util.tree_unflatten(in_tree, [_off_explicit_axes(x) for x in leaves])
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     return from_jaxpr(unwrap_jit(closed), in_tree, out_tree, tuple(out_leaves))
+
+
+def _off_explicit_axes(leaf):
+    """An argument placed on a mesh with Explicit (or Manual) axes traces as a plain one: its
+    sharding is part of its type there, and jax's sharding-in-types rules would then pin the
+    program's shardings; autopar plans them, and the plan runs on Auto axes
+    (``autopar.Plan.jit`` places such arguments)."""
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding) and any(t != AxisType.Auto
+                                                   for t in sharding.mesh.axis_types):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+    return leaf
 
 
 def unwrap_jit(closed):

@@ -171,3 +171,25 @@ def test_planning_pauses_the_garbage_collector_and_restores_it(monkeypatch):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_explicit_axis_mesh_and_arguments_placed_on_it_run_as_one_device_does():
+    """A mesh with Explicit axes is planned on Auto axes over the same devices; arguments
+    already placed on it (their sharding part of their type) trace as plain ones, are placed
+    as planned when the program runs, also under the caller's ``jax.set_mesh``."""
+    from jax.sharding import AxisType, PartitionSpec
+
+    fn, args = mlp.make_train_step(mlp.TINY)
+    want = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    placed = jax.device_put(args, NamedSharding(mesh, PartitionSpec()))
+    assert jax.typeof(jax.tree_util.tree_leaves(placed)[0]).sharding.mesh.axis_types[0] == \
+        AxisType.Explicit
+    plan = autopar.plan(fn, *placed, mesh=mesh)
+    assert all(t == AxisType.Auto for t in plan.mesh.axis_types)
+    run = plan.jit()
+    with jax.set_mesh(mesh):
+        under_context = run(*placed)
+    for got in (run(*placed), run(*args), under_context):
+        for g, w in zip(jax.tree_util.tree_leaves(got), want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
