@@ -2,8 +2,9 @@
 one device computes.
 
 Each seed draws a program of 2-D tensors: matmuls with weights, elementwise ops, broadcast
-biases, transposes, reshapes, concatenations, slices, softmax and mean-centring, half of them
-differentiated (value and gradient of a loss, as a train step is). Random hints on the
+biases, transposes, reshapes, concatenations, slices, softmax, mean-centring, a scanned layer
+with stacked weights and a ``jax.checkpoint``-ed block, half of them differentiated (value
+and gradient of a loss, as a train step is). Random hints on the
 inputs make the plan split and reshard values even at these small shapes, where replicating
 everything would otherwise be the fastest plan."""
 
@@ -50,7 +51,7 @@ def draw_program(seed: int, ops: int = 14):
         i = int(rng.choice([j for j, s in enumerate(shapes) if len(s) == 2]))
         m, n = shapes[i]
         kind = str(rng.choice(["matmul", "unary", "binary", "bias", "transpose", "center",
-                               "softmax", "reshape", "concat", "slice"]))
+                               "softmax", "reshape", "concat", "slice", "scan", "remat"]))
         if kind == "matmul":
             w = new_input((n, int(rng.choice(DIMS))))
             add(kind, (i, w), None, (m, shapes[w][1]))
@@ -78,6 +79,10 @@ def draw_program(seed: int, ops: int = 14):
             if rows:
                 j = int(rng.choice(rows))
                 add(kind, (i, j), None, (m, n + shapes[j][1]))
+        elif kind == "scan":
+            add(kind, (i, new_input((2, n, n))), None, (m, n))
+        elif kind == "remat":
+            add(kind, (i,), None, (m, n))
         elif kind == "slice" and n >= 16:
             add(kind, (i,), n // 2, (m, n // 2))
     made = [j for j, (kind, _, _) in enumerate(program) if kind != "input"]
@@ -110,6 +115,10 @@ def run_program(program, outputs, args):
             y = x.reshape(extra)
         elif kind == "concat":
             y = jnp.concatenate([x, values[ops[1]]], axis=1)
+        elif kind == "scan":  # a layer applied twice, with stacked weights
+            y, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, values[ops[1]])
+        elif kind == "remat":
+            y = jax.checkpoint(lambda a: jnp.tanh(a) * a)(x)
         else:
             y = x[:, :extra]
         values.append(y)
