@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from autopar._meshspec import parse_mesh_spec
 from autopar.errors import MeshError
@@ -47,6 +47,15 @@ def _mesh_from_dict(axes: dict[str, int]) -> Mesh:
                         "devices you want to use")
     return Mesh(np.array(devices).reshape(tuple(axes.values())), tuple(axes),
                 axis_types=(AxisType.Auto,) * len(axes))
+
+
+def on_explicit_axes(x) -> bool:
+    """Whether ``x`` (an array or ShapeDtypeStruct) is placed on a mesh with Explicit (or
+    Manual) axes, its sharding part of its type: autopar traces it as a plain value and runs
+    the plan on Auto axes over the same devices (see :func:`as_auto_mesh`)."""
+    sharding = getattr(x, "sharding", None)
+    return isinstance(sharding, NamedSharding) and any(t != AxisType.Auto
+                                                       for t in sharding.mesh.axis_types)
 
 
 def axis_sizes(mesh: Mesh) -> dict[str, int]:

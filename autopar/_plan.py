@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from autopar._mesh import as_auto_mesh
+from autopar._mesh import as_auto_mesh, on_explicit_axes
 from autopar.errors import PlanFormatError
 from cost_model.estimate import Estimate
 
@@ -207,8 +207,6 @@ def _off_explicit_axes(x, sharding):
     Manual) axes: the program runs on the same devices with Auto axes (``as_auto_mesh``),
     and jax refuses to mix the two meshes in one program. Other arguments pass as they are
     (``jax.jit`` places them). Such an argument is copied, so donating it frees the copy."""
-    placed = getattr(x, "sharding", None)
-    if (isinstance(x, jax.Array) and isinstance(placed, NamedSharding)
-            and any(t != AxisType.Auto for t in placed.mesh.axis_types)):
+    if isinstance(x, jax.Array) and on_explicit_axes(x):
         return jax.device_put(x, sharding)
     return x

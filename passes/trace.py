@@ -16,8 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 from jax.extend import core as jcore
-from jax.sharding import AxisType, NamedSharding
 
+from autopar._mesh import on_explicit_axes
 from autopar.errors import ArgumentError
 from passes.ir import Graph, NodeKind
 
@@ -84,9 +84,7 @@ def _off_explicit_axes(leaf):
     sharding is part of its type there, and jax's sharding-in-types rules would then pin the
     program's shardings; autopar plans them, and the plan runs on Auto axes
     (``autopar.Plan.jit`` places such arguments)."""
-    sharding = getattr(leaf, "sharding", None)
-    if isinstance(sharding, NamedSharding) and any(t != AxisType.Auto
-                                                   for t in sharding.mesh.axis_types):
+    if on_explicit_axes(leaf):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
     return leaf
 
