@@ -151,11 +151,11 @@ def test_planning_pauses_the_garbage_collector_and_restores_it(monkeypatch):
     from autopar.errors import AutoparError
 
     seen = []
-    trace = _api.run_pipeline
+    run_pipeline = _api.run_pipeline
 
     def spy(*args, **kwargs):
         seen.append(gc.isenabled())
-        return trace(*args, **kwargs)
+        return run_pipeline(*args, **kwargs)
 
     monkeypatch.setattr(_api, "run_pipeline", spy)
     fn, args = _step()
