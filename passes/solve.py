@@ -199,7 +199,7 @@ class IlpBuilder:
         # Too many spec pairs: price the move axis by axis (see the module docstring).
         for axis in self.mesh.axis_names:
             self._transport(
-                gu, gw, [a.dim_of(axis) for a in src], [b.dim_of(axis) for b in dst],
+                gu, gw, [a.place_of(axis) for a in src], [b.place_of(axis) for b in dst],
                 lambda p, q, axis=axis: self._axis_cost_us(axis, p, q, value, trip))
 
     def _axis_cost_us(self, axis, p, q, value, trip) -> float:
@@ -315,14 +315,10 @@ def _milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: float = 1
     the 14 that compared plans on one plan. The result's ``fun`` is the cost of its ``x``
     without the tie breaks.
 
-    Ties the ILP cannot tell apart can differ in the estimate: on the sharding benchmark's
-    Llama on (4, 2) these tie breaks take another plan of the same ILP objective than HiGHS
-    did without them, priced 12% slower by the estimate (attention-mask broadcasts split
-    less, then gathered), and a propagated seed wins instead (equal to the best baseline).
-    Breaking ties by the bytes each plan holds took the faster plan back, but it also made
-    the fastest plans hold less, so budgets relative to their peak got tighter and the
-    2-layer GPT at 90% of it fitted only 16% slower (the memory-budget tests), and it was
-    left out. The mispricing itself is open (README, "Not yet")."""
+    (Ties the ILP cannot tell apart were once plans the estimate told apart: on the Llama on
+    (4, 2), two plans of one objective were predicted 1.28 and 1.43 ms, because the axis-by-
+    axis price of a large edge called free a move the estimate gathers; see
+    ``MeshContext.axis_reshard_time_s``.)"""
     options = {"time_limit": time_limit_s, "disp": bool(os.environ.get("AUTOPAR_HIGHS_LOG")),
                "mip_rel_gap": gap, "mip_heuristic_run_feasibility_jump": False,
                "threads": 1}

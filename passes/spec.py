@@ -61,10 +61,13 @@ class Spec:
     def axes(self) -> tuple[str, ...]:
         return tuple(a for d in self.dims for a in d)
 
-    def dim_of(self, axis: str) -> int | None:
+    def place_of(self, axis: str) -> tuple[int, tuple[str, ...]] | None:
+        """Where ``axis`` splits: (its dim, the axes before it in that dim), or None. Two specs
+        with ``axis`` in one dim after different axes give each device different blocks of
+        that dim (``S(model)`` and ``S(data,model)``), so moving between them is not free."""
         for d, names in enumerate(self.dims):
             if axis in names:
-                return d
+                return d, names[:names.index(axis)]
         return None
 
     def shards(self, dim: int, axis_sizes: dict[str, int]) -> int:
