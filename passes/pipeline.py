@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 
 from cost_model.estimate import value_specs
 from passes.annotate import annotate
+from passes.background import Deferred
 from passes.cluster import cluster
 from passes.dedup import node_keys, structural_colors, tie_groups
 from passes.emit import build_flat_fn
 from passes.ir import Graph
 from passes.memory_budget import input_labels, peak_lower_bound_bytes
-from passes.propagate import best_of, propagate, propagated_plans
+from passes.propagate import best_of, propagate, propagated_plans, step_times
 from passes.remat import (
     RematPolicy,
     RematWarning,
@@ -209,10 +210,12 @@ def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
     candidates = propagated_plans(graph, strats, o.mesh_ctx, labels, ties, by_node(seeds))
     o.progress(f"solving the ILP over {len(groups.members)} groups "
                f"({len(graph.nodes)} nodes before coarsening)")
+    timing = Deferred(step_times, graph, strats, o.mesh_ctx, candidates)
     solution = solve(graph, strats, groups, o.mesh_ctx, time_limit_s=o.time_limit_s,
                      memory_budget_bytes=o.memory_budget_bytes,
-                     warm=list(candidates.values()),
+                     warm=list(candidates.values()), while_solving=(timing,),
                      progress=o.progress)
+    known_s = timing.result()
     ilp_stats.update(ilp_edges_before=solution.edges_before, ilp_edges=solution.edges_after,
                      memory_rows=solution.memory_rows,
                      memory_budget_bytes=o.memory_budget_bytes)
@@ -230,7 +233,7 @@ def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
     # Also the predicted step time and peak of the plan taken (and of the others).
     o.progress(f"comparing the ILP's plan with {len(candidates)} propagated ones")
     solution, ilp_stats["candidates_step_s"], ilp_stats["candidates_peak_bytes"] = best_of(
-        solution, graph, strats, o.mesh_ctx, candidates, o.memory_budget_bytes)
+        solution, graph, strats, o.mesh_ctx, candidates, o.memory_budget_bytes, known_s)
     return solution
 
 

@@ -782,8 +782,16 @@ def propagated_plans(graph: Graph, strats, mesh: MeshContext, labels: dict[int, 
     return plans
 
 
+def step_times(graph: Graph, strats, mesh: MeshContext,
+               plans: dict[str, list[int]]) -> dict[str, float]:
+    """Each plan's predicted step time in seconds (the estimate, without memory)."""
+    return {name: estimate(graph, strats, choice, mesh,
+                           plan_collectives(graph, strats, choice, mesh), memory=False)
+            .step_time_s for name, choice in plans.items()}
+
+
 def best_of(solution, graph: Graph, strats, mesh: MeshContext, candidates: dict[str, list[int]],
-            memory_budget_bytes: float | None = None):
+            memory_budget_bytes: float | None = None, known_s: dict[str, float] | None = None):
     """The plan predicted fastest among the ILP's ``solution`` and ``candidates`` (name ->
     plan, :func:`propagated_plans`), by the estimate (``cost_model.estimate``); a plan that
     fits ``memory_budget_bytes`` first. So with annotations, search never does worse than
@@ -791,11 +799,13 @@ def best_of(solution, graph: Graph, strats, mesh: MeshContext, candidates: dict[
     time per plan name, predicted peak bytes per plan name); the ILP's plan is named by its
     status. Peaks are predicted fastest plan first, up to the first that fits (the slower ones
     cannot win), so the fastest plan's is always there. When none fits, every peak is
-    predicted, and a candidate's below the solve's least peak found becomes it."""
+    predicted, and a candidate's below the solve's least peak found becomes it. ``known_s``:
+    step times of candidates already predicted (:func:`step_times`)."""
     plans = {solution.status: solution.choice, **candidates}
-    comms = {name: plan_collectives(graph, strats, choice, mesh) for name, choice in plans.items()}
-    times = {name: estimate(graph, strats, plans[name], mesh, comms[name], memory=False)
-             .step_time_s for name in plans}
+    known_s = {name: t for name, t in (known_s or {}).items() if name in candidates}
+    times = step_times(graph, strats, mesh,
+                       {name: choice for name, choice in plans.items() if name not in known_s})
+    times = {name: times[name] if name in times else known_s[name] for name in plans}
     peaks: dict[str, int] = {}
     best = None
     for name in sorted(plans, key=times.get):  # stable: the ILP's plan first among equals
