@@ -33,8 +33,9 @@ class CommStep:
 
     ``kind`` None is a local slice (no communication). ``after`` is the tensor's spec once the
     step is done, when the step is part of a redistribution (emission pins it). ``combined``
-    marks a collective XLA's combiner merges with others of its kind (the gradient reductions
-    of a train step, which do not depend on each other): it pays no latency of its own.
+    marks a collective XLA's combiner merges with others of its kind (a train step's last
+    reductions, its gradients and loss, which do not wait for one another:
+    ``passes.strategies.is_combined_reduction``): it pays no latency of its own.
     """
     kind: CollectiveKind | None
     axes: tuple[str, ...]

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, replace
 from cost_model.collectives import CommStep
 from cost_model.memory import memory_timeline, reduction_bytes
 from passes.ir import Graph
+from passes.strategies import reduction_depths
 
 
 @dataclass(frozen=True)
@@ -53,22 +54,29 @@ def plan_collectives(graph: Graph, strats, choice, mesh) -> list[ChosenComm]:
             for step in mesh.reshard(src, s.in_specs[pos], v):
                 out.append(ChosenComm(step, node.edge_trip(pos), node.id, "reshard",
                                       step.time_s(mesh.levels)))
-    return _with_combined_latency(out, mesh.levels)
+    return _with_combined_latency(out, mesh.levels, reduction_depths(graph))
 
 
-def _with_combined_latency(comms: list[ChosenComm], levels) -> list[ChosenComm]:
-    """A step marked ``combined`` (a gradient reduction of a train step) pays no latency of
-    its own: XLA's combiner merges those of one kind over the same devices into one
-    collective (on the (2, 4) GPT, 26 gradient all-reduces over all 8 devices compile to one),
-    which pays the latency once per execution. The first step of each such group carries it."""
+def _with_combined_latency(comms: list[ChosenComm], levels, depths: list[int]
+                           ) -> list[ChosenComm]:
+    """Reductions of partial results that do not wait for one another are merged by XLA's
+    combiner into one collective, which pays the latency once: those of one kind over the
+    same devices and of equal depth (``passes.strategies.reduction_depths``: the same number
+    of reductions wait for each). Depth 0 holds the gradients, the loss and metrics (on the
+    (2, 4) GPT, 26 gradient all-reduces over all 8 devices compile to one); a batch norm's
+    mean and mean of squares share a depth. The first step of each such group carries the
+    latency."""
     out, seen = [], set()
     for c in comms:
-        key = (c.step.kind, c.step.axes, c.step.group_size, c.step.axis_sizes, c.trips)
-        if c.step.combined and c.step.kind is not None and key not in seen:
-            seen.add(key)
-            latency_s = CommStep(c.step.kind, c.step.axes, c.step.group_size, 0, 0,
-                                 axis_sizes=c.step.axis_sizes).time_s(levels)
-            c = replace(c, time_s=c.time_s + latency_s)
+        if c.reason == "reduce" and c.step.kind is not None:
+            key = (c.step.kind, c.step.axes, c.step.group_size, c.step.axis_sizes, c.trips,
+                   depths[c.node])
+            time_s = replace(c.step, combined=True).time_s(levels)  # without latency
+            if key not in seen:
+                seen.add(key)
+                time_s += CommStep(c.step.kind, c.step.axes, c.step.group_size, 0, 0,
+                                   axis_sizes=c.step.axis_sizes).time_s(levels)
+            c = replace(c, time_s=time_s)
         out.append(c)
     return out
 

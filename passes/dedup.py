@@ -51,20 +51,20 @@ def _freeze(value):
     return value
 
 
-def node_key(graph: Graph, node: Node, gradient: bool) -> tuple:
+def node_key(graph: Graph, node: Node, combined: bool) -> tuple:
     """Everything :func:`passes.strategies.node_strategies` reads from a node: two nodes with
-    equal keys get equal strategy lists. ``gradient``: see ``is_gradient_reduction``."""
+    equal keys get equal strategy lists. ``combined``: see ``is_combined_reduction``."""
     # dtypes as they are: equal dtypes are equal and hash alike, and str() of a numpy dtype
     # costs more than the rest of the key (226,000 of them at 96 layers).
     outs = tuple((graph.values[v].shape, graph.values[v].dtype) for v in node.outs)
     return (node.kind, node.prim, _freeze(node.params),
             tuple((shape, dtype) for shape, dtype in node.in_avals),
-            tuple(v is None for v in node.ins), outs, gradient)
+            tuple(v is None for v in node.ins), outs, combined)
 
 
 def input_shapes(graph: Graph) -> frozenset:
-    """The shapes of the arguments of rank >= 1 (see ``is_gradient_reduction``), and of one
-    iteration's slice of a scanned-over argument (a layer's parameter in a scan over layers:
+    """The shapes of the arguments of rank >= 1 (``passes.cluster``), and of one iteration's
+    slice of a scanned-over argument (a layer's parameter in a scan over layers:
     its gradient is computed, and reduced, one iteration at a time)."""
     shapes = {graph.values[graph.nodes[n].outs[0]].shape for n in graph.input_nodes}
     shapes |= {graph.values[n.outs[0]].shape for n in graph.nodes
@@ -75,10 +75,9 @@ def input_shapes(graph: Graph) -> frozenset:
 def node_keys(graph: Graph) -> list[tuple]:
     """:func:`node_key` of every node."""
     # A cycle: strategies caches its lists by these keys.
-    from passes.strategies import is_gradient_reduction
+    from passes.strategies import is_combined_reduction
 
-    shapes = input_shapes(graph)
-    return [node_key(graph, n, is_gradient_reduction(n, graph, shapes)) for n in graph.nodes]
+    return [node_key(graph, n, is_combined_reduction(n, graph)) for n in graph.nodes]
 
 
 @dataclass

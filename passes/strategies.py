@@ -217,27 +217,52 @@ def _collectives(partial, finishes, pre_specs, node: Node, graph: Graph, mesh: M
     return tuple(steps)
 
 
-def is_gradient_reduction(node: Node, graph: Graph, input_shapes: frozenset) -> bool:
-    """A contraction, sum or scatter-add whose result has as many elements as an argument: in a
-    train step, the gradient of a parameter, perhaps before a reshape or transpose (a fused qkv
-    kernel, a transposed router, an embedding's scatter-add). Such reductions do not depend on
-    one another, and XLA's combiner merges them into few collectives, so each pays bandwidth
-    but no latency of its own."""
-    return (node.prim in ("dot_general", "reduce_sum", "conv_general_dilated", "scatter-add",
-                          "scatter_add")
-            and bool(node.outs)
-            and math.prod(graph.values[node.outs[0]].shape) in _element_counts(input_shapes))
+#: Ops whose partial results need a collective of their own (``_collectives``).
+_REDUCING = frozenset({"dot_general", "conv_general_dilated", "reduce_sum", "reduce_max",
+                       "reduce_min", "reduce_prod", "argmax", "argmin", "cumsum", "cumprod",
+                       "cummax", "cummin", "cumlogsumexp", "scatter-add", "scatter_add",
+                       "scatter"})
 
 
-@functools.lru_cache(maxsize=8)
-def _element_counts(shapes: frozenset) -> frozenset:
-    return frozenset(math.prod(s) for s in shapes)
+def is_combined_reduction(node: Node, graph: Graph) -> bool:
+    """Whether XLA's all-reduce combiner merges ``node``'s reductions with the program's other
+    last ones, so the ILP prices them without latency (one latency shared by many): a
+    reduction that no reduction to a non-scalar reads, directly or through other ops (depth 0
+    in :func:`reduction_depths`): a parameter's gradient (only the optimizer's elementwise
+    update reads it, and a global norm's sum of squares), a loss or a metric. The compiled
+    data-parallel MLP step sends its gradients and its loss in one all-reduce, the ResNet's
+    its loss (4 bytes) in its last gradient all-reduce (6916 bytes). Reductions of
+    activations (forward, or their gradients in backward) are waited on by the next layer's
+    contraction and compile to all-reduces of their own (the estimate merges those of equal
+    depth, ``cost_model.estimate``).
+
+    This replaced a test by size (a reduction with as many elements as an argument), which
+    took the MLP's activations, as large as its input batch, for gradients: four activation
+    all-reduces priced as one latency, compiled to four. Where a plan reduces no gradient
+    (the MLP on (8,), whose plan gathers activations instead), its loss all-reduce pays the
+    latency alone, which the ILP does not see (README)."""
+    return node.prim in _REDUCING and reduction_depths(graph)[node.id] == 0
 
 
-def node_strategies(node: Node, graph: Graph, mesh: MeshContext,
-                    input_shapes: frozenset = frozenset()) -> tuple[list[Strategy], bool]:
-    """(strategies, is_fallback) for one node; input_shapes: the shapes of the arguments of
-    rank >= 1 (see :func:`is_gradient_reduction`)."""
+def reduction_depths(graph: Graph) -> list[int]:
+    """Per node, the most reductions to a non-scalar on a path from its results (0: none
+    waits for it). Reductions of equal depth do not wait for one another: XLA's combiner can
+    merge them (a batch norm's mean and mean of squares). Computed once per graph."""
+    if "strategies.reduction_depths" not in graph.analyses:
+        consumers, depth = graph.consumers(), [0] * len(graph.nodes)
+        for node in reversed(graph.nodes):  # readers come after the nodes they read
+            for v in node.outs:
+                for r, _ in consumers.get(v, ()):
+                    reader = graph.nodes[r]
+                    reduces = (reader.kind is NodeKind.OP and reader.prim in _REDUCING
+                               and any(graph.values[o].rank for o in reader.outs))
+                    depth[node.id] = max(depth[node.id], depth[r] + reduces)
+        graph.analyses["strategies.reduction_depths"] = depth
+    return graph.analyses["strategies.reduction_depths"]
+
+
+def node_strategies(node: Node, graph: Graph, mesh: MeshContext) -> tuple[list[Strategy], bool]:
+    """(strategies, is_fallback) for one node."""
     in_shapes = tuple(shape for shape, _ in node.in_avals)
     out_shapes = tuple(graph.values[v].shape for v in node.outs)
     ctx = RuleContext(in_shapes, out_shapes)
@@ -252,7 +277,7 @@ def node_strategies(node: Node, graph: Graph, mesh: MeshContext,
     moved = sum(math.prod(s) * itemsize(d) for s, d in node.in_avals) + sum(
         graph.values[v].nbytes for v in node.outs)
     contraction = node.prim in ("dot_general", "conv_general_dilated")
-    combined = is_gradient_reduction(node, graph, input_shapes)
+    combined = is_combined_reduction(node, graph)
     out = []
     for in_specs, out_specs, partial, finishes, split, pre in expand(maps, ctx, mesh):
         in_specs = tuple(None if node.ins[i] is None and node.kind is NodeKind.OP else s
@@ -280,7 +305,6 @@ def build_strategies(graph: Graph, mesh: MeshContext, keys: list[tuple] | None =
     equal keys (the copies of a repeated layer) share one strategy list, built once.
     """
     all_strats, fallbacks = [], {}
-    input_shapes = dedup.input_shapes(graph)
     keys = dedup.node_keys(graph) if keys is None else keys
     built: dict[tuple, tuple[list[Strategy], bool]] = {}
     for node, key in zip(graph.nodes, keys):
@@ -288,7 +312,7 @@ def build_strategies(graph: Graph, mesh: MeshContext, keys: list[tuple] | None =
             for vid in node.outs:
                 graph.values[vid] = dataclasses.replace(graph.values[vid], recomputable=True)
         if key not in built:
-            built[key] = node_strategies(node, graph, mesh, input_shapes)
+            built[key] = node_strategies(node, graph, mesh)
         strats, fallback = built[key]
         if node.pinned is not None:
             kept = _pin(strats, node.pinned)

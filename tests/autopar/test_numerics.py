@@ -52,9 +52,9 @@ def test_every_model_on_every_mesh(name, mesh_name):
     mesh = MESHES[mesh_name]
     if mesh_name == "4":
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
-    _check(fn, args, mesh, in_shardings=_batch_hint(args, "data"), time_limit_s=5)
+    _check(fn, args, mesh, in_shardings=_batch_hint(args, "data"), time_limit_s=2)
 
 
 def test_moe_on_3d_mesh_unhinted():
     fn, args = moe.make_train_step(moe.TINY)
-    _check(fn, args, MESHES["2x2x2"], time_limit_s=15)
+    _check(fn, args, MESHES["2x2x2"], time_limit_s=3)

@@ -1,0 +1,67 @@
+"""Which reductions XLA's combiner can merge (``passes.strategies.reduction_depths``): those
+no reduction to a non-scalar waits for (a train step's gradients, its loss) form one group,
+and others merge only with reductions of equal depth. The estimate charges each group one
+latency; the ILP prices the first group without latency."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from cost_model.estimate import plan_collectives
+from examples.models import mlp
+from passes.strategies import is_combined_reduction, reduction_depths
+from passes.trace import trace
+from tests.passes.test_propagate import _complete, _setup
+
+
+def test_gradients_and_the_loss_are_last_and_activations_are_waited_on():
+    fn, args = mlp.make_train_step(mlp.TINY)
+    graph = trace(fn, args).graph
+    params = {graph.values[graph.nodes[n].outs[0]].shape for n in graph.input_nodes}
+    depths = reduction_depths(graph)
+    dots = [n for n in graph.nodes if n.prim == "dot_general"]
+    gradients = [n for n in dots if depths[n.id] == 0]
+    activations = [n for n in dots if depths[n.id] > 0]
+    assert gradients and activations
+    # A gradient's dot is read by a transpose into its parameter's shape; an activation's
+    # by the next layer (its bias add).
+    consumers = graph.consumers()
+
+    def readers(n):
+        return [graph.nodes[r] for v in n.outs for r, _ in consumers.get(v, ())]
+    assert all(r.prim == "transpose" and graph.values[r.outs[0]].shape in params
+               for n in gradients for r in readers(n))
+    assert all(r.prim != "transpose" for n in activations for r in readers(n))
+    assert all(is_combined_reduction(n, graph) for n in gradients)
+    assert not any(is_combined_reduction(n, graph) for n in activations)
+    losses = [n for n in graph.nodes if n.prim == "reduce_sum"
+              and graph.values[n.outs[0]].rank == 0]
+    assert losses and all(is_combined_reduction(n, graph) for n in losses)
+
+
+def test_a_norms_two_statistics_share_a_depth_and_one_latency():
+    """A batch norm's mean and mean of squares, over a batch split on the mesh: two
+    all-reduces that do not wait for each other, priced with one latency."""
+    def norm_then_matmul(x, w):
+        mean = jnp.mean(x, axis=0, keepdims=True)
+        mean_sq = jnp.mean(x * x, axis=0, keepdims=True)
+        return ((x - mean) * jax.lax.rsqrt(mean_sq - mean * mean + 1e-5)) @ w
+
+    x, w = jnp.ones((64, 32)), jnp.ones((32, 16))
+    g, _, strats, prop = _complete(norm_then_matmul, (x, w), in_pins=(P("data"),),
+                                   mesh={"data": 8})
+    depths = reduction_depths(g)
+    sums = [n for n in g.nodes if n.prim == "reduce_sum"]
+    assert len(sums) == 2 and depths[sums[0].id] == depths[sums[1].id] > 0
+    mesh = _setup(norm_then_matmul, (x, w), mesh={"data": 8})[3]
+    graph, choice = g, prop.choice
+    reduces = [c for c in plan_collectives(graph, strats, choice, mesh)
+               if c.reason == "reduce" and graph.nodes[c.node].prim == "reduce_sum"]
+    assert len(reduces) == 2
+    bandwidth_s = [dataclasses.replace(c.step, combined=True).time_s(mesh.levels)
+                   for c in reduces]
+    latency_s = reduces[0].step.time_s(mesh.levels) - bandwidth_s[0]
+    assert latency_s > 0
+    assert abs(sum(c.time_s for c in reduces) - (sum(bandwidth_s) + latency_s)) < 1e-12
