@@ -226,9 +226,10 @@ _REDUCING = frozenset({"dot_general", "conv_general_dilated", "reduce_sum", "red
 
 def is_combined_reduction(node: Node, graph: Graph) -> bool:
     """Whether XLA's all-reduce combiner merges ``node``'s reductions with the program's other
-    last ones, so the ILP prices them without latency (one latency shared by many): a
-    reduction that no reduction to a non-scalar reads, directly or through other ops (depth 0
-    in :func:`reduction_depths`): a parameter's gradient (only the optimizer's elementwise
+    last ones, so each pays no latency of its own (one per group: the estimate's groups,
+    ``IlpBuilder.add_group_latencies`` in the ILP): a reduction that no reduction to a
+    non-scalar reads, directly or through other ops (depth 0 in :func:`reduction_depths`):
+    a parameter's gradient (only the optimizer's elementwise
     update reads it, and a global norm's sum of squares), a loss or a metric. The compiled
     data-parallel MLP step sends its gradients and its loss in one all-reduce, the ResNet's
     its loss (4 bytes) in its last gradient all-reduce (6916 bytes). Reductions of
@@ -238,9 +239,7 @@ def is_combined_reduction(node: Node, graph: Graph) -> bool:
 
     This replaced a test by size (a reduction with as many elements as an argument), which
     took the MLP's activations, as large as its input batch, for gradients: four activation
-    all-reduces priced as one latency, compiled to four. Where a plan reduces no gradient
-    (the MLP on (8,), whose plan gathers activations instead), its loss all-reduce pays the
-    latency alone, which the ILP does not see (README)."""
+    all-reduces priced as one latency, compiled to four."""
     return node.prim in _REDUCING and reduction_depths(graph)[node.id] == 0
 
 

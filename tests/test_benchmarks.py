@@ -5,7 +5,9 @@ import json
 import sys
 import types
 
+import jax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import autopar
 from benchmarks import run, sharding, workloads
@@ -35,7 +37,8 @@ def test_one_tiny_row_writes_the_tables(tmp_path, monkeypatch, capsys):
 
 def test_fast_compile_changes_no_measure(mesh_2d):
     fn, args = mlp.make_train_step(mlp.TP_FRIENDLY, abstract=True)
-    plan = autopar.plan(fn, *args, mesh=mesh_2d, hardware="h100")
+    batch = (None,) * (len(args) - 1) + (jax.tree_util.tree_map(lambda _: P("data"), args[-1]),)
+    plan = autopar.plan(fn, *args, mesh=mesh_2d, hardware="h100", in_shardings=batch)
     default = analyze(sharding.compile_plan(plan, args))
     fast = analyze(sharding.compile_plan(plan, args, sharding.FAST_COMPILE))
     assert fast.wire_bytes == default.wire_bytes

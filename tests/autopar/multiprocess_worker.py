@@ -101,8 +101,8 @@ def _take_the_slowest_candidate() -> None:
     from passes import pipeline
     best_of = pipeline.best_of
 
-    def slowest(solution, graph, strats, mesh, candidates, budget=None):
-        best, times, peaks = best_of(solution, graph, strats, mesh, candidates, budget)
+    def slowest(solution, graph, strats, mesh, candidates, *rest):
+        best, times, peaks = best_of(solution, graph, strats, mesh, candidates, *rest)
         name = max(candidates, key=times.get)
         return dataclasses.replace(best, choice=candidates[name], status=name), times, peaks
 

@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import autopar
 from autopar._validate import flag_kinds, validate, validation_table
@@ -51,7 +52,8 @@ def _without_kind(plan, kind: str):
 
 def test_a_compiled_kind_missing_from_the_prediction_is_flagged():
     fn, args = mlp.make_train_step(mlp.TINY)
-    plan = autopar.plan(fn, *args, mesh={"data": 8})
+    batch = (None,) * (len(args) - 1) + (jax.tree_util.tree_map(lambda _: P("data"), args[-1]),)
+    plan = autopar.plan(fn, *args, mesh={"data": 8}, in_shardings=batch)  # all-reduces grads
     v = validate(_without_kind(plan, "all-reduce"))
     assert v["unexpected_kinds"] == ["all-reduce"]
     assert v["flags"]["all-reduce"] == "not predicted"

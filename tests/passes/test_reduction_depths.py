@@ -7,10 +7,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from cost_model.estimate import plan_collectives
 from examples.models import mlp
+from passes.cluster import cluster
+from passes.solve import IlpBuilder
 from passes.strategies import is_combined_reduction, reduction_depths
 from passes.trace import trace
 from tests.passes.test_propagate import _complete, _setup
@@ -65,3 +68,24 @@ def test_a_norms_two_statistics_share_a_depth_and_one_latency():
     latency_s = reduces[0].step.time_s(mesh.levels) - bandwidth_s[0]
     assert latency_s > 0
     assert abs(sum(c.time_s for c in reduces) - (sum(bandwidth_s) + latency_s)) < 1e-12
+
+
+def test_the_ilp_prices_the_last_reductions_latency_as_the_estimate_does():
+    """A data-parallel MLP step: its gradients and loss are all-reduced over `data`, one
+    latency in the estimate, and one in the ILP (``IlpBuilder.add_group_latencies``)."""
+    fn, args = mlp.make_train_step(mlp.TINY)
+    n_in = len(jax.tree_util.tree_leaves(args))
+    n_batch = len(jax.tree_util.tree_leaves(args[-1]))
+    pins = [None] * (n_in - n_batch) + [P("data")] * n_batch
+    g, _, strats, prop = _complete(fn, args, in_pins=pins, mesh={"data": 8})
+    mesh = _setup(fn, args, mesh={"data": 8})[3]
+    charged_s = sum(c.time_s - dataclasses.replace(c.step, combined=True).time_s(mesh.levels)
+                    for c in plan_collectives(g, strats, prop.choice, mesh)
+                    if c.reason == "reduce" and c.step.combined)
+    assert charged_s > 0
+    builder = IlpBuilder(g, strats, cluster(g, strats, mesh), mesh).build()
+    c, *_ = builder.matrices()
+    x = builder.point(prop.choice)
+    assert x is not None
+    ilp_s = sum(c[y] for y, _ in builder.latencies if x[y] == 1) / 1e6
+    assert ilp_s == pytest.approx(charged_s)

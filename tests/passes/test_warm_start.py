@@ -26,10 +26,7 @@ def _candidates():
 
 def test_a_propagated_plan_is_a_point_of_the_ilp():
     graph, strats, mesh, groups, plans = _candidates()
-    builder = IlpBuilder(graph, strats, groups, mesh)
-    builder.add_groups()
-    builder.add_node_costs()
-    builder.add_edges()
+    builder = IlpBuilder(graph, strats, groups, mesh).build()
     c, A, lb, ub, _ = builder.matrices()
     x = builder.point(plans["propagated (x)"])
     assert x is not None
