@@ -249,7 +249,10 @@ def reduction_depths(graph: Graph) -> list[int]:
     merge them (a batch norm's mean and mean of squares). Computed once per graph."""
     if "strategies.reduction_depths" not in graph.analyses:
         consumers, depth = graph.consumers(), [0] * len(graph.nodes)
-        for node in reversed(graph.nodes):  # readers come after the nodes they read
+        # Readers come after the nodes they read, except a loop's carry, which reads the
+        # body's result back: that edge adds nothing (the loop's result, read after the loop,
+        # carries the depth instead).
+        for node in reversed(graph.nodes):
             for v in node.outs:
                 for r, _ in consumers.get(v, ()):
                     reader = graph.nodes[r]
