@@ -229,8 +229,8 @@ def is_combined_reduction(node: Node, graph: Graph) -> bool:
     last ones, so each pays no latency of its own (one per group: the estimate's groups,
     ``IlpBuilder.add_group_latencies`` in the ILP): a reduction that no reduction to a
     non-scalar reads, directly or through other ops (depth 0 in :func:`reduction_depths`):
-    a parameter's gradient (only the optimizer's elementwise
-    update reads it, and a global norm's sum of squares), a loss or a metric. The compiled
+    a parameter's gradient (only the optimizer's elementwise update reads it, and a global
+    norm's sum of squares, a reduction to a scalar), a loss or a metric. The compiled
     data-parallel MLP step sends its gradients and its loss in one all-reduce, the ResNet's
     its loss (4 bytes) in its last gradient all-reduce (6916 bytes). Reductions of
     activations (forward, or their gradients in backward) are waited on by the next layer's
