@@ -639,31 +639,37 @@ def select(graph: Graph, strats, mesh: MeshContext, prop: Propagation, ties=()) 
     into it and of its results into their fixed specs."""
     tied = {out_node: in_node for out_node, in_node in ties}
     choice: list[int] = [0] * len(graph.nodes)
-    actual: dict[int, Spec] = {}
-
-    def current(vid):
-        # A propagated spec holds where a node produces its value another way: XLA reshards
-        # the value into it there, so its consumers read the propagated spec.
-        fact, rank = prop.specs.get(vid), graph.values[vid].rank
-        if isinstance(fact, Splits):
-            return fact.to_spec(rank, mesh.axis_names)
-        return fact or actual.get(vid) or Spec.replicated(rank)
+    values = graph.values
+    actual: list[Spec | None] = [None] * len(values)  # per value: its producer's result spec
+    # Per value, the spec its consumers read: a propagated spec holds where a node produces
+    # the value another way (XLA reshards the value into it there); else what its producer
+    # makes (replicated until then).
+    current: list[Spec | None] = [None] * len(values)
+    for vid, fact in prop.specs.items():
+        current[vid] = (fact.to_spec(values[vid].rank, mesh.axis_names)
+                        if isinstance(fact, Splits) else fact)
+    replicated = Spec.replicated
 
     # Decisions by everything they read, shared by the copies of a layer (which share their
     # strategy list, see passes.strategies).
     memo: dict = {}
     for node in graph.nodes:
+        node_strats = strats[node.id]
         tie_want = actual[graph.nodes[tied[node.id]].outs[0]] if node.id in tied else None
-        want_in = [(pos, vid, current(vid)) for pos, vid in enumerate(node.ins)
-                   if vid is not None]
-        want_out = [(k, current(vid)) for k, vid in enumerate(node.outs)]
-        key = (id(strats[node.id]), tie_want, tuple(sp for _, _, sp in want_in),
-               tuple(sp for _, sp in want_out), node.trip_count, node.in_trips)
-        if key not in memo:
-            memo[key] = _select_one(graph, node, strats, mesh, tie_want, want_in, want_out)
-        choice[node.id] = best = memo[key]
-        for vid, spec in zip(node.outs, strats[node.id][best].out_specs):
+        ins = tuple(current[v] or replicated(values[v].rank) for v in node.ins if v is not None)
+        outs = tuple(current[v] or replicated(values[v].rank) for v in node.outs)
+        key = (id(node_strats), tie_want, ins, outs, node.trip_count, node.in_trips)
+        best = memo.get(key)
+        if best is None:
+            want_in = [(pos, vid, sp) for (pos, vid), sp in
+                       zip(((p, v) for p, v in enumerate(node.ins) if v is not None), ins)]
+            best = memo[key] = _select_one(graph, node, strats, mesh, tie_want, want_in,
+                                           list(enumerate(outs)))
+        choice[node.id] = best
+        for vid, spec in zip(node.outs, node_strats[best].out_specs):
             actual[vid] = spec
+            if current[vid] is None:
+                current[vid] = spec
     return choice
 
 
@@ -770,16 +776,29 @@ def propagated_plans(graph: Graph, strats, mesh: MeshContext, labels: dict[int, 
                      annotations_alone: bool = True) -> dict[str, list[int]]:
     """Candidate plans beside the ILP's: the complete propagation of the annotations (when
     there are any, and ``annotations_alone``), and with each of ``seeds`` (name -> input node
-    id -> spec: a hand-written baseline's input shardings, say) added under them. The ILP's clustering, its per-edge
-    pricing and its time limit can miss a plan that propagation from a good start finds; the
-    ILP starts from the best of these (``passes.solve``'s warm start) and :func:`best_of`
-    compares them with its plan."""
-    plans = {}
-    for name, extra in ([("propagated", None)] if labels and annotations_alone else []) + [
-            (f"propagated ({name})", extra) for name, extra in (seeds or {}).items()]:
-        plans[name] = propagate(graph, strats, mesh, labels, ties, complete=True, warn=False,
-                                extra=extra).choice
-    return plans
+    id -> spec: a hand-written baseline's input shardings, say) added under them. The ILP's
+    clustering, its per-edge pricing and its time limit can miss a plan that propagation from
+    a good start finds; the ILP starts from the best of these (``passes.solve``'s warm start)
+    and :func:`best_of` compares them with its plan. (:func:`candidate_starts` and
+    :func:`propagate_from` are its two halves, for callers that spread the work.)"""
+    return propagate_from(graph, strats, mesh, labels, ties,
+                          candidate_starts(labels, seeds, annotations_alone))
+
+
+def candidate_starts(labels: dict[int, str], seeds: dict[str, dict[int, Spec]] | None = None,
+                     annotations_alone: bool = True) -> list[tuple[str, dict | None]]:
+    """:func:`propagated_plans`'s plans to make: (name, ``extra`` for :func:`seed`) each."""
+    return ([("propagated", None)] if labels and annotations_alone else []) + [
+        (f"propagated ({name})", extra) for name, extra in (seeds or {}).items()]
+
+
+def propagate_from(graph: Graph, strats, mesh: MeshContext, labels: dict[int, str], ties,
+                   starts: list[tuple[str, dict | None]]) -> dict[str, list[int]]:
+    """Name -> the complete propagation's plan, for each of ``starts``
+    (:func:`candidate_starts`)."""
+    return {name: propagate(graph, strats, mesh, labels, ties, complete=True, warn=False,
+                            extra=extra).choice
+            for name, extra in starts}
 
 
 def step_times(graph: Graph, strats, mesh: MeshContext,
