@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 
 from cost_model.estimate import value_specs
 from passes.annotate import annotate
-from passes.background import Deferred
+from passes.background import Deferred, usable_cores
 from passes.cluster import cluster
 from passes.dedup import node_keys, structural_colors, tie_groups
 from passes.emit import build_flat_fn
 from passes.ir import Graph
 from passes.memory_budget import input_labels, peak_lower_bound_bytes
-from passes.propagate import best_of, propagate, propagated_plans, step_times
+from passes.propagate import (best_of, candidate_starts, propagate, propagate_from,
+                              propagated_plans, step_times)
 from passes.remat import (
     RematPolicy,
     RematWarning,
@@ -170,6 +171,10 @@ def _plan(traced: Traced, o: _Options) -> PipelineResult:
     prop = propagate(graph, strats, o.mesh_ctx, labels, ties, complete=not o.search)
     timings["propagate"] = time.perf_counter() - t
 
+    # The candidate plans propagate in a child process while this one clusters the graph and
+    # builds the ILP (passes.background).
+    seeded, batch_seeds = (_candidates(traced, strats, labels, ties, o)
+                           if o.search and o.choice is None else (None, {}))
     t = time.perf_counter()
     groups, ilp_stats = None, {}
     if o.search:
@@ -190,31 +195,54 @@ def _plan(traced: Traced, o: _Options) -> PipelineResult:
             raise ValueError("the cached choice does not fit this program's strategies")
         solution = Solution(list(o.choice), 0.0, "cached", 0, 0, 0.0)
     else:
-        solution = _solve(traced, strats, groups, labels, ties, o, ilp_stats)
+        solution = _solve(traced, strats, groups, labels, ties, o, ilp_stats, seeded,
+                          batch_seeds)
     timings["solve"] = time.perf_counter() - t
     return PipelineResult(traced, strats, solution, fallbacks, timings_s=timings,
                           ilp_groups=len(groups.members) if groups else 0,
                           ilp_stats=ilp_stats, groups=groups)
 
 
-def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
-           ilp_stats: dict) -> Solution:
-    """The ILP's plan, then the best of it and the propagated candidates."""
-    graph = traced.graph
+def _by_node(traced: Traced, seeds: dict) -> dict:
+    """Seeds (name -> a spec or None per input leaf) as name -> input node id -> spec."""
+    return {name: {traced.graph.input_nodes[i]: spec for i, spec in enumerate(leaf_specs)
+                   if spec is not None} for name, leaf_specs in seeds.items()}
 
-    def by_node(seeds: dict) -> dict:
-        return {name: {graph.input_nodes[i]: spec for i, spec in enumerate(leaf_specs)
-                       if spec is not None} for name, leaf_specs in seeds.items()}
+
+def _candidates(traced: Traced, strats, labels, ties, o: _Options) -> tuple[Deferred, dict]:
+    """The propagated candidate plans (``passes.propagate.propagated_plans``: of the
+    annotations, and of each baseline seed), started in child processes, one per core (each
+    plan is seconds of Python on a deep model); and the batch seeds (name -> input node id ->
+    spec), propagated only when the ILP does not finish."""
     seeds, batch_seeds = o.seeds_of(traced) if o.seeds_of else ({}, {})
-    o.progress(f"propagating {len(seeds) + bool(labels)} candidate plans")
-    candidates = propagated_plans(graph, strats, o.mesh_ctx, labels, ties, by_node(seeds))
+    starts = candidate_starts(labels, _by_node(traced, seeds))
+    o.progress(f"propagating {len(starts)} candidate plans")
+    workers = min(len(starts), usable_cores())
+    parts = [Deferred(propagate_from, traced.graph, strats, o.mesh_ctx, labels, ties,
+                      starts[k::workers], process=True).start() for k in range(workers)]
+    return Deferred(_in_order, [name for name, _ in starts], parts), _by_node(traced, batch_seeds)
+
+
+def _in_order(names: list[str], parts: list[Deferred]) -> dict:
+    """The plans of ``parts`` (name -> plan each), by ``names``' order."""
+    plans = {}
+    for part in parts:
+        plans.update(part.result())
+    return {name: plans[name] for name in names}
+
+
+def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
+           ilp_stats: dict, seeded: Deferred, batch_seeds: dict) -> Solution:
+    """The ILP's plan, then the best of it and the propagated candidates (``seeded`` and
+    ``batch_seeds``, from :func:`_candidates`)."""
+    graph = traced.graph
     o.progress(f"solving the ILP over {len(groups.members)} groups "
                f"({len(graph.nodes)} nodes before coarsening)")
-    timing = Deferred(step_times, graph, strats, o.mesh_ctx, candidates)
+    timing = Deferred(_step_times, graph, strats, o.mesh_ctx, seeded)
     solution = solve(graph, strats, groups, o.mesh_ctx, time_limit_s=o.time_limit_s,
                      memory_budget_bytes=o.memory_budget_bytes,
-                     warm=list(candidates.values()), while_solving=(timing,),
-                     progress=o.progress)
+                     warm=seeded, while_solving=(timing,), progress=o.progress)
+    candidates = seeded.result()
     known_s = timing.result()
     ilp_stats.update(ilp_edges_before=solution.edges_before, ilp_edges=solution.edges_after,
                      memory_rows=solution.memory_rows,
@@ -229,12 +257,17 @@ def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
         o.progress(f"the ILP did not finish: propagating the batch over each of "
                    f"{len(batch_seeds)} mesh axes")
         candidates.update(propagated_plans(graph, strats, o.mesh_ctx, labels, ties,
-                                           by_node(batch_seeds), annotations_alone=False))
+                                           batch_seeds, annotations_alone=False))
     # Also the predicted step time and peak of the plan taken (and of the others).
     o.progress(f"comparing the ILP's plan with {len(candidates)} propagated ones")
     solution, ilp_stats["candidates_step_s"], ilp_stats["candidates_peak_bytes"] = best_of(
         solution, graph, strats, o.mesh_ctx, candidates, o.memory_budget_bytes, known_s)
     return solution
+
+
+def _step_times(graph, strats, mesh_ctx: MeshContext, seeded: Deferred) -> dict[str, float]:
+    """``passes.propagate.step_times`` of the candidate plans, once they are propagated."""
+    return step_times(graph, strats, mesh_ctx, seeded.result())
 
 
 def _needs_remat(traced: Traced, o: _Options) -> bool:

@@ -415,23 +415,26 @@ def _choice_of(x, graph: Graph, groups: Groups, offset: dict[int, int]) -> list[
 
 def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
           time_limit_s: float = 60.0, memory_budget_bytes: float | None = None,
-          warm: list[list[int]] = (), while_solving: tuple[Deferred, ...] = (),
+          warm: list[list[int]] | Deferred = (), while_solving: tuple[Deferred, ...] = (),
           progress=lambda msg: None) -> Solution:
-    """The ILP's plan. ``warm``: plans made elsewhere (propagated ones) to start from: the
+    """The ILP's plan. ``warm``: plans made elsewhere (propagated ones) to start from, or a
+    :class:`passes.background.Deferred` of name -> plan (made while the ILP is built): the
     best objective among them is HiGHS's cutoff (:func:`_milp`), and when the solver finds
     nothing better in its time limit, that plan is the solution (status "warm start"). With
     ``memory_budget_bytes``, a plan over the budget is refitted (:func:`_fit_budget`). When
     none fits, the plan without the budget, marked ``fits_budget=False``
     (:func:`over_budget_error` says why). ``while_solving``: work started in the background
-    while HiGHS solves the ILP (``passes.background``), as the budget's rows are."""
+    once the ILP is built, to run while HiGHS solves it (``passes.background``), as the
+    budget's rows are."""
     builder = IlpBuilder(graph, strats, groups, mesh).build()
     c, A, lb, ub, integer = builder.matrices()
-    start = _warm_start(builder, c, warm)
-    cutoff = None if start is None else start[1] * (1 + 1e-6) + 1e-9
     rows = (None if memory_budget_bytes is None else
             Deferred(BudgetRows, graph, strats, groups, mesh, memory_budget_bytes))
     for job in tuple(while_solving) + ((rows,) if rows else ()):
         job.start()
+    start = _warm_start(builder, c,
+                        warm.result().values() if isinstance(warm, Deferred) else warm)
+    cutoff = None if start is None else start[1] * (1 + 1e-6) + 1e-9
     res, took = _milp(c, A, lb, ub, integer, time_limit_s, cutoff=cutoff)
     progress(f"ILP: {took:.2f}s, {res.message}"
              + ("" if cutoff is None else f" (warm start: cutoff {start[1]:.1f} us)"))

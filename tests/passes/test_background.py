@@ -1,11 +1,13 @@
-"""passes.background: work started before a solve runs in another thread, and its result or
-error reaches whoever waits for it; work never started runs when its result is asked for."""
+"""passes.background: work started before a solve runs in another thread, and work started
+in a child process runs there; its result or error reaches whoever waits for it; work never
+started, or whose child died, runs when its result is asked for."""
 
+import os
 import threading
 
 import pytest
 
-from passes.background import Deferred
+from passes.background import Deferred, can_fork
 
 
 def _where(x):
@@ -27,3 +29,38 @@ def test_an_error_in_the_background_is_raised_to_the_caller():
     job.start()
     with pytest.raises(ValueError, match="bad rows"):
         job.result()
+
+
+def _pid_and(x):
+    return os.getpid(), x
+
+
+def _fail_in_child():
+    raise KeyError("seed")
+
+
+def _die_unless_in(pid):
+    if os.getpid() != pid:
+        os._exit(3)
+    return "here"
+
+
+@pytest.mark.skipif(not can_fork(), reason="fork is used on Linux only (see can_fork)")
+def test_process_work_runs_in_a_child_and_its_result_or_error_comes_back():
+    job = Deferred(_pid_and, [1, 2], process=True).start()
+    pid, value = job.result()
+    assert pid != os.getpid() and value == [1, 2]
+    with pytest.raises(KeyError, match="seed"):
+        Deferred(_fail_in_child, process=True).start().result()
+
+
+@pytest.mark.skipif(not can_fork(), reason="fork is used on Linux only (see can_fork)")
+def test_work_of_a_child_that_died_runs_here():
+    job = Deferred(_die_unless_in, os.getpid(), process=True).start()
+    assert job.result() == "here"
+
+
+def test_process_work_runs_here_where_forking_is_off(monkeypatch):
+    monkeypatch.setenv("AUTOPAR_NO_FORK", "1")
+    assert not can_fork()
+    assert Deferred(_pid_and, 5, process=True).start().result() == (os.getpid(), 5)
