@@ -7,6 +7,14 @@ the collector walks every object the process holds, and that work grows with the
 (25 s with it, 17 s without; the peak resident memory was the same, 0.88 GB). Reference
 counting still frees everything that is not in a cycle; the cycles made while planning are
 collected once the collector runs again after it.
+
+The objects made while it was paused are handed to the oldest generation when it resumes
+(``gc.freeze`` then ``gc.unfreeze``, which moves them without a scan). Left in the youngest,
+the first allocation after the pause starts a collection that walks all of them: on the
+96-layer GPT it added 0.45 s to the planning time. In the oldest generation they are walked at
+the collector's next full collection, as the objects that survive a program's start are.
+Where the program froze objects itself (``gc.get_freeze_count()``), they are left frozen, and
+the hand-over is skipped.
 """
 
 from __future__ import annotations
@@ -25,6 +33,9 @@ def paused_gc():
         yield
     finally:
         if was_enabled:
+            if gc.get_freeze_count() == 0:  # (see the module docstring)
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
