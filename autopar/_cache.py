@@ -29,8 +29,11 @@ class StalePlanCacheWarning(UserWarning):
 def graph_fingerprint(graph) -> str:
     """A hash of the planned program's structure: every node's primitive and value shapes."""
     h = hashlib.sha256()
+    values, names = graph.values, {}  # dtype -> str(dtype), slow on numpy dtypes
     for node in graph.nodes:
-        shapes = [(graph.values[v].shape, str(graph.values[v].dtype)) for v in node.outs]
+        shapes = [(values[v].shape, names.get(values[v].dtype)
+                   or names.setdefault(values[v].dtype, str(values[v].dtype)))
+                  for v in node.outs]
         h.update(repr((node.prim, node.kind.value, shapes)).encode())
     return h.hexdigest()
 
