@@ -1,0 +1,33 @@
+"""passes.solve._milp solves the LP relaxation first: an integral optimum of it is taken (and
+the warm start's cutoff is never asked for); a fractional one runs the MIP, with the cutoff."""
+
+import numpy as np
+import scipy.sparse
+
+from passes.solve import RELAXATION_MESSAGE, _milp
+
+
+def _ilp(capacity: float):
+    """Pick x0 or x1 (binary) to maximize x0 + 2 x1 with x0 + x1 <= ``capacity``."""
+    c = np.array([-1.0, -2.0])
+    A = scipy.sparse.csr_matrix(np.array([[1.0, 1.0]]))
+    return c, A, np.array([-np.inf]), np.array([capacity]), np.array([1, 1])
+
+
+def test_an_integral_relaxation_is_the_solution_and_needs_no_cutoff():
+    asked = []
+    res, _ = _milp(*_ilp(1.0), time_limit_s=10, cutoff=lambda: asked.append(1))
+    assert res.message == RELAXATION_MESSAGE and list(res.x) == [0.0, 1.0]
+    assert res.fun == -2.0 and asked == []
+
+
+def test_a_fractional_relaxation_runs_the_mip_with_the_cutoff():
+    asked = []
+
+    def cutoff():
+        asked.append(1)
+        return -1.0  # some plan reaches -1: the MIP's optimum (-2) beats it
+    # The relaxation takes x1 = 1 and x0 = 0.5 (objective -2.5); the MIP cannot.
+    res, _ = _milp(*_ilp(1.5), time_limit_s=10, cutoff=cutoff)
+    assert res.message != RELAXATION_MESSAGE and asked == [1]
+    assert list(np.round(res.x)) == [0.0, 1.0] and res.fun == -2.0
