@@ -10,8 +10,8 @@ that used to follow the solve's 2 s). Only the solve runs with the GIL released,
 helps only work that is started right before one.
 
 Pure Python work that would hold the GIL for seconds runs in a forked child process instead
-(:func:`in_child_process`): the propagated candidate plans, 2.9 s on that GPT, while the
-planning process clusters the graph and builds the ILP. The child inherits the graph by
+(:func:`in_child_process`): the propagated candidate plans and their step times, 3 s on that
+GPT, while the planning process clusters the graph and solves the ILP (``passes.pipeline``). The child inherits the graph by
 ``fork`` (copy-on-write, no pickling) and sends back only its result. It never calls into
 XLA, so the threads XLA keeps in the parent (the reason jax warns that fork may deadlock) hold
 nothing it needs; it leaves by ``os._exit``, running no finalizer. Where ``fork`` is missing

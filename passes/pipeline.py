@@ -173,8 +173,8 @@ def _plan(traced: Traced, o: _Options) -> PipelineResult:
 
     # The candidate plans propagate in a child process while this one clusters the graph and
     # builds the ILP (passes.background).
-    seeded, batch_seeds = (_candidates(traced, strats, labels, ties, o)
-                           if o.search and o.choice is None else (None, {}))
+    seeded, timed, batch_seeds = (_candidates(traced, strats, labels, ties, o)
+                                  if o.search and o.choice is None else (None, None, {}))
     t = time.perf_counter()
     groups, ilp_stats = None, {}
     if o.search:
@@ -195,8 +195,8 @@ def _plan(traced: Traced, o: _Options) -> PipelineResult:
             raise ValueError("the cached choice does not fit this program's strategies")
         solution = Solution(list(o.choice), 0.0, "cached", 0, 0, 0.0)
     else:
-        solution = _solve(traced, strats, groups, labels, ties, o, ilp_stats, seeded,
-                          batch_seeds)
+        solution = _solve(traced, strats, groups, labels, ties, o, ilp_stats,
+                          (seeded, timed, batch_seeds))
     timings["solve"] = time.perf_counter() - t
     return PipelineResult(traced, strats, solution, fallbacks, timings_s=timings,
                           ilp_groups=len(groups.members) if groups else 0,
@@ -209,41 +209,55 @@ def _by_node(traced: Traced, seeds: dict) -> dict:
                    if spec is not None} for name, leaf_specs in seeds.items()}
 
 
-def _candidates(traced: Traced, strats, labels, ties, o: _Options) -> tuple[Deferred, dict]:
+def _candidates(traced: Traced, strats, labels, ties, o: _Options
+                ) -> tuple[Deferred, Deferred, dict]:
     """The propagated candidate plans (``passes.propagate.propagated_plans``: of the
-    annotations, and of each baseline seed), started in child processes, one per core (each
-    plan is seconds of Python on a deep model); and the batch seeds (name -> input node id ->
-    spec), propagated only when the ILP does not finish."""
+    annotations, and of each baseline seed) and their predicted step times, as Deferreds of
+    name -> plan and name -> seconds, started in child processes: seconds of Python each on a
+    deep model, while this process clusters the graph and solves the ILP, which needs them
+    only when its LP relaxation is fractional. As many children as cores but one (one on two
+    cores; each child copies the pages of the graph it touches, so more children than cores
+    cost more than they save). Also the batch seeds (name -> input node id -> spec),
+    propagated only when the ILP does not finish."""
     seeds, batch_seeds = o.seeds_of(traced) if o.seeds_of else ({}, {})
     starts = candidate_starts(labels, _by_node(traced, seeds))
     o.progress(f"propagating {len(starts)} candidate plans")
-    workers = min(len(starts), usable_cores())
-    parts = [Deferred(propagate_from, traced.graph, strats, o.mesh_ctx, labels, ties,
+    workers = max(1, min(len(starts), usable_cores() - 1))
+    parts = [Deferred(_propagate_and_time, traced.graph, strats, o.mesh_ctx, labels, ties,
                       starts[k::workers], process=True).start() for k in range(workers)]
-    return Deferred(_in_order, [name for name, _ in starts], parts), _by_node(traced, batch_seeds)
+    names = [name for name, _ in starts]
+    return (Deferred(_in_order, names, parts, 0), Deferred(_in_order, names, parts, 1),
+            _by_node(traced, batch_seeds))
 
 
-def _in_order(names: list[str], parts: list[Deferred]) -> dict:
-    """The plans of ``parts`` (name -> plan each), by ``names``' order."""
-    plans = {}
+def _propagate_and_time(graph, strats, mesh_ctx: MeshContext, labels, ties, starts
+                        ) -> tuple[dict, dict]:
+    """(name -> plan, name -> predicted step time) of the propagations from ``starts``."""
+    plans = propagate_from(graph, strats, mesh_ctx, labels, ties, starts)
+    return plans, step_times(graph, strats, mesh_ctx, plans)
+
+
+def _in_order(names: list[str], parts: list[Deferred], k: int) -> dict:
+    """The ``k``-th dict of each of ``parts`` (name -> plan, name -> time), merged in
+    ``names``' order."""
+    merged = {}
     for part in parts:
-        plans.update(part.result())
-    return {name: plans[name] for name in names}
+        merged.update(part.result()[k])
+    return {name: merged[name] for name in names}
 
 
 def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
-           ilp_stats: dict, seeded: Deferred, batch_seeds: dict) -> Solution:
-    """The ILP's plan, then the best of it and the propagated candidates (``seeded`` and
-    ``batch_seeds``, from :func:`_candidates`)."""
+           ilp_stats: dict, candidates_of: tuple[Deferred, Deferred, dict]) -> Solution:
+    """The ILP's plan, then the best of it and the propagated candidates (``candidates_of``,
+    from :func:`_candidates`)."""
     graph = traced.graph
+    seeded, timed, batch_seeds = candidates_of
     o.progress(f"solving the ILP over {len(groups.members)} groups "
                f"({len(graph.nodes)} nodes before coarsening)")
-    timing = Deferred(_step_times, graph, strats, o.mesh_ctx, seeded)
     solution = solve(graph, strats, groups, o.mesh_ctx, time_limit_s=o.time_limit_s,
-                     memory_budget_bytes=o.memory_budget_bytes,
-                     warm=seeded, while_solving=(timing,), progress=o.progress)
-    candidates = seeded.result()
-    known_s = timing.result()
+                     memory_budget_bytes=o.memory_budget_bytes, warm=seeded,
+                     progress=o.progress)
+    candidates, known_s = seeded.result(), timed.result()
     ilp_stats.update(ilp_edges_before=solution.edges_before, ilp_edges=solution.edges_after,
                      memory_rows=solution.memory_rows,
                      memory_budget_bytes=o.memory_budget_bytes)
@@ -263,11 +277,6 @@ def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
     solution, ilp_stats["candidates_step_s"], ilp_stats["candidates_peak_bytes"] = best_of(
         solution, graph, strats, o.mesh_ctx, candidates, o.memory_budget_bytes, known_s)
     return solution
-
-
-def _step_times(graph, strats, mesh_ctx: MeshContext, seeded: Deferred) -> dict[str, float]:
-    """``passes.propagate.step_times`` of the candidate plans, once they are propagated."""
-    return step_times(graph, strats, mesh_ctx, seeded.result())
 
 
 def _needs_remat(traced: Traced, o: _Options) -> bool:
