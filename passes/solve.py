@@ -558,13 +558,16 @@ def _warm_start(builder: IlpBuilder, c: np.ndarray, plans) -> tuple[np.ndarray, 
 
 #: Penalty solves of :func:`_fit_budget` (a tight budget needs a penalty up to
 #: PENALTY_STEP ** 4 times the first), and the time limit of each, as a multiple of the plain
-#: solve's time (and at most PENALTY_TIME_LIMIT_S): a penalized objective has many near-ties,
-#: and proving one optimal can take HiGHS far longer than finding it; the penalty is a
-#: heuristic anyway.
+#: solve's time (at least PENALTY_TIME_MIN_S, at most PENALTY_TIME_LIMIT_S): a penalized
+#: objective has many near-ties, and proving one optimal can take HiGHS far longer than
+#: finding it; the penalty is a heuristic anyway. The minimum leaves the LP relaxation
+#: (:func:`_integral_relaxation`, half the limit) time to finish: with 1 s, the scanned 32-layer
+#: GPT's penalized LP (0.5 s) sometimes hit its 0.5 s and the MIP ran (2.1 s to plan, or 3.3 s).
 PENALTY_SOLVES = 5
 #: The factor between successive penalties until a plan fits.
 PENALTY_STEP = 8.0
 PENALTY_TIME_FACTOR = 2.0
+PENALTY_TIME_MIN_S = 2.0
 PENALTY_TIME_LIMIT_S = 5.0
 #: A plan that fits within this of the plain plan's objective ends the refit; a slower one is
 #: polished by solves of the memory rows as hard constraints (:func:`_hard_rows`, at most
@@ -645,7 +648,7 @@ def _fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
         return peak, False, choice
 
     best, total, last_peak = None, time.perf_counter() - t0, float("inf")
-    limit_s = min(time_limit_s, PENALTY_TIME_LIMIT_S, max(1.0, PENALTY_TIME_FACTOR * start_s))
+    limit_s = min(time_limit_s, PENALTY_TIME_LIMIT_S, max(PENALTY_TIME_MIN_S, PENALTY_TIME_FACTOR * start_s))
     # lam in us per budget: from an eighth of the plain plan's step time (a budget's worth of
     # bytes at the rows costs an eighth of a step), raised until a plan fits (past lam_max,
     # where memory outweighs every cost, only while that still lowers the peak).
