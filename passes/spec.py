@@ -98,4 +98,11 @@ def spec_fits(spec: Spec, shape: tuple[int, ...], axis_sizes: dict[str, int]) ->
 
 
 def local_bytes(spec: Spec, shape, itemsize: int, axis_sizes: dict[str, int]) -> int:
-    return math.prod(spec.local_shape(tuple(shape), axis_sizes)) * itemsize
+    """The bytes of one device's block: ``spec.local_shape``'s product times ``itemsize``
+    (written out: the memory model calls it for every value and strategy)."""
+    nbytes = itemsize
+    for size, axes in zip(shape, spec.dims):
+        for axis in axes:
+            size //= axis_sizes[axis]
+        nbytes *= size
+    return nbytes
