@@ -172,7 +172,7 @@ def _plan(traced: Traced, o: _Options) -> PipelineResult:
     timings["propagate"] = time.perf_counter() - t
 
     # The candidate plans propagate in a child process while this one clusters the graph and
-    # builds the ILP (passes.background).
+    # solves the ILP (passes.background).
     seeded, timed, batch_seeds = (_candidates(traced, strats, labels, ties, o)
                                   if o.search and o.choice is None else (None, None, {}))
     t = time.perf_counter()

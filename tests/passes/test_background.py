@@ -64,3 +64,18 @@ def test_process_work_runs_here_where_forking_is_off(monkeypatch):
     monkeypatch.setenv("AUTOPAR_NO_FORK", "1")
     assert not can_fork()
     assert Deferred(_pid_and, 5, process=True).start().result() == (os.getpid(), 5)
+
+
+def test_a_plan_is_the_same_with_its_candidates_made_in_a_child_or_here(monkeypatch):
+    """The pipeline's candidate plans (passes.pipeline._candidates) come from a child process
+    where it can fork, from the planning process where it cannot: the same plans either way."""
+    import autopar
+    from examples.models import gpt
+
+    fn, args = gpt.make_train_step(gpt.TINY)
+    plans = []
+    for no_fork in ("", "1"):
+        monkeypatch.setenv("AUTOPAR_NO_FORK", no_fork)
+        plan = autopar.plan(fn, *args, mesh={"data": 2, "model": 4})
+        plans.append((plan._details[2], plan.stats["candidates_step_s"]))
+    assert plans[0] == plans[1] and len(plans[0][1]) > 2
