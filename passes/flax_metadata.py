@@ -28,6 +28,7 @@ with the leaf's path, the metadata and the rules named in the message.
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 
 import jax
@@ -37,18 +38,13 @@ from autopar.errors import ShardingConflictWarning, ShardingHintError
 
 
 def _boxes():
-    """(linen AxisMetadata types, nnx Variable type); either may be missing."""
-    try:
-        from flax.core import meta
-        linen = (meta.Partitioned,)
-    except ImportError:  # pragma: no cover - flax is a dependency of the examples only
-        linen = ()
-    try:
-        from flax import nnx
-        variable = (nnx.Variable,)
-    except ImportError:  # pragma: no cover
-        variable = ()
-    return linen, variable
+    """(linen AxisMetadata types, nnx Variable type); either may be missing. Only modules
+    already imported are looked in: no argument can be an instance of a class whose module
+    was never loaded, and importing ``flax.nnx`` for a linen program took 0.2 s of its
+    planning."""
+    meta, nnx = sys.modules.get("flax.core.meta"), sys.modules.get("flax.nnx")
+    return ((meta.Partitioned,) if meta is not None else (),
+            (nnx.Variable,) if nnx is not None else ())
 
 
 def _context_rules():
