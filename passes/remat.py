@@ -258,17 +258,23 @@ def scanned_layers(traced: Traced) -> list[str]:
 
 
 def _plans(traced: Traced, layers, policy: RematPolicy) -> list[_Recompute]:
-    """The rewrites of the unrolled ``layers`` (None: every layer) under ``policy``; a stack
-    under a scan is left to ``passes.remat_scan``."""
-    closed = traced.closed_jaxpr
-    forward = remat_layers(traced)
-    stacked = {p.layer for p in _scan_pairs(closed, traced.in_tree)}
-    start = _backward_start(closed.jaxpr.eqns)
-    uses, producer = _uses_and_producers(closed.jaxpr)
-    plans = [_plan_layer(closed.jaxpr, name, forward[name], policy, uses, producer, start)
-             for name in (forward if layers is None else layers)
-             if name in forward and name not in stacked]
-    return [p for p in plans if p is not None]
+    """The rewrites of the unrolled ``layers`` (None: every layer) under ``policy``, in their
+    order; a stack under a scan is left to ``passes.remat_scan``. Every layer's are made once
+    per program and policy (kept on its graph): the remat search asks for them to size the
+    layers' residuals, then to rewrite some."""
+    key = ("remat.plans", policy)
+    every = traced.graph.analyses.get(key)
+    if every is None:
+        closed = traced.closed_jaxpr
+        forward = remat_layers(traced)
+        stacked = {p.layer for p in _scan_pairs(closed, traced.in_tree)}
+        start = _backward_start(closed.jaxpr.eqns)
+        uses, producer = _uses_and_producers(closed.jaxpr)
+        every = traced.graph.analyses[key] = {
+            name: _plan_layer(closed.jaxpr, name, forward[name], policy, uses, producer, start)
+            for name in forward if name not in stacked}
+    return [every[name] for name in (every if layers is None else layers)
+            if every.get(name) is not None]
 
 
 def residual_bytes(traced: Traced, policy: RematPolicy) -> dict[str, int]:
