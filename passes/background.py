@@ -78,10 +78,10 @@ def in_child_process(fn, *args, **kwargs) -> Future:
         try:
             try:
                 answer = pickle.dumps((True, fn(*args, **kwargs)), pickle.HIGHEST_PROTOCOL)
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 (sent to whoever waits on it)
                 try:
                     answer = pickle.dumps((False, e), pickle.HIGHEST_PROTOCOL)
-                except Exception:
+                except Exception:  # noqa: BLE001 (an error that does not pickle, as text)
                     answer = pickle.dumps((False, RuntimeError(repr(e))))
             with os.fdopen(write_fd, "wb") as out:
                 out.write(answer)
@@ -148,6 +148,6 @@ class Deferred:
         future: Future = Future()
         try:
             future.set_result(fn(*args, **kwargs))
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 (raised by result(), as a thread's is)
             future.set_exception(e)
         return future

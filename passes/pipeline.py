@@ -24,8 +24,14 @@ from passes.dedup import node_keys, structural_colors, tie_groups
 from passes.emit import build_flat_fn
 from passes.ir import Graph
 from passes.memory_budget import input_labels, peak_lower_bound_bytes
-from passes.propagate import (best_of, candidate_starts, propagate, propagate_from,
-                              propagated_plans, step_times)
+from passes.propagate import (
+    best_of,
+    candidate_starts,
+    propagate,
+    propagate_from,
+    propagated_plans,
+    step_times,
+)
 from passes.remat import (
     RematPolicy,
     RematWarning,
