@@ -79,7 +79,6 @@ import operator
 from dataclasses import dataclass
 
 import jax.numpy as jnp
-import numpy as np
 
 from passes.ir import Graph, NodeKind, recomputable
 from passes.rules.elementwise import UNARY_AND_NARY
