@@ -304,7 +304,6 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
 
     sol = result.solution
     stats = {"nodes": len(graph.nodes), "ilp_groups": result.ilp_groups,
-             "fingerprint": graph_fingerprint(graph),
              "ilp_variables": sol.num_variables, "ilp_constraints": sol.num_constraints,
              "solver_status": sol.status, "timings_s": result.timings_s, **result.ilp_stats,
              "remat": result.remat.to_dict() if result.remat else None}
@@ -394,7 +393,7 @@ class Parallelized:
                              _remat=entry.get("remat"))
                 except ValueError:
                     p = None
-                if p is not None and p.stats["fingerprint"] == entry["fingerprint"]:
+                if p is not None and graph_fingerprint(p._details[0]) == entry["fingerprint"]:
                     self.plans_loaded += 1
                     return p
                 PlanCache.stale(f"for `{self.__name__}`")

@@ -98,8 +98,8 @@ class PlanCache:
     def store(self, key: str, plan) -> None:
         choice = plan._details[2]
         entry = {"format_version": FORMAT_VERSION, "key": key,
-                 "fingerprint": plan.stats["fingerprint"], "choice": [int(c) for c in choice],
-                 "remat": plan.stats.get("remat")}
+                 "fingerprint": graph_fingerprint(plan._details[0]),
+                 "choice": [int(c) for c in choice], "remat": plan.stats.get("remat")}
         tmp = self._path(key) + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(entry, f)
