@@ -37,7 +37,17 @@ class ChosenComm:
 def plan_collectives(graph: Graph, strats, choice, mesh) -> list[ChosenComm]:
     """Every collective the plan runs. A value resharded to the same spec for several
     consumers moves once: XLA computes the identical resharding once and shares it (CSE), as
-    for a forward activation the backward pass needs in the same layout."""
+    for a forward activation the backward pass needs in the same layout.
+
+    The last :data:`KEPT` plans' collectives are kept on the graph (:func:`_kept`): the plan
+    taken is priced when it is compared with the propagated ones and again for its
+    estimate."""
+    return list(_kept(graph, "estimate.plan_collectives", (id(strats), id(mesh), tuple(choice)),
+                      (strats, mesh), lambda: tuple(_collectives(graph, strats, choice, mesh))))
+
+
+def _collectives(graph: Graph, strats, choice, mesh) -> list[ChosenComm]:
+    """:func:`plan_collectives`, computed."""
     out = []
     moved = set()
     for node in graph.nodes:
@@ -114,33 +124,43 @@ def plan_peak_memory_bytes(graph: Graph, strats, choice, axis_sizes, results_hel
     return held + max(live, default=0)
 
 
-#: Plans whose timelines :func:`plan_timeline` keeps per graph (the newest).
-TIMELINES_KEPT = 8
+#: Plans whose timelines and collectives are kept per graph (the newest).
+KEPT = 8
+
+
+def _kept(graph: Graph, name: str, key: tuple, owners: tuple, make):
+    """``make()``, kept in ``graph.analyses[name]`` under ``key`` (ids of ``owners`` and the
+    plan) for the last :data:`KEPT` keys; a hit counts only for the same ``owners``, not
+    objects that reuse their ids. Kept values are tuples, so no caller can change one."""
+    cache = graph.analyses.setdefault(name, {})
+    hit = cache.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], owners)):
+        return hit[1]
+    value = make()
+    cache[key] = (owners, value)
+    while len(cache) > KEPT:
+        del cache[next(iter(cache))]
+    return value
 
 
 def plan_timeline(graph: Graph, strats, choice, axis_sizes, results_held: bool,
                   donated=frozenset()) -> tuple[int, tuple[int, ...]]:
     """``cost_model.memory.memory_timeline`` of a plan: (bytes held for the whole call, bytes
-    of the other live buffers at each node), per device. The last :data:`TIMELINES_KEPT`
-    plans' are kept on the graph (as tuples, so no caller can change a kept one): the plan a
-    memory refit takes is priced again when it is compared with the propagated ones and when
-    its estimate is made, and on a deep model each pricing takes a second."""
-    cache = graph.analyses.setdefault("estimate.plan_timeline", {})
+    of the other live buffers at each node), per device; kept for the last :data:`KEPT`
+    plans (:func:`_kept`): the plan a memory refit takes is priced again when it is compared
+    with the propagated ones and when its estimate is made, and on a deep model each pricing
+    takes a second."""
+    def make():
+        held, live = memory_timeline(
+            graph, value_specs(graph, strats, choice), axis_sizes, donated,
+            results_held=results_held,
+            operand_specs={n.id: strats[n.id][choice[n.id]].in_specs for n in graph.nodes},
+            reductions=reductions(graph, strats, choice, axis_sizes))
+        return held, tuple(live)
+
     key = (id(strats), tuple(choice), tuple(sorted(axis_sizes.items())), results_held,
            frozenset(donated))
-    hit = cache.get(key)
-    if hit is not None and hit[0] is strats:  # the same strategy lists, not a reused id
-        return hit[1]
-    held, live = memory_timeline(
-        graph, value_specs(graph, strats, choice), axis_sizes, donated,
-        results_held=results_held,
-        operand_specs={n.id: strats[n.id][choice[n.id]].in_specs for n in graph.nodes},
-        reductions=reductions(graph, strats, choice, axis_sizes))
-    timeline = (held, tuple(live))
-    cache[key] = (strats, timeline)
-    while len(cache) > TIMELINES_KEPT:
-        del cache[next(iter(cache))]
-    return timeline
+    return _kept(graph, "estimate.plan_timeline", key, (strats,), make)
 
 
 def reductions(graph: Graph, strats, choice, axis_sizes) -> dict[int, int]:
