@@ -158,7 +158,11 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         Pass the boxed arguments as they are; see ``passes/flax_metadata.py``.
       search: False plans like plain GSPMD: the annotations plus their propagation, no ILP;
         values propagation leaves free are replicated. Fast, and a baseline for the search.
-      time_limit_s: the ILP's time limit; on it the best plan found so far is kept.
+      time_limit_s: each ILP solve's time limit; on it the best plan found so far is kept.
+        A solve whose LP relaxation is not integral may run a quarter over it (the MIP gets
+        at least a quarter of the limit after the LP); a plan over the memory budget is
+        refitted by a few more solves, each limited to at most as long
+        (``passes/solve.py``).
       tie_state: results that replace an argument (same pytree path, shape and dtype, such as
         new parameters) keep that argument's sharding.
       axis_level_overrides: e.g. ``{"data": "dcn"}``: which interconnect a mesh axis crosses.
