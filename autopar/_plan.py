@@ -72,7 +72,9 @@ class Plan:
     def jit(self, donate_argnums=None) -> Callable:
         """A callable with the planned function's signature that runs the parallel program.
 
-        ``donate_argnums`` (as in ``jax.jit``) defaults to the plan's own."""
+        ``donate_argnums`` (as in ``jax.jit``) defaults to the plan's own. Arguments committed
+        to other devices or shardings (another program's results) are copied into the
+        planned shardings first; ``jax.jit`` itself would refuse them."""
         self._require_program()
         if donate_argnums is None:
             donate_argnums = self.donate_argnums
@@ -88,7 +90,7 @@ class Plan:
             if tree != in_tree:
                 raise PlanFormatError(f"arguments do not match the planned signature: planned "
                                       f"{in_tree}, got {tree}. Plan again for the new one.")
-            leaves = [_off_explicit_axes(x, s) for x, s in zip(leaves, flat_in)]
+            leaves = [_placed(x, s) for x, s in zip(leaves, flat_in)]
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # Auto axes, as planned
                 return method(*leaves)
 
@@ -202,11 +204,17 @@ def _flat_donation(in_tree, donate_argnums) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _off_explicit_axes(x, sharding):
-    """``x`` placed in its planned ``sharding`` when it lives on a mesh with Explicit (or
-    Manual) axes: the program runs on the same devices with Auto axes (``as_auto_mesh``),
-    and jax refuses to mix the two meshes in one program. Other arguments pass as they are
-    (``jax.jit`` places them). Such an argument is copied, so donating it frees the copy."""
-    if isinstance(x, jax.Array) and on_explicit_axes(x):
+def _placed(x, sharding):
+    """``x`` placed in its planned ``sharding`` when ``jax.jit`` would refuse it as it is: an
+    array committed to other devices or another sharding (placed by ``jax.device_put``, or
+    the result of another plan's program, such as a train step's parameters passed to an
+    eval step planned apart), or one on a mesh with Explicit (or Manual) axes, as the
+    program runs on the same devices with Auto axes (``as_auto_mesh``) and jax refuses to
+    mix the two meshes in one program. Other arguments pass as they are (``jax.jit`` places
+    them). A placed argument is a copy, so donating it frees the copy, not the original."""
+    if not isinstance(x, jax.Array):
+        return x
+    if on_explicit_axes(x) or (x.committed and x.sharding != sharding
+                               and not x.sharding.is_equivalent_to(sharding, x.ndim)):
         return jax.device_put(x, sharding)
     return x

@@ -193,3 +193,34 @@ def test_explicit_axis_mesh_and_arguments_placed_on_it_run_as_one_device_does():
     for got in (run(*placed), run(*args), under_context):
         for g, w in zip(jax.tree_util.tree_leaves(got), want):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_arguments_committed_elsewhere_are_placed_as_planned():
+    """Arguments committed to other devices or shardings (placed on one device, or another
+    plan's results: a train step's parameters passed to a step planned apart), which
+    ``jax.jit`` refuses, are copied into the planned shardings, and the step computes what
+    one device does."""
+    from jax.sharding import PartitionSpec as P
+
+    fn, args = mlp.make_train_step(mlp.TINY)
+    want = jax.jit(fn)(*args)
+
+    def kernel_hint(spec):  # tiny shapes replicate everything unless told
+        return ({"mlp_in_0": None, "mlp_in_1": None, "mlp_out_0": {"bias": None, "kernel": spec}},
+                None, None)
+    first = autopar.plan(fn, *args, mesh={"data": 2, "model": 4},
+                         in_shardings=kernel_hint(P(None, "model")))
+    second = autopar.plan(fn, *args, mesh={"model": 8}, in_shardings=kernel_hint(P("model")))
+    stepped = first.jit()(*args)
+    on_one = jax.device_put(args, jax.devices()[5])
+    elsewhere = [x for x, s in zip(jax.tree_util.tree_leaves(stepped[:2]),
+                                   jax.tree_util.tree_leaves(second.in_shardings[:2]))
+                 if not x.sharding.is_equivalent_to(s, x.ndim)]
+    assert elsewhere, "the first plan's results should be placed unlike the second's inputs"
+    with pytest.raises(ValueError, match="does not match the sharding"):
+        jax.jit(fn, in_shardings=second.in_shardings)(*on_one)
+    want_next = jax.jit(fn)(*want[:2], args[2])
+    for got, expected in ((second.jit()(*on_one), want),
+                          (second.jit()(*stepped[:2], args[2]), want_next)):
+        for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
