@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from autopar.errors import AutoparError, CLIError
@@ -131,6 +132,37 @@ def _load_target(target: str):
     return made
 
 
+_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """A size as ``--memory-budget`` takes it: bytes, or a number with a unit (40GiB, 512MiB,
+    64GB, 1.5TiB; case does not matter)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
+    unit = m and _BYTE_UNITS.get(m.group(2).lower() or "b")
+    if not unit or float(m.group(1)) * unit < 1:
+        raise argparse.ArgumentTypeError(
+            f"`{text}` is not a size: give bytes or a number with a unit, such as 40GiB, "
+            "512MiB or 64GB")
+    return int(float(m.group(1)) * unit)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"`{text}` is not a positive number of seconds")
+    return value
+
+
+#: ``--remat`` choices, as ``autopar.plan(remat=...)`` takes them.
+_REMAT = {"auto": True, "off": False, "dots_saveable": "dots_saveable",
+          "nothing_saveable": "nothing_saveable"}
+
+
 def cmd_report(args) -> int:
     import math
 
@@ -145,7 +177,8 @@ def cmd_report(args) -> int:
     get_profile(args.hardware)  # fail early on an unknown name
     fn, example_args = _load_target(args.target)
     plan = autopar.plan(fn, *example_args, mesh=mesh, hardware=args.hardware,
-                        verbose=not args.quiet)
+                        memory_budget=args.memory_budget, remat=_REMAT[args.remat],
+                        time_limit_s=args.time_limit, verbose=not args.quiet)
     baselines = None
     if not args.no_baselines:
         from autopar.compare import predict_baselines
@@ -214,6 +247,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="skip estimating the data-parallel and FSDP baselines")
     rep.add_argument("--validate", action="store_true",
                      help="compile the plan and compare the prediction with the compiled HLO")
+    rep.add_argument("--memory-budget", type=parse_bytes, default=None, metavar="SIZE",
+                     help="per-device memory the plan must fit in, e.g. 40GiB (checked "
+                          "against the compiled program); default: the hardware profile's "
+                          "memory less 10%%, as predicted")
+    rep.add_argument("--remat", choices=tuple(_REMAT), default="auto",
+                     help="rematerialize layers when no sharding fits the budget (auto), "
+                          "never (off), or every layer with this policy")
+    rep.add_argument("--time-limit", type=_positive_seconds, default=60.0, metavar="SECONDS",
+                     help="each ILP solve's time limit (default 60)")
     rep.add_argument("--simulate-devices", type=int, default=0, metavar="N",
                      help="run on N simulated CPU devices")
     rep.add_argument("--quiet", action="store_true", help="no progress lines")

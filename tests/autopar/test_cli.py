@@ -46,12 +46,49 @@ def test_report_writes_json_and_html(tmp_path):
     (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=two"], "malformed mesh"),
     (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=8", "--hardware", "h999"],
      "unknown hardware"),
+    (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=8", "--memory-budget", "12x"],
+     "`12x` is not a size"),
+    (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=8", "--time-limit", "0"],
+     "not a positive number of seconds"),
+    (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=2,model=4", "--memory-budget",
+      "100KiB", "--simulate-devices", "8", "--no-baselines"],
+     "no sharding plan fits `memory_budget` = 0.1 MiB"),
 ])
 def test_bad_input_exits_nonzero_without_traceback(argv, message):
     r = _run(*argv)
     assert r.returncode != 0
     assert message.lower() in r.stderr.lower(), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_report_plans_under_a_memory_budget(tmp_path):
+    """``--memory-budget`` reaches the planner and the compiled memory check: the tiny GPT
+    peaks at 2.7 MiB unconstrained, and under 2 MiB as compiled."""
+    out = tmp_path / "plan.json"
+    r = _run("report", f"{TARGETS}:gpt_tiny", "--mesh", "data=2,model=4", "--memory-budget",
+             "2MiB", "--remat", "off", "--time-limit", "5", "--json", str(out),
+             "--simulate-devices", "8", "--quiet", "--no-baselines")
+    assert r.returncode == 0, r.stderr
+    compiled = re.search(r"compiled +peak memory ([\d.]+) MiB per device", r.stdout)
+    assert compiled and float(compiled.group(1)) <= 2.0, r.stdout
+    assert json.loads(out.read_text())["estimate"]["peak_memory_bytes"] <= 2 * 2**20
+
+
+@pytest.mark.parametrize("text, nbytes", [
+    ("40GiB", 40 * 2**30), ("512 mib", 512 * 2**20), ("64GB", 64 * 10**9),
+    ("1.5TiB", int(1.5 * 2**40)), ("1024", 1024), ("2kb", 2000)])
+def test_memory_budget_sizes(text, nbytes):
+    from autopar.cli import parse_bytes
+    assert parse_bytes(text) == nbytes
+
+
+@pytest.mark.parametrize("text", ["0", "x", "12x", "-1GiB", "GiB", "0.1", ""])
+def test_memory_budget_rejects_what_is_not_a_size(text):
+    import argparse
+
+    from autopar.cli import parse_bytes
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):
+        parse_bytes(text)
 
 
 def test_error_in_the_users_file_is_one_line(tmp_path):
