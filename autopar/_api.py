@@ -18,6 +18,7 @@ from autopar._gc import with_gc_paused
 from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar._multiprocess import process_0_plan
 from autopar._plan import Plan
+from autopar._sizes import parse_bytes
 from autopar.baselines import baseline_kinds, baseline_kwargs, baseline_shardings
 from autopar.errors import ArgumentError, InfeasiblePlanError
 from cost_model.estimate import estimate, plan_collectives
@@ -144,7 +145,8 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
       hardware: a profile name (``"h100"``, ``"tpu-v5e"``, ...), a HardwareProfile, or a path to
         a profile JSON from ``autopar profile``. Default: the current backend's profile.
       memory_budget: per-device bytes the plan's peak memory must fit in (as
-        ``plan.estimate.peak_memory_bytes`` predicts it). Default: the profile's HBM capacity
+        ``plan.estimate.peak_memory_bytes`` predicts it), or a size such as ``"40GiB"`` or
+        ``"64GB"`` (``autopar._sizes``). Default: the profile's HBM capacity
         minus a margin (``passes.memory_budget.DEFAULT_MARGIN``). When no sharding fits, layers
         are rematerialized (see ``remat``); when still none fits a given budget,
         ``InfeasiblePlanError`` names the smallest peak found and what dominates it; when none
@@ -202,11 +204,16 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
       plan = autopar.plan(train_step, params, opt_state, batch, mesh={"data": 2, "model": 4})
       params, opt_state, loss = plan.jit()(params, opt_state, batch)
     """
+    if isinstance(memory_budget, str):
+        try:
+            memory_budget = parse_bytes(memory_budget)
+        except ValueError as e:
+            raise ArgumentError(f"`memory_budget`: {e}") from None
     if memory_budget is not None and not (isinstance(memory_budget, (int, float))
                                           and not isinstance(memory_budget, bool)
                                           and memory_budget > 0):
-        raise ArgumentError(f"`memory_budget` must be a positive number of bytes per device, "
-                            f"got {memory_budget!r}")
+        raise ArgumentError(f"`memory_budget` must be a positive number of bytes per device "
+                            f"or a size such as \"40GiB\", got {memory_budget!r}")
     options = {"mesh": mesh, "hardware": hardware, "in_shardings": in_shardings,
                "out_shardings": out_shardings, "search": search,
                "logical_axis_rules": logical_axis_rules, "time_limit_s": time_limit_s,

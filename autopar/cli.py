@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
 from autopar.errors import AutoparError, CLIError
@@ -132,20 +131,13 @@ def _load_target(target: str):
     return made
 
 
-_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """A size as ``--memory-budget`` takes it: bytes, or a number with a unit (40GiB, 512MiB,
-    64GB, 1.5TiB; case does not matter)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
-    unit = m and _BYTE_UNITS.get(m.group(2).lower() or "b")
-    if not unit or float(m.group(1)) * unit < 1:
-        raise argparse.ArgumentTypeError(
-            f"`{text}` is not a size: give bytes or a number with a unit, such as 40GiB, "
-            "512MiB or 64GB")
-    return int(float(m.group(1)) * unit)
+def _size(text: str) -> int:
+    """``--memory-budget``'s value (``autopar._sizes.parse_bytes``)."""
+    from autopar._sizes import parse_bytes
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive_seconds(text: str) -> float:
@@ -247,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="skip estimating the data-parallel and FSDP baselines")
     rep.add_argument("--validate", action="store_true",
                      help="compile the plan and compare the prediction with the compiled HLO")
-    rep.add_argument("--memory-budget", type=parse_bytes, default=None, metavar="SIZE",
+    rep.add_argument("--memory-budget", type=_size, default=None, metavar="SIZE",
                      help="per-device memory the plan must fit in, e.g. 40GiB (checked "
                           "against the compiled program); default: the hardware profile's "
                           "memory less 10%%, as predicted")

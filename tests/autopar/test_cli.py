@@ -74,23 +74,6 @@ def test_report_plans_under_a_memory_budget(tmp_path):
     assert json.loads(out.read_text())["estimate"]["peak_memory_bytes"] <= 2 * 2**20
 
 
-@pytest.mark.parametrize("text, nbytes", [
-    ("40GiB", 40 * 2**30), ("512 mib", 512 * 2**20), ("64GB", 64 * 10**9),
-    ("1.5TiB", int(1.5 * 2**40)), ("1024", 1024), ("2kb", 2000)])
-def test_memory_budget_sizes(text, nbytes):
-    from autopar.cli import parse_bytes
-    assert parse_bytes(text) == nbytes
-
-
-@pytest.mark.parametrize("text", ["0", "x", "12x", "-1GiB", "GiB", "0.1", ""])
-def test_memory_budget_rejects_what_is_not_a_size(text):
-    import argparse
-
-    from autopar.cli import parse_bytes
-    with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):
-        parse_bytes(text)
-
-
 def test_error_in_the_users_file_is_one_line(tmp_path):
     bad = tmp_path / "broken.py"
     bad.write_text("raise ValueError('boom')\n")

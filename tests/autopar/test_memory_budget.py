@@ -74,11 +74,18 @@ def test_default_budget_is_the_profile_capacity_and_only_warns(wide_mlp):
         autopar.plan(fn, *args, mesh=MESH, hardware="h100")   # 80 GB: fits, no warning
 
 
-@pytest.mark.parametrize("bad", [-1, 0, "16GB", True])
+@pytest.mark.parametrize("bad", [-1, 0, "16 gigs", "0GiB", True])
 def test_bad_budget_is_an_argument_error(bad):
     fn, args = mlp.make_train_step(mlp.TINY, abstract=True)
     with pytest.raises(ArgumentError, match="memory_budget"):
         autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget=bad)
+
+
+def test_budget_as_a_size():
+    fn, args = mlp.make_train_step(mlp.TINY, abstract=True)
+    plan = autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget="1.5 MiB",
+                        check_memory=False)
+    assert plan.stats["memory_budget_bytes"] == 1.5 * 2**20
 
 
 def test_budget_with_search_false_is_checked_not_ignored(wide_mlp):
