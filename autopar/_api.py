@@ -17,7 +17,7 @@ from autopar._check_memory import check_compiled_memory
 from autopar._gc import with_gc_paused
 from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar._multiprocess import process_0_plan
-from autopar._plan import Plan
+from autopar._plan import Plan, in_sharding
 from autopar._sizes import parse_bytes
 from autopar.baselines import baseline_kinds, baseline_kwargs, baseline_shardings
 from autopar.errors import ArgumentError, InfeasiblePlanError
@@ -388,7 +388,7 @@ class Parallelized:
                 p = p.with_donation(donate)
             self._cache[key] = (p, p.jit())
         self.plan, run = self._cache[key]
-        return run(*jax.device_put(dynamic, self.plan.in_shardings))
+        return run(*_as_planned(dynamic, self.plan.in_shardings))
 
     def _plan(self, bound, dynamic, static, signature) -> Plan:
         disk_key = None
@@ -415,9 +415,34 @@ class Parallelized:
         return p
 
 
+def _as_planned(dynamic, shardings):
+    """``dynamic`` with the leaves not yet in their planned shardings put there, by one
+    ``jax.device_put``: host arrays on the first call, arrays placed otherwise. Leaves already
+    placed (the previous step's results, each call after the first) are passed as they are:
+    putting them again took 10-45 us a leaf, 27 ms a step of a train state of 591 leaves."""
+    leaves, tree = jax.tree_util.tree_flatten(dynamic)
+    flat = jax.tree_util.tree_leaves(shardings)
+    todo = [i for i, (x, s) in enumerate(zip(leaves, flat))
+            if not (isinstance(x, jax.Array) and in_sharding(x, s))]
+    if todo:
+        placed = jax.device_put([leaves[i] for i in todo], [flat[i] for i in todo])
+        for i, x in zip(todo, placed):
+            leaves[i] = x
+    return jax.tree_util.tree_unflatten(tree, leaves)
+
+
+#: dtype -> its name, for call signatures (str() of a numpy dtype is slow).
+_DTYPE_NAMES: dict = {}
+
+
 def _signature(args):
+    """(tree, (shape, dtype name) per leaf): what a plan of ``parallelize`` is kept for. A
+    jax array's dtype is already canonical; other leaves' are canonicalized as jax will."""
     leaves, tree = jax.tree_util.tree_flatten(args)
-    return tree, tuple((tuple(np.shape(x)), str(jax.dtypes.result_type(x))) for x in leaves)
+    dtypes = [x.dtype if isinstance(x, jax.Array) else jax.dtypes.result_type(x)
+              for x in leaves]
+    return tree, tuple((tuple(np.shape(x)), _DTYPE_NAMES.get(d) or
+                        _DTYPE_NAMES.setdefault(d, str(d))) for x, d in zip(leaves, dtypes))
 
 
 def _as_tuple(value, name: str) -> tuple:

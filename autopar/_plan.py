@@ -214,7 +214,12 @@ def _placed(x, sharding):
     them). A placed argument is a copy, so donating it frees the copy, not the original."""
     if not isinstance(x, jax.Array):
         return x
-    if on_explicit_axes(x) or (x.committed and x.sharding != sharding
-                               and not x.sharding.is_equivalent_to(sharding, x.ndim)):
+    if on_explicit_axes(x) or (x.committed and not in_sharding(x, sharding)):
         return jax.device_put(x, sharding)
     return x
+
+
+def in_sharding(x: jax.Array, sharding) -> bool:
+    """Whether ``x`` already lies as ``sharding`` places it: the same sharding, or the same
+    devices and layout."""
+    return x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim)

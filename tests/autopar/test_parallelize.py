@@ -67,6 +67,34 @@ def test_donated_arguments_are_consumed():
         autopar.parallelize(lambda a: a, mesh={"data": 8}, static_argnums=0, donate_argnums=0)
 
 
+def test_only_arguments_not_yet_in_place_are_put_there(monkeypatch):
+    """Each call puts on the planned shardings only what is not there yet: host arrays, and
+    arrays placed otherwise. The previous step's results are passed as they are (putting a
+    train state of 591 leaves again took 5 ms a step)."""
+    fn, (params, opt_state, batch) = gpt.make_train_step(gpt.TINY)
+    step = autopar.parallelize(fn, mesh=MESH)
+    want = jax.jit(fn)(params, opt_state, batch)
+    put = []
+    real_put = jax.device_put
+
+    def counting_put(x, *a, **k):
+        put.append(len(jax.tree_util.tree_leaves(x)))
+        return real_put(x, *a, **k)
+    monkeypatch.setattr(jax, "device_put", counting_put)
+    got = step(params, opt_state, batch)
+    _close(got, want)
+    assert put and sum(put) <= len(jax.tree_util.tree_leaves((params, opt_state, batch)))
+    placed_batch = real_put(batch, step.plan.in_shardings[2])
+    put.clear()
+    again = step(got[0], got[1], placed_batch)
+    assert put == [], "every argument was already where the plan wants it"
+    _close(again, jax.jit(fn)(*want[:2], batch))
+    one_device = real_put(batch, jax.devices()[3])
+    put.clear()
+    step(got[0], got[1], one_device)
+    assert put == [len(jax.tree_util.tree_leaves(batch))]
+
+
 class _Tiny(nn.Module):
     @nn.compact
     def __call__(self, x):
