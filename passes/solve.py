@@ -369,26 +369,35 @@ def _milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: float = 1
     axis price of a large edge called free a move the estimate gathers; see
     ``MeshContext.axis_reshard_time_s``.)
 
-    The LP relaxation is solved first, and its optimum taken when integral
-    (:func:`_integral_relaxation`)."""
+    The LP relaxation is solved first, and its optimum taken when integral; a fractional one
+    is the start of a dive, whose plan is taken when within ``gap`` of it
+    (:func:`_from_relaxation`)."""
     options = {"time_limit": time_limit_s, "disp": bool(os.environ.get("AUTOPAR_HIGHS_LOG")),
                "mip_rel_gap": gap, "mip_heuristic_run_feasibility_jump": False,
                "threads": 1}
     costs = c + _tie_break(c)
     start = time.perf_counter()
 
-    def run(integrality, options):
+    def run(integrality, options, bounds=None):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
             res = scipy.optimize.milp(
                 costs, integrality=integrality,
-                bounds=scipy.optimize.Bounds(0, 1 if upper is None else upper),
+                bounds=bounds or scipy.optimize.Bounds(0, 1 if upper is None else upper),
                 constraints=scipy.optimize.LinearConstraint(A, lb, ub), options=options)
         if res.x is None and res.status == HIGHS_OTHER_STATUS and "threads" in options:
-            return run(integrality, {k: v for k, v in options.items() if k != "threads"})
+            return run(integrality, {k: v for k, v in options.items() if k != "threads"},
+                       bounds)
         return res
 
-    res = _integral_relaxation(run, integer, options)
+    res = _from_relaxation(run, integer, options, costs, gap, upper)
+    if (res is not None and cutoff is not None and not callable(cutoff)
+            and float(costs @ res.x) > cutoff):
+        # Over a given cutoff: an integral relaxation's optimum is the ILP's, so no plan
+        # beats the cutoff, as the MIP would prove; a dive's plan may miss one that does.
+        res = (scipy.optimize.OptimizeResult(x=None, fun=None, status=2,
+                                             message=CUTOFF_MESSAGE)
+               if res.message == RELAXATION_MESSAGE else None)
     if res is None:
         if callable(cutoff):
             cutoff = cutoff()
@@ -403,39 +412,66 @@ def _milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: float = 1
 
 
 #: The least share of a solve's time limit the MIP gets after the LP relaxation
-#: (:func:`_integral_relaxation`, which may take the whole limit) was fractional or did not
+#: (:func:`_from_relaxation`, which may take the whole limit) was fractional or did not
 #: finish; so a solve takes at most 1 + MIP_MIN_SHARE times its limit.
 MIP_MIN_SHARE = 0.25
 #: How far from an integer an integer variable of the LP relaxation's optimum may be.
 INTEGRAL_TOLERANCE = 1e-6
 #: The message of a solve that took an integral LP relaxation's optimum.
 RELAXATION_MESSAGE = "optimal (an integral LP relaxation)"
+#: The message of a solve whose integral relaxation's optimum is over its cutoff.
+CUTOFF_MESSAGE = "no plan under the cutoff (an integral LP relaxation)"
+#: The message of a solve that took the plan of a dive from a fractional relaxation.
+DIVE_MESSAGE = "optimal within the gap (a dive from the LP relaxation)"
+#: The share of a solve's time limit a dive (:func:`_from_relaxation`) may take.
+DIVE_SHARE = 0.25
 
 
-def _integral_relaxation(run, integer, options: dict):
-    """The ILP's optimum when its LP relaxation's optimum is integral, else None. ``run(
-    integrality, options)`` solves the ILP with those.
+def _from_relaxation(run, integer, options: dict, costs, gap: float, upper=None):
+    """The ILP's solution read from its LP relaxation, or None when the MIP must run.
+    ``run(integrality, options)`` solves the ILP with those.
 
     These ILPs are mostly solved at the root: on the unrolled 96-layer GPT, HiGHS's MIP solve
     (presolve, the root LP, 1 node) took 1.4 s and its penalty solve 1.6 s, each
     returning the LP relaxation's optimum, while the LP alone, by dual simplex without presolve,
     took 0.56 and 0.65 s, the same plans (every column). An integral optimum of the relaxation
     is an optimum of the ILP; the tie breaks (:func:`_tie_break`) make it the one the MIP
-    returns. When it is fractional, the MIP runs with the time left. The LP may take the
-    whole time limit: the MoE of the sharding benchmark on (2, 2, 2) is integral too, its LP
-    8.6 s, its MIP 19.9 s of its 20 s limit (alone; with another row planning beside it, the
-    LP took over the 10 s half the limit it had once, and the MIP did not finish)."""
+    returns. The LP may take the whole time limit: the MoE of the sharding benchmark on
+    (2, 2, 2) is integral too, its LP 8.6 s, its MIP 19.9 s of its 20 s limit (alone; with
+    another row planning beside it, the LP took over the 10 s half the limit it had once,
+    and the MIP did not finish). (Presolve, or interior point, made these LPs slower: 14-22 s
+    for the 3-D MoE and Llama, whose LPs take 7.9 and 15.3 s as they are.)
+
+    A fractional optimum has most integer variables integral (the unrolled 32-layer Llama's:
+    all but 1,345 of 100,720), and lies close to the ILP's (0.03% under it there; HiGHS's MIP
+    took 10 s to find and prove that optimum). So the integer variables the relaxation left
+    integral are fixed and the MIP solves the rest (a dive), in at most :data:`DIVE_SHARE` of
+    the time limit; its plan is taken when within ``gap`` of the relaxation's objective, a
+    lower bound of the ILP's: the whole MIP, stopped at that gap, guarantees no more."""
     relaxed = run(np.zeros_like(integer), {
         "time_limit": options["time_limit"], "disp": options["disp"],
         "presolve": False, **({"threads": options["threads"]} if "threads" in options else {})})
     if relaxed.x is None or relaxed.status != 0:
         return None
     ints = np.asarray(integer) > 0
-    if np.abs(relaxed.x[ints] - np.round(relaxed.x[ints])).max(initial=0) > INTEGRAL_TOLERANCE:
+    off = np.abs(relaxed.x - np.round(relaxed.x)) > INTEGRAL_TOLERANCE
+    if not off[ints].any():
+        relaxed.x[ints] = np.round(relaxed.x[ints])
+        relaxed.message = RELAXATION_MESSAGE
+        return relaxed
+    fixed = ints & ~off
+    lo = np.zeros(len(costs))
+    hi = np.broadcast_to(np.asarray(1.0 if upper is None else upper, float), lo.shape).copy()
+    lo[fixed] = hi[fixed] = np.round(relaxed.x[fixed])
+    dived = run(integer, {**options, "time_limit": options["time_limit"] * DIVE_SHARE},
+                scipy.optimize.Bounds(lo, hi))
+    if dived.x is None:
         return None
-    relaxed.x[ints] = np.round(relaxed.x[ints])
-    relaxed.message = RELAXATION_MESSAGE
-    return relaxed
+    bound, objective = float(costs @ relaxed.x), float(costs @ dived.x)
+    if objective - bound > gap * max(abs(objective), 1e-9):
+        return None
+    dived.message = DIVE_MESSAGE
+    return dived
 
 
 #: The tie breaks' scale, a share of the largest cost (see :func:`_milp`): on the 96-layer
@@ -566,7 +602,7 @@ def _warm_start(builder: IlpBuilder, c: np.ndarray, plans) -> tuple[np.ndarray, 
 #: solve's time (at least PENALTY_TIME_MIN_S, at most PENALTY_TIME_LIMIT_S): a penalized
 #: objective has many near-ties, and proving one optimal can take HiGHS far longer than
 #: finding it; the penalty is a heuristic anyway. The minimum leaves the LP relaxation
-#: (:func:`_integral_relaxation`) time to finish on a loaded machine: the scanned 32-layer
+#: (:func:`_from_relaxation`) time to finish on a loaded machine: the scanned 32-layer
 #: GPT's penalized LPs take 0.56 s, and once hit a limit of 0.5 s (the MIP then ran: 3.3 s to
 #: plan instead of 2.1).
 PENALTY_SOLVES = 5

@@ -1,10 +1,12 @@
 """passes.solve._milp solves the LP relaxation first: an integral optimum of it is taken (and
-the warm start's cutoff is never asked for); a fractional one runs the MIP, with the cutoff."""
+the warm start's cutoff is never asked for); from a fractional one, a dive (the integral
+variables fixed) whose plan is within the gap of it is taken; else the MIP runs, with the
+cutoff. A plan over a given cutoff is never returned."""
 
 import numpy as np
 import scipy.sparse
 
-from passes.solve import RELAXATION_MESSAGE, _milp
+from passes.solve import CUTOFF_MESSAGE, DIVE_MESSAGE, RELAXATION_MESSAGE, _milp
 
 
 def _ilp(capacity: float):
@@ -31,3 +33,21 @@ def test_a_fractional_relaxation_runs_the_mip_with_the_cutoff():
     res, _ = _milp(*_ilp(1.5), time_limit_s=10, cutoff=cutoff)
     assert res.message != RELAXATION_MESSAGE and asked == [1]
     assert list(np.round(res.x)) == [0.0, 1.0] and res.fun == -2.0
+
+
+def test_a_dive_within_the_gap_is_taken_without_the_mip():
+    asked = []
+    # The relaxation: -2.5 (x0 = 0.5). The dive fixes x1 = 1 and finds x0 = 0: -2, within
+    # a 30% gap of -2.5 (not within the default 0.1%, as the test above shows).
+    res, _ = _milp(*_ilp(1.5), time_limit_s=10, gap=0.3, cutoff=lambda: asked.append(1))
+    assert res.message == DIVE_MESSAGE and list(np.round(res.x)) == [0.0, 1.0]
+    assert res.fun == -2.0 and asked == []
+
+
+def test_no_plan_over_a_given_cutoff_is_returned():
+    # Integral relaxation, optimum -2, asked to beat -3: no plan does.
+    res, _ = _milp(*_ilp(1.0), time_limit_s=10, cutoff=-3.0)
+    assert res.x is None and res.status == 2 and res.message == CUTOFF_MESSAGE
+    # A dive's -2 does not beat -2.2 either, but proves nothing: the MIP runs and finds none.
+    res, _ = _milp(*_ilp(1.5), time_limit_s=10, gap=0.3, cutoff=-2.2)
+    assert res.x is None and res.message not in (DIVE_MESSAGE, CUTOFF_MESSAGE)
