@@ -51,3 +51,10 @@ def test_no_plan_over_a_given_cutoff_is_returned():
     # A dive's -2 does not beat -2.2 either, but proves nothing: the MIP runs and finds none.
     res, _ = _milp(*_ilp(1.5), time_limit_s=10, gap=0.3, cutoff=-2.2)
     assert res.x is None and res.message not in (DIVE_MESSAGE, CUTOFF_MESSAGE)
+
+
+def test_a_dive_outside_the_gap_stays_the_answer_when_the_mip_finds_none_better():
+    # The dive's -2 is 25% over the relaxation's -2.5, outside the 0.1% gap: the MIP looks
+    # for better, under the dive's objective, finds none, and the dive's plan is the answer.
+    res, _ = _milp(*_ilp(1.5), time_limit_s=10)
+    assert list(np.round(res.x)) == [0.0, 1.0] and res.fun == -2.0 and res.status == 0
