@@ -4,9 +4,17 @@ variables fixed) whose plan is within the gap of it is taken; else the MIP runs,
 cutoff. A plan over a given cutoff is never returned."""
 
 import numpy as np
+import pytest
+import scipy.optimize
 import scipy.sparse
 
-from passes.solve import CUTOFF_MESSAGE, DIVE_MESSAGE, RELAXATION_MESSAGE, _milp
+from passes.solve import (
+    CUTOFF_MESSAGE,
+    DIVE_MESSAGE,
+    DIVE_UNPROVEN_MESSAGE,
+    RELAXATION_MESSAGE,
+    _milp,
+)
 
 
 def _ilp(capacity: float):
@@ -53,8 +61,22 @@ def test_no_plan_over_a_given_cutoff_is_returned():
     assert res.x is None and res.message not in (DIVE_MESSAGE, CUTOFF_MESSAGE)
 
 
-def test_a_dive_outside_the_gap_stays_the_answer_when_the_mip_finds_none_better():
-    # The dive's -2 is 25% over the relaxation's -2.5, outside the 0.1% gap: the MIP looks
-    # for better, under the dive's objective, finds none, and the dive's plan is the answer.
+def test_a_dive_outside_the_gap_stays_the_answer_when_the_mip_finds_none_better(monkeypatch):
+    """The dive's -2 is 25% over the relaxation's -2.5, outside the 0.1% gap: the MIP looks for
+    a better plan, under the dive's objective. Here it finds none in its time (made so), and
+    the dive's plan is the answer, not proven optimal."""
+    real = scipy.optimize.milp
+    bounds_of_mips = []
+
+    def milp(c, *, integrality, bounds, constraints, options):
+        if np.any(integrality) and np.size(bounds.ub) == 1:  # the MIP, not the dive
+            bounds_of_mips.append(options.get("objective_bound"))
+            return scipy.optimize.OptimizeResult(x=None, fun=None, status=1,
+                                                 message="Time limit reached")
+        return real(c, integrality=integrality, bounds=bounds, constraints=constraints,
+                    options=options)
+    monkeypatch.setattr(scipy.optimize, "milp", milp)
     res, _ = _milp(*_ilp(1.5), time_limit_s=10)
-    assert list(np.round(res.x)) == [0.0, 1.0] and res.fun == -2.0 and res.status == 0
+    assert list(np.round(res.x)) == [0.0, 1.0] and res.fun == -2.0
+    assert res.status == 1 and res.message == DIVE_UNPROVEN_MESSAGE
+    assert bounds_of_mips == [pytest.approx(-2.0, abs=1e-5)]  # the dive's objective
