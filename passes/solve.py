@@ -457,14 +457,17 @@ def _from_relaxation(run, integer, options: dict, costs, gap: float, upper=None)
     all but 1,345 of 100,720), and lies close to the ILP's (0.03% under it there; HiGHS's MIP
     took 10 s to find and prove that optimum). So the integer variables the relaxation left
     integral are fixed and the MIP solves the rest (a dive), in at most :data:`DIVE_SHARE` of
-    the time limit; its plan is taken when within ``gap`` of the relaxation's objective, a
-    lower bound of the ILP's: the whole MIP, stopped at that gap, guarantees no more.
+    the time limit and only in what the LP left of it (so a solve still takes at most
+    1 + :data:`MIP_MIN_SHARE` times its limit); its plan is taken when within ``gap`` of the
+    relaxation's objective, a lower bound of the ILP's: the whole MIP, stopped at that gap,
+    guarantees no more.
 
     Returns (the solution, or None when the MIP must run; a dive's plan outside the gap, or
     None): the MIP then looks for a better plan than that one, which stays the answer when
     it finds none (the tiny GPT's memory rows as constraints at 80% of its fastest peak:
     the dive's plan, 5.5% over the relaxation, is the one the MIP found in 10 s; with the
     time the LP and the dive took, the MIP found none)."""
+    start = time.perf_counter()
     relaxed = run(np.zeros_like(integer), {
         "time_limit": options["time_limit"], "disp": options["disp"],
         "presolve": False, **({"threads": options["threads"]} if "threads" in options else {})})
@@ -476,12 +479,15 @@ def _from_relaxation(run, integer, options: dict, costs, gap: float, upper=None)
         relaxed.x[ints] = np.round(relaxed.x[ints])
         relaxed.message = RELAXATION_MESSAGE
         return relaxed, None
+    left_s = min(options["time_limit"] - (time.perf_counter() - start),
+                 options["time_limit"] * DIVE_SHARE)
+    if left_s <= 0:
+        return None, None
     fixed = ints & ~off
     lo = np.zeros(len(costs))
     hi = np.broadcast_to(np.asarray(1.0 if upper is None else upper, float), lo.shape).copy()
     lo[fixed] = hi[fixed] = np.round(relaxed.x[fixed])
-    dived = run(integer, {**options, "time_limit": options["time_limit"] * DIVE_SHARE},
-                scipy.optimize.Bounds(lo, hi))
+    dived = run(integer, {**options, "time_limit": left_s}, scipy.optimize.Bounds(lo, hi))
     if dived.x is None:
         return None, None
     bound, objective = float(costs @ relaxed.x), float(costs @ dived.x)

@@ -80,3 +80,20 @@ def test_a_dive_outside_the_gap_stays_the_answer_when_the_mip_finds_none_better(
     assert list(np.round(res.x)) == [0.0, 1.0] and res.fun == -2.0
     assert res.status == 1 and res.message == DIVE_UNPROVEN_MESSAGE
     assert bounds_of_mips == [pytest.approx(-2.0, abs=1e-5)]  # the dive's objective
+
+
+def test_no_dive_once_the_lp_took_the_whole_limit():
+    """A solve stays within 1 + MIP_MIN_SHARE times its limit: a fractional relaxation that
+    took the whole limit goes straight to the MIP, without a dive."""
+    import time
+
+    from passes.solve import _from_relaxation
+    calls = []
+
+    def run(integrality, options, bounds=None):
+        calls.append(bounds)
+        time.sleep(0.05)  # the LP takes the whole (0.01 s) limit
+        return scipy.optimize.OptimizeResult(x=np.array([0.5, 1.0]), status=0, message="")
+    res, dived = _from_relaxation(run, np.array([1, 1]), {"time_limit": 0.01, "disp": False},
+                                  np.array([-1.0, -2.0]), 1e-3)
+    assert res is None and dived is None and calls == [None]
