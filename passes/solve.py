@@ -383,7 +383,8 @@ def _milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: float = 1
             warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
             res = scipy.optimize.milp(
                 costs, integrality=integrality,
-                bounds=bounds or scipy.optimize.Bounds(0, 1 if upper is None else upper),
+                bounds=(scipy.optimize.Bounds(0, 1 if upper is None else upper)
+                        if bounds is None else bounds),
                 constraints=scipy.optimize.LinearConstraint(A, lb, ub), options=options)
         if res.x is None and res.status == HIGHS_OTHER_STATUS and "threads" in options:
             return run(integrality, {k: v for k, v in options.items() if k != "threads"},
@@ -440,7 +441,8 @@ DIVE_SHARE = 0.25
 
 def _from_relaxation(run, integer, options: dict, costs, gap: float, upper=None):
     """The ILP's solution read from its LP relaxation, or None when the MIP must run.
-    ``run(integrality, options)`` solves the ILP with those.
+    ``run(integrality, options, bounds=None)`` solves the ILP with those (bounds: the
+    variables', when not the ILP's own).
 
     These ILPs are mostly solved at the root: on the unrolled 96-layer GPT, HiGHS's MIP solve
     (presolve, the root LP, 1 node) took 1.4 s and its penalty solve 1.6 s, each
@@ -493,7 +495,7 @@ def _from_relaxation(run, integer, options: dict, costs, gap: float, upper=None)
     bound, objective = float(costs @ relaxed.x), float(costs @ dived.x)
     if objective - bound > gap * max(abs(objective), 1e-9):
         return None, dived
-    dived.message = DIVE_MESSAGE
+    dived.status, dived.message = 0, DIVE_MESSAGE  # within the gap, whatever stopped it
     return dived, None
 
 
