@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from autopar._cache import PlanCache, graph_fingerprint
+from autopar._cache import PlanCache, dtype_name, graph_fingerprint
 from autopar._check_memory import check_compiled_memory
 from autopar._gc import with_gc_paused
 from autopar._mesh import as_auto_mesh, axis_sizes
@@ -431,18 +431,13 @@ def _as_planned(dynamic, shardings):
     return jax.tree_util.tree_unflatten(tree, leaves)
 
 
-#: dtype -> its name, for call signatures (str() of a numpy dtype is slow).
-_DTYPE_NAMES: dict = {}
-
-
 def _signature(args):
     """(tree, (shape, dtype name) per leaf): what a plan of ``parallelize`` is kept for. A
     jax array's dtype is already canonical; other leaves' are canonicalized as jax will."""
     leaves, tree = jax.tree_util.tree_flatten(args)
     dtypes = [x.dtype if isinstance(x, jax.Array) else jax.dtypes.result_type(x)
               for x in leaves]
-    return tree, tuple((tuple(np.shape(x)), _DTYPE_NAMES.get(d) or
-                        _DTYPE_NAMES.setdefault(d, str(d))) for x, d in zip(leaves, dtypes))
+    return tree, tuple((tuple(np.shape(x)), dtype_name(d)) for x, d in zip(leaves, dtypes))
 
 
 def _as_tuple(value, name: str) -> tuple:

@@ -26,14 +26,22 @@ class StalePlanCacheWarning(UserWarning):
     """A plan cache entry was corrupted or stale and was ignored (the function is re-planned)."""
 
 
+#: dtype -> its name (str() of a numpy dtype is slow).
+_DTYPE_NAMES: dict = {}
+
+
+def dtype_name(dtype) -> str:
+    """``str(dtype)``, made once per dtype: graph fingerprints and call signatures name every
+    value's."""
+    return _DTYPE_NAMES.get(dtype) or _DTYPE_NAMES.setdefault(dtype, str(dtype))
+
+
 def graph_fingerprint(graph) -> str:
     """A hash of the planned program's structure: every node's primitive and value shapes."""
     h = hashlib.sha256()
-    values, names = graph.values, {}  # dtype -> str(dtype), slow on numpy dtypes
+    values = graph.values
     for node in graph.nodes:
-        shapes = [(values[v].shape, names.get(values[v].dtype)
-                   or names.setdefault(values[v].dtype, str(values[v].dtype)))
-                  for v in node.outs]
+        shapes = [(values[v].shape, dtype_name(values[v].dtype)) for v in node.outs]
         h.update(repr((node.prim, node.kind.value, shapes)).encode())
     return h.hexdigest()
 

@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 
+from autopar._sizes import parse_bytes
 from autopar.errors import AutoparError, CLIError
 
 _SIMULATE_FLAG = "--xla_force_host_platform_device_count"
@@ -133,7 +134,6 @@ def _load_target(target: str):
 
 def _size(text: str) -> int:
     """``--memory-budget``'s value (``autopar._sizes.parse_bytes``)."""
-    from autopar._sizes import parse_bytes
     try:
         return parse_bytes(text)
     except ValueError as e:

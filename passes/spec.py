@@ -101,7 +101,7 @@ def local_bytes(spec: Spec, shape, itemsize: int, axis_sizes: dict[str, int]) ->
     """The bytes of one device's block: ``spec.local_shape``'s product times ``itemsize``
     (written out: the memory model calls it for every value and strategy)."""
     nbytes = itemsize
-    for size, axes in zip(shape, spec.dims):
+    for size, axes in zip(shape, spec.dims, strict=True):  # a spec names every dim
         for axis in axes:
             size //= axis_sizes[axis]
         nbytes *= size
