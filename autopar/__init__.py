@@ -4,23 +4,34 @@
 and returns a :class:`Plan`; ``autopar.parallelize`` does it on the first call of a function.
 """
 
+from importlib.metadata import PackageNotFoundError as _NotInstalled
+from importlib.metadata import version as _version
+
+from autopar import baselines as baselines
+from autopar._api import parallelize as parallelize
+from autopar._api import plan as plan
+from autopar._plan import Plan as Plan
+from autopar._compare import compare as compare
+from autopar.cost_model.profiler import profile as profile
+from autopar.errors import ArgumentError as ArgumentError
 from autopar.errors import AutoparError as AutoparError
+from autopar.errors import AutoparWarning as AutoparWarning
+from autopar.errors import CLIError as CLIError
 from autopar.errors import InfeasiblePlanError as InfeasiblePlanError
+from autopar.errors import MemoryBudgetWarning as MemoryBudgetWarning
 from autopar.errors import MeshError as MeshError
 from autopar.errors import OtherProcessError as OtherProcessError
+from autopar.errors import PlanFormatError as PlanFormatError
+from autopar.errors import ProfileError as ProfileError
+from autopar.errors import RematWarning as RematWarning
+from autopar.errors import ShardingConflictWarning as ShardingConflictWarning
 from autopar.errors import ShardingHintError as ShardingHintError
+from autopar.errors import SolverFallbackWarning as SolverFallbackWarning
+from autopar.errors import StalePlanCacheWarning as StalePlanCacheWarning
+from autopar.errors import UnknownHardwareError as UnknownHardwareError
+from autopar.errors import UnsupportedPrimitiveWarning as UnsupportedPrimitiveWarning
 
-# The compiler (passes/, cost_model/) imports autopar.errors, so the API is loaded on first use
-# rather than here, which keeps `import passes` and `import autopar` free of cycles.
-_LAZY = {"plan": "autopar._api", "parallelize": "autopar._api", "Plan": "autopar._plan",
-         "profile": "cost_model.profiler"}
-
-__all__ = ["plan", "parallelize", "Plan", "profile", "AutoparError", "InfeasiblePlanError",
-           "MeshError", "OtherProcessError", "ShardingHintError"]
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'autopar' has no attribute {name!r}")
+try:
+    __version__ = _version("autopar")
+except _NotInstalled:  # run from a source tree that was never installed
+    __version__ = "0+unknown"

@@ -21,17 +21,17 @@ from autopar._plan import Plan, in_sharding
 from autopar._sizes import parse_bytes
 from autopar.baselines import baseline_kinds, baseline_kwargs, baseline_shardings
 from autopar.errors import ArgumentError, InfeasiblePlanError
-from cost_model.estimate import estimate, plan_collectives
-from cost_model.hardware import axis_levels, get_profile
-from passes.annotate import flatten_hints, to_spec
-from passes.emit import compiler_options
-from passes.flax_metadata import check as check_metadata
-from passes.flax_metadata import merge as merge_hints
-from passes.flax_metadata import metadata_hints, traced_under_rules
-from passes.memory_budget import default_memory_budget_bytes
-from passes.pipeline import Remat, run_pipeline
-from passes.remat import RematPolicy
-from passes.strategies import MeshContext
+from autopar.passes.estimate import estimate, plan_collectives
+from autopar.cost_model.hardware import axis_levels, get_profile
+from autopar.passes.annotate import flatten_hints, to_spec
+from autopar.passes.emit import compiler_options
+from autopar.passes.flax_metadata import check as check_metadata
+from autopar.passes.flax_metadata import merge as merge_hints
+from autopar.passes.flax_metadata import metadata_hints, traced_under_rules
+from autopar.passes.memory_budget import default_memory_budget_bytes
+from autopar.passes.pipeline import Remat, run_pipeline
+from autopar.passes.remat import RematPolicy
+from autopar.passes.strategies import MeshContext
 
 
 def _paths(tree) -> list[str]:

@@ -17,13 +17,10 @@ import json
 import os
 import re
 import warnings
+from autopar.errors import StalePlanCacheWarning
 
 FORMAT_VERSION = 1
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-class StalePlanCacheWarning(UserWarning):
-    """A plan cache entry was corrupted or stale and was ignored (the function is re-planned)."""
 
 
 #: dtype -> its name (str() of a numpy dtype is slow).

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from autopar._plan import Plan
 from autopar.errors import InfeasiblePlanError
-from cost_model.hlo import compiled_peak_bytes
+from autopar.cost_model.hlo import compiled_peak_bytes
 
 #: Plans made again under a lowered budget after the first one compiles over the budget.
 CHECK_MEMORY_ROUNDS = 2

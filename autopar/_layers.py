@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 
 import jax
 
-from autopar._plan import _flat_donation
-from cost_model.estimate import plan_timeline, value_specs
-from cost_model.memory import value_bytes
-from passes.remat import layer_of_path
+from autopar.passes.estimate import plan_timeline, value_specs
+from autopar.passes.liveness import value_bytes
+from autopar.passes.remat import layer_of_path
 
 OTHER = "other"
 
@@ -87,5 +86,20 @@ def memory_over_program(plan) -> tuple[int, tuple[int, ...]]:
     sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
     on_cpu = plan.mesh.devices.flat[0].platform == "cpu"
     donated = frozenset(graph.input_nodes[i]
-                        for i in _flat_donation(plan._in_tree, plan.donate_argnums))
+                        for i in flat_donation(plan._in_tree, plan.donate_argnums))
     return plan_timeline(graph, strats, choice, sizes, on_cpu, donated)
+
+
+def flat_donation(in_tree, donate_argnums) -> tuple[int, ...]:
+    """The flat argument leaves that ``donate_argnums`` (as in ``jax.jit``) donates."""
+    if not donate_argnums:
+        return ()
+    if isinstance(donate_argnums, int):
+        donate_argnums = (donate_argnums,)
+    counts = [c.num_leaves for c in in_tree.children()]
+    out, start = [], 0
+    for i, c in enumerate(counts):
+        if i in donate_argnums:
+            out += range(start, start + c)
+        start += c
+    return tuple(out)

@@ -13,8 +13,9 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar._mesh import as_auto_mesh, on_explicit_axes
+from autopar._layers import flat_donation, memory_over_program
 from autopar.errors import PlanFormatError
-from cost_model.estimate import Estimate
+from autopar.passes.estimate import Estimate
 
 FORMAT_VERSION = 1
 
@@ -80,7 +81,7 @@ class Plan:
             donate_argnums = self.donate_argnums
         flat_in = jax.tree_util.tree_leaves(self.in_shardings)
         flat_out = jax.tree_util.tree_leaves(self.out_shardings)
-        donate = _flat_donation(self._in_tree, donate_argnums)
+        donate = flat_donation(self._in_tree, donate_argnums)
         jitted = jax.jit(self._flat_fn, in_shardings=flat_in, out_shardings=flat_out,
                          donate_argnums=donate, compiler_options=self.compiler_options or None)
         in_tree, out_tree, mesh = self._in_tree, self._out_tree, self.mesh
@@ -105,7 +106,6 @@ class Plan:
         self._require_program()
         argnums = tuple(sorted({donate_argnums} if isinstance(donate_argnums, int)
                                else set(donate_argnums)))
-        from autopar._layers import memory_over_program
         donating = dataclasses.replace(self, donate_argnums=argnums)
         held, live = memory_over_program(donating)
         donating.estimate = dataclasses.replace(self.estimate,
@@ -124,7 +124,7 @@ class Plan:
     def report(self, baselines: dict | None = None) -> str:
         """A human-readable account of the plan: the estimate, per-layer parameter shardings
         with time and memory, the collectives chosen and why, fallbacks, planner statistics.
-        ``baselines``: {name: Plan} shown beside it (see ``autopar.compare.predict_baselines``).
+        ``baselines``: {name: Plan} shown beside it (see ``autopar._compare.predict_baselines``).
         """
         from autopar._report import render_text
         return render_text(self, baselines)
@@ -188,20 +188,6 @@ class Plan:
                 return cls.from_json(f.read())
         except FileNotFoundError:
             raise PlanFormatError(f"no plan file at `{path}`") from None
-
-
-def _flat_donation(in_tree, donate_argnums) -> tuple[int, ...]:
-    if not donate_argnums:
-        return ()
-    if isinstance(donate_argnums, int):
-        donate_argnums = (donate_argnums,)
-    counts = [c.num_leaves for c in in_tree.children()]
-    out, start = [], 0
-    for i, c in enumerate(counts):
-        if i in donate_argnums:
-            out += range(start, start + c)
-        start += c
-    return tuple(out)
 
 
 def _placed(x, sharding):

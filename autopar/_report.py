@@ -88,7 +88,7 @@ def render_text(plan, baselines: dict | None = None) -> str:
 def _remat_lines(remat: dict | None) -> list[str]:
     if not remat:
         return []
-    from passes.remat import RematPolicy
+    from autopar.passes.remat import RematPolicy
     policy = RematPolicy(remat["policy"])
     return ["", "Rematerialized layers (recomputed in the backward pass):",
             f"  {', '.join(remat['layers'])}",

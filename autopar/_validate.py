@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from cost_model.hlo import analyze
+from autopar.cost_model.hlo import analyze
 
 #: Compiled wire bytes of a kind over this multiple of the prediction are flagged.
 _EXCESS = 1.10

@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 
+from autopar._compat import backends_initialized
 from autopar._sizes import parse_bytes
 from autopar.errors import AutoparError, CLIError
 
@@ -16,8 +17,8 @@ _SIMULATE_FLAG = "--xla_force_host_platform_device_count"
 
 
 def _simulate_devices(n: int) -> None:
-    """Ask XLA for n host (CPU) devices. Must run before jax is imported."""
-    if "jax" in sys.modules:
+    """Ask XLA for n host (CPU) devices. Takes effect only before jax creates its devices."""
+    if backends_initialized():
         return
     flags = os.environ.get("XLA_FLAGS", "")
     if _SIMULATE_FLAG not in flags:
@@ -43,24 +44,20 @@ On real hardware:
 
 
 def _real_hardware_hint(hardware: str) -> str:
-    import examples
-    from cost_model.hardware import known_profiles
-    targets = os.path.join(os.path.dirname(os.path.abspath(examples.__file__)),
-                           "report_targets.py")
-    relative = os.path.relpath(targets)
+    from autopar.cost_model.hardware import known_profiles
     return _REAL_HARDWARE.format(hardware=hardware, profiles=", ".join(known_profiles()),
-                                 targets=targets if relative.startswith("..") else relative)
+                                 targets="autopar.models.targets")
 
 
 def cmd_demo(args) -> int:
     _simulate_devices(8)
-    if "jax" not in sys.modules:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # simulated CPU devices, even on a GPU host
     import jax
+    if not backends_initialized():  # simulated CPU devices, even on a GPU host
+        jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
     import numpy as np
 
     import autopar
-    from examples.models import gpt
+    from autopar.models import gpt
 
     devices = jax.devices()
     _say(f"autopar demo: a GPT train step (flax linen + optax adam) on {len(devices)} "
@@ -78,7 +75,7 @@ def cmd_demo(args) -> int:
                         verbose=True)
     baselines = None
     if not args.no_baselines:
-        from autopar.compare import predict_baselines
+        from autopar._compare import predict_baselines
         print("[autopar] estimating the data-parallel and FSDP baselines", file=sys.stderr,
               flush=True)
         baselines = predict_baselines(step, state, plan.mesh, hardware=args.hardware)
@@ -101,35 +98,49 @@ def cmd_demo(args) -> int:
 
 # ----- report
 def _load_target(target: str):
-    path, sep, name = target.rpartition(":")
-    if not sep or not path or not name:
-        raise CLIError(f"target `{target}` must look like FILE.py:NAME")
-    if not os.path.isfile(path):
-        raise CLIError(f"no file `{path}`: give the path of a Python file holding `{name}`")
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("_autopar_target", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # the user's file: report it in one line, not as our traceback
-        raise CLIError(f"running `{path}` failed: {type(e).__name__}: {e}") from e
+    """FILE.py:NAME or MODULE:NAME -> what NAME() returns, (fn, example_args)."""
+    where, sep, name = target.rpartition(":")
+    if not sep or not where or not name:
+        raise CLIError(f"target `{target}` must look like FILE.py:NAME or MODULE:NAME")
+    module = _target_module(where, name)
     if not hasattr(module, name):
-        raise CLIError(f"`{path}` has no `{name}`; it should define a zero-argument function "
+        raise CLIError(f"`{where}` has no `{name}`; it should define a zero-argument function "
                        "returning (fn, example_args_tuple)")
     factory = getattr(module, name)
     if not callable(factory):
-        raise CLIError(f"`{name}` in `{path}` is not callable; it should be a zero-argument "
+        raise CLIError(f"`{name}` in `{where}` is not callable; it should be a zero-argument "
                        "function returning (fn, example_args_tuple)")
     try:
         made = factory()
     except Exception as e:
-        raise CLIError(f"`{name}()` in `{path}` failed: {type(e).__name__}: {e}") from e
+        raise CLIError(f"`{name}()` in `{where}` failed: {type(e).__name__}: {e}") from e
     if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])
             and isinstance(made[1], tuple)):
         raise CLIError(f"`{name}()` must return (fn, example_args_tuple), got "
                        f"{type(made).__name__}")
     return made
+
+
+def _target_module(where: str, name: str):
+    """The module a target names: a Python file's path, or an importable dotted name."""
+    import importlib
+    import importlib.util
+    if not os.path.isfile(where):
+        if where.endswith(".py") or os.sep in where:
+            raise CLIError(f"no file `{where}`: give the path of a Python file holding `{name}`")
+        try:
+            return importlib.import_module(where)
+        except ImportError as e:
+            raise CLIError(f"no file or module `{where}`: give a Python file's path or an "
+                           f"importable module holding `{name}` ({e})") from e
+    spec = importlib.util.spec_from_file_location("_autopar_target", where)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the user's file: report it in one line, not as our traceback
+        raise CLIError(f"running `{where}` failed: {type(e).__name__}: {e}") from e
+    return module
 
 
 def _size(text: str) -> int:
@@ -165,7 +176,7 @@ def cmd_report(args) -> int:
     elif "JAX_PLATFORMS" in os.environ and os.environ["JAX_PLATFORMS"] == "cpu":
         _simulate_devices(math.prod(mesh.values()))
     import autopar
-    from cost_model.hardware import get_profile
+    from autopar.cost_model.hardware import get_profile
     get_profile(args.hardware)  # fail early on an unknown name
     fn, example_args = _load_target(args.target)
     plan = autopar.plan(fn, *example_args, mesh=mesh, hardware=args.hardware,
@@ -173,7 +184,7 @@ def cmd_report(args) -> int:
                         time_limit_s=args.time_limit, verbose=not args.quiet)
     baselines = None
     if not args.no_baselines:
-        from autopar.compare import predict_baselines
+        from autopar._compare import predict_baselines
         if not args.quiet:
             print("[autopar] estimating the data-parallel and FSDP baselines", file=sys.stderr,
                   flush=True)
@@ -209,7 +220,7 @@ def cmd_profile(args) -> int:
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise CLIError(f"cannot write `{args.out}`: folder `{out_dir}` does not exist")
-    from cost_model.profiler import profile
+    from autopar.cost_model.profiler import profile
     prof = profile(mesh, base=args.base, min_bytes=args.min_bytes, max_bytes=args.max_bytes,
                    repeats=args.repeats, verbose=not args.quiet)
     with open(args.out, "w", encoding="utf-8") as f:
@@ -218,9 +229,18 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("autopar")
+    except PackageNotFoundError:
+        return "0+unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    parser.add_argument("--version", action="version", version=f"autopar {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="plan and run the bundled GPT example on 8 simulated "
                                        "CPU devices")
@@ -229,7 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="skip estimating the data-parallel and FSDP baselines")
     demo.set_defaults(run=cmd_demo)
     rep = sub.add_parser("report", help="plan FILE.py:NAME and explain the plan")
-    rep.add_argument("target", help="FILE.py:NAME, NAME a zero-argument function returning "
+    rep.add_argument("target", help="FILE.py:NAME or MODULE:NAME, NAME a zero-argument "
+                                    "function returning "
                                     "(fn, example_args_tuple)")
     rep.add_argument("--mesh", required=True, help="e.g. data=2,model=4")
     rep.add_argument("--hardware", default="h100", help="profile name or profile JSON path")

@@ -51,8 +51,35 @@ class CLIError(AutoparError):
     """A command-line input is wrong (missing file, missing target, bad flag)."""
 
 
-class ShardingConflictWarning(UserWarning):
+class AutoparWarning(UserWarning):
+    """Base class of every warning autopar gives: the plan is made, with a caveat it names."""
+
+
+class ShardingConflictWarning(AutoparWarning):
     """Two sharding annotations (hints, ``with_sharding_constraint`` calls, flax metadata, or
     shardings propagated from them) want one value sharded two ways. The user's annotation
     wins over a propagated one, the value is resharded where they meet, and the warning names
     both sources."""
+
+
+class StalePlanCacheWarning(AutoparWarning):
+    """A plan cache entry was corrupted or stale and was ignored (the function is re-planned)."""
+
+
+class SolverFallbackWarning(AutoparWarning):
+    """The ILP found no solution in its time limit (a greedy plan is used instead), or none
+    better than its warm start (that plan is used)."""
+
+
+class MemoryBudgetWarning(AutoparWarning):
+    """No plan fits the default memory budget (the profile's HBM capacity minus a margin);
+    the plan returned ignores it."""
+
+
+class UnsupportedPrimitiveWarning(AutoparWarning):
+    """A primitive has no sharding rule and is planned replicated."""
+
+
+class RematWarning(AutoparWarning):
+    """Rematerialization was asked for (``plan(remat="dots_saveable")``, say), but the program
+    has no layer the pass can recompute; it is planned as it is."""

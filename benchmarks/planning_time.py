@@ -1,7 +1,7 @@
 """Planning time against depth: a GPT-style train step (flax linen, adamw) on a (2, 4) mesh.
 
 For each depth the model is built abstractly (``jax.ShapeDtypeStruct`` leaves, REALISTIC
-shapes of ``examples/models/gpt.py``, nothing executed) and planned with
+shapes of ``autopar/models/gpt.py``, nothing executed) and planned with
 ``autopar.plan(..., hardware="h100")``. The table shows where the time goes (tracing,
 strategies, clustering with layer deduplication, the ILP solve), the whole ``plan()`` call
 (tracing included), and the ILP's size before and after coarsening: graph nodes -> groups
@@ -37,7 +37,7 @@ COLUMNS = ("variant", "layers", "setup_s", "trace_s", "strategies_s", "cluster_s
 def measure(layers: int, scan: bool, time_limit_s: float) -> dict:
     """Plan the train step at ``layers`` deep; one row of the table."""
     import autopar
-    from examples.models import gpt
+    from autopar.models import gpt
 
     config = dataclasses.replace(gpt.REALISTIC, layers=layers, scan_layers=scan)
     t = time.perf_counter()

@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     import jax
 
     from autopar.errors import AutoparError
-    from cost_model.hardware import get_profile
+    from autopar.cost_model.hardware import get_profile
     try:
         get_profile(args.hardware)
     except AutoparError as e:

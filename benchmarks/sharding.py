@@ -1,6 +1,6 @@
 """One row of the sharding benchmark: autopar's plan and the hand-written baselines for one
 workload on one mesh, each compiled from ShapeDtypeStruct arguments and priced from its
-compiled HLO (``autopar.compare.measure``), never from autopar's own estimate.
+compiled HLO (``autopar._compare.measure``), never from autopar's own estimate.
 
 Programs are compiled with :data:`FAST_COMPILE`: XLA skips LLVM optimisation, which halves
 CPU compile time and changes no measure (SPMD partitioning, collectives, flops and buffer
@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import autopar
 from autopar import baselines
 from autopar._mesh import as_auto_mesh
-from autopar.compare import _baseline_kwargs, baseline_kinds, measure
+from autopar._compare import _baseline_kwargs, baseline_kinds, measure
 from benchmarks.workloads import abstract_train_step
-from cost_model.hardware import get_profile
+from autopar.cost_model.hardware import get_profile
 
 #: XLA options for the benchmark's compiles (see the module docstring).
 FAST_COMPILE = {"xla_backend_optimization_level": 0}

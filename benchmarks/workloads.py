@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from examples.models import convnet, llama_nnx
-from examples.models.workloads import WORKLOADS as SHARED
+from autopar.models import convnet, llama_nnx
+from autopar.models.workloads import WORKLOADS as SHARED
 
 #: name -> (model module, config); gpt, bert, moe and mlp are the tests' realistic workloads.
 WORKLOADS = {

@@ -16,9 +16,9 @@ import functools
 import math
 from dataclasses import dataclass
 
-from cost_model.hardware import LevelKind
-from cost_model.hlo import CollectiveKind, wire_bytes
-from passes.spec import Spec
+from autopar.cost_model.hardware import LevelKind
+from autopar.cost_model.hlo import CollectiveKind, wire_bytes
+from autopar.cost_model.spec import Spec
 
 
 def ring_steps(kind: CollectiveKind, n: int) -> int:
@@ -35,7 +35,7 @@ class CommStep:
     step is done, when the step is part of a redistribution (emission pins it). ``combined``
     marks a collective XLA's combiner merges with others of its kind (a train step's last
     reductions, its gradients and loss, which do not wait for one another:
-    ``passes.strategies.is_combined_reduction``): it pays no latency of its own.
+    ``passes.reductions.is_combined_reduction``): it pays no latency of its own.
     """
     kind: CollectiveKind | None
     axes: tuple[str, ...]

@@ -30,9 +30,9 @@ from collections.abc import Callable
 import numpy as np
 
 from autopar.errors import MeshError, ProfileError
-from cost_model.collectives import ring_steps
-from cost_model.hardware import HardwareProfile, get_profile
-from cost_model.hlo import CollectiveKind, wire_bytes
+from autopar.cost_model.collectives import ring_steps
+from autopar.cost_model.hardware import HardwareProfile, get_profile
+from autopar.cost_model.hlo import CollectiveKind, wire_bytes
 
 _ACCELERATOR_MATMUL_SIZES = (256, 512, 1024, 2048, 4096)
 _CPU_MATMUL_SIZES = (64, 128, 256, 512)

@@ -9,8 +9,8 @@ its group fits in (the innermost level whose ``devices_per_group`` holds the gro
 
 from __future__ import annotations
 
-from cost_model.collectives import ring_steps
-from cost_model.hlo import HloSummary
+from autopar.cost_model.collectives import ring_steps
+from autopar.cost_model.hlo import HloSummary
 
 
 def _level_for(profile, group_size: int):

@@ -9,7 +9,7 @@ import sys
 
 
 def build(size: str):
-    from examples.models import bert
+    from autopar.models import bert
     return bert.make_train_step(bert.TINY if size == "tiny" else bert.REALISTIC)
 
 

@@ -24,7 +24,7 @@ def save_and_restore(directory: str, pins=None):
     import orbax.checkpoint as ocp
 
     import autopar
-    from examples.models import gpt
+    from autopar.models import gpt
 
     step, (params, opt_state, batch) = gpt.make_train_step(gpt.TINY)
     hint = jax.tree_util.tree_map_with_path(

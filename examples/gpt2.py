@@ -11,7 +11,7 @@ WEIGHT_DECAY = 0.1
 
 
 def build(size: str):
-    from examples.models import common, gpt
+    from autopar.models import common, gpt
     config = gpt.TINY if size == "tiny" else gpt.REALISTIC
     return gpt.make_train_step(config, tx=common.make_optimizer(weight_decay=WEIGHT_DECAY))
 

@@ -12,7 +12,7 @@ import sys
 
 
 def build(size: str):
-    from examples.models import llama_nnx
+    from autopar.models import llama_nnx
     return llama_nnx.make_train_step(llama_nnx.TINY if size == "tiny" else llama_nnx.REALISTIC)
 
 

@@ -8,7 +8,7 @@ import sys
 
 
 def build(size: str):
-    from examples.models import mlp
+    from autopar.models import mlp
     return mlp.make_train_step(mlp.TINY if size == "tiny" else mlp.TP_FRIENDLY_WIDE)
 
 

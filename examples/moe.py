@@ -10,7 +10,7 @@ import sys
 
 
 def build(size: str):
-    from examples.models import moe
+    from autopar.models import moe
     return moe.make_train_step(moe.TINY if size == "tiny" else moe.REALISTIC)
 
 

@@ -10,7 +10,7 @@ import sys
 
 
 def build(size: str):
-    from examples.models import convnet
+    from autopar.models import convnet
     return convnet.make_train_step(convnet.TINY if size == "tiny" else convnet.REALISTIC)
 
 

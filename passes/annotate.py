@@ -11,9 +11,9 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.errors import ShardingHintError
-from passes.ir import Graph
-from passes.spec import Spec, spec_fits
-from passes.trace import CONSTRAINT_PRIMS, constraint_label
+from autopar.passes.ir import Graph
+from autopar.cost_model.spec import Spec, spec_fits
+from autopar.passes.trace import CONSTRAINT_PRIMS, constraint_label
 
 
 def to_spec(hint, shape, axis_sizes: dict[str, int], where: str) -> Spec | None:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from passes.dedup import input_shapes
-from passes.ir import Graph, NodeKind
-from passes.rules.elementwise import UNARY_AND_NARY
-from passes.solve import Groups
-from passes.strategies import MeshContext, Strategy
+from autopar.passes.dedup import input_shapes
+from autopar.passes.ir import Graph, NodeKind
+from autopar.passes.rules.elementwise import UNARY_AND_NARY
+from autopar.passes.dedup import Groups
+from autopar.passes.strategies import MeshContext, Strategy
 
 FOLLOWERS = frozenset(UNARY_AND_NARY) | {"reshape", "transpose", "squeeze", "expand_dims",
                                          "reduce_precision", "copy"}

@@ -30,9 +30,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from passes.ir import Graph, Node, NodeKind
+from autopar.passes.ir import Graph, Node, NodeKind
+from autopar.passes.reductions import is_combined_reduction
 
 #: Refinement rounds; far fewer hops than a transformer layer has ops.
+@dataclass
+class Groups:
+    """Which nodes share a decision: node -> (group, index map from group to node strategies)."""
+    group_of: list[int]
+    index_map: list[np.ndarray]
+    members: dict[int, list[int]]
+    sizes: dict[int, int]
+    # Structural color per node (passes.dedup): nodes of one color in one group cost the same
+    # and their edges are priced once, weighted by how many there are.
+    color: list[int] | None = None
+
+
+
 ROUNDS = 3
 
 
@@ -74,8 +88,6 @@ def input_shapes(graph: Graph) -> frozenset:
 
 def node_keys(graph: Graph) -> list[tuple]:
     """:func:`node_key` of every node."""
-    # A cycle: strategies caches its lists by these keys.
-    from passes.strategies import is_combined_reduction
 
     return [node_key(graph, n, is_combined_reduction(n, graph)) for n in graph.nodes]
 
@@ -117,8 +129,7 @@ def structural_colors(graph: Graph, keys: list[tuple], rounds: int = ROUNDS) -> 
 
 def tie_groups(groups, colors: Colors):
     """Merge groups whose members are structurally identical (same colors, same index maps)
-    into one decision. Returns a new ``passes.solve.Groups`` carrying the colors."""
-    from passes.solve import Groups  # cycle: solve's Groups is the ILP's view of this
+    into one decision. Returns a new ``Groups`` carrying the colors."""
 
     rep_of_sig: dict = {}
     rep_of_group: dict[int, int] = {}

@@ -19,10 +19,10 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 
-from cost_model.collectives import plan_redistribute
-from passes.ir import Graph
-from passes.spec import Spec
-from passes.trace import CALL_PRIMS, CONSTRAINT_PRIMS, Traced, call_body
+from autopar.cost_model.collectives import plan_redistribute
+from autopar.passes.ir import Graph
+from autopar.cost_model.spec import Spec
+from autopar.passes.trace import CALL_PRIMS, CONSTRAINT_PRIMS, Traced, call_body
 
 _CUSTOM_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 

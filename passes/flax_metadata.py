@@ -110,7 +110,7 @@ def metadata_hints(args, logical_axis_rules=None) -> list[tuple[PartitionSpec | 
 
 
 def _normalized(hint, rank: int):
-    from passes.spec import Spec
+    from autopar.cost_model.spec import Spec
     if isinstance(hint, NamedSharding):
         hint = hint.spec
     try:
@@ -156,7 +156,7 @@ def traced_under_rules(fn, logical_axis_rules, mesh):
 def check(meta: list[tuple[PartitionSpec | None, str]], args, axis_sizes: dict[str, int]) -> None:
     """Refuse, before tracing, metadata that names a mesh axis the mesh lacks or does not
     divide its dim (ShardingHintError naming the leaf, the metadata and the rules)."""
-    from passes.annotate import to_spec
+    from autopar.passes.annotate import to_spec
     flat = jax.tree_util.tree_flatten_with_path(args)[0]
     for (hint, what), (path, leaf) in zip(meta, flat):
         if hint is not None:

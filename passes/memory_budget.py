@@ -28,15 +28,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cost_model.estimate import plan_timeline, reductions, value_specs
-from cost_model.memory import (
+from autopar.passes.estimate import plan_timeline, reductions, value_specs
+from autopar.passes.liveness import (
     Buffer,
     reduction_bytes,
     running_sum,
     temporaries,
     value_bytes,
 )
-from passes.ir import Graph
+from autopar.passes.ir import Graph
 
 #: Rounds of adding rows before giving up on a plan that keeps exceeding the budget.
 MAX_ROUNDS = 12

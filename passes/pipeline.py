@@ -16,15 +16,16 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
-from cost_model.estimate import value_specs
-from passes.annotate import annotate
-from passes.background import Deferred, usable_cores
-from passes.cluster import cluster
-from passes.dedup import node_keys, structural_colors, tie_groups
-from passes.emit import build_flat_fn
-from passes.ir import Graph
-from passes.memory_budget import input_labels, peak_lower_bound_bytes
-from passes.propagate import (
+from autopar.passes.estimate import value_specs
+from autopar.errors import MemoryBudgetWarning, RematWarning
+from autopar.passes.annotate import annotate
+from autopar.passes.background import Deferred, usable_cores
+from autopar.passes.cluster import cluster
+from autopar.passes.dedup import Groups, node_keys, structural_colors, tie_groups
+from autopar.passes.emit import build_flat_fn
+from autopar.passes.ir import Graph
+from autopar.passes.memory_budget import input_labels, peak_lower_bound_bytes
+from autopar.passes.propagate import (
     best_of,
     candidate_starts,
     propagate,
@@ -32,16 +33,15 @@ from passes.propagate import (
     propagated_plans,
     step_times,
 )
-from passes.remat import (
+from autopar.passes.remat import (
     RematPolicy,
-    RematWarning,
     rematerialize,
     residual_bytes,
     scanned_layers,
 )
-from passes.solve import Groups, MemoryBudgetWarning, Solution, over_budget_error, solve
-from passes.strategies import MeshContext, Strategy, build_strategies
-from passes.trace import Traced, trace
+from autopar.passes.solve import Solution, over_budget_error, solve
+from autopar.passes.strategies import MeshContext, Strategy, build_strategies
+from autopar.passes.trace import Traced, trace
 
 
 @dataclass(frozen=True)

@@ -54,14 +54,14 @@ import warnings
 from dataclasses import dataclass, field
 
 from autopar.errors import ShardingConflictWarning
-from cost_model.estimate import estimate, plan_collectives, plan_peak_memory_bytes
-from passes.ir import Graph, Node, NodeKind
-from passes.rules.dot import CONTRACTIONS
-from passes.rules.elementwise import UNARY_AND_NARY
-from passes.rules.gather import GATHER_SCATTER
-from passes.spec import Spec
-from passes.strategies import MeshContext, Strategy
-from passes.trace import CONSTRAINT_PRIMS, constraint_label
+from autopar.passes.estimate import estimate, plan_collectives, plan_peak_memory_bytes
+from autopar.passes.ir import Graph, Node, NodeKind
+from autopar.passes.rules.dot import CONTRACTIONS
+from autopar.passes.rules.elementwise import UNARY_AND_NARY
+from autopar.passes.rules.gather import GATHER_SCATTER
+from autopar.cost_model.spec import Spec
+from autopar.passes.strategies import MeshContext, Strategy
+from autopar.passes.trace import CONSTRAINT_PRIMS, constraint_label
 
 
 @dataclass(frozen=True)

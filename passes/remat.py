@@ -39,13 +39,9 @@ from dataclasses import dataclass
 import jax
 from jax.extend import core as jcore
 
-from passes import remat_scan
-from passes.trace import Traced, from_jaxpr
-
-
-class RematWarning(UserWarning):
-    """Rematerialization was asked for (``plan(remat="dots_saveable")``, say), but the program
-    has no layer the pass can recompute; it is planned as it is."""
+from autopar.passes import remat_scan
+from autopar.passes.trace import Traced, from_jaxpr
+from autopar.errors import RematWarning
 
 
 class RematPolicy(enum.Enum):

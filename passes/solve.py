@@ -44,10 +44,11 @@ import scipy.optimize
 import scipy.sparse
 
 from autopar.errors import InfeasiblePlanError
-from cost_model.collectives import CommStep
-from passes.background import Deferred
-from passes.ir import Graph, NodeKind
-from passes.memory_budget import (
+from autopar.cost_model.collectives import CommStep
+from autopar.passes.background import Deferred
+from autopar.passes.dedup import Groups
+from autopar.passes.ir import Graph, NodeKind
+from autopar.passes.memory_budget import (
     MAX_ROUNDS,
     BudgetRows,
     breakdown,
@@ -55,7 +56,8 @@ from passes.memory_budget import (
     peaks_over,
     plan_peak,
 )
-from passes.strategies import MeshContext, Strategy
+from autopar.passes.strategies import MeshContext, Strategy
+from autopar.errors import MemoryBudgetWarning, SolverFallbackWarning
 
 _US = 1e6
 # An edge whose two sides have more distinct spec pairs than this is priced axis by axis.
@@ -65,28 +67,6 @@ MAX_EXACT_EDGE_PAIRS = 400
 MEMORY_GAP = 5e-2
 #: scipy.optimize.milp's status for "other" (HiGHS refused an option, among others).
 HIGHS_OTHER_STATUS = 4
-
-
-class SolverFallbackWarning(UserWarning):
-    """The ILP found no solution in its time limit (a greedy plan is used instead), or none
-    better than its warm start (that plan is used)."""
-
-
-class MemoryBudgetWarning(UserWarning):
-    """No plan fits the default memory budget (the profile's HBM capacity minus a margin);
-    the plan returned ignores it."""
-
-
-@dataclass
-class Groups:
-    """Which nodes share a decision: node -> (group, index map from group to node strategies)."""
-    group_of: list[int]
-    index_map: list[np.ndarray]
-    members: dict[int, list[int]]
-    sizes: dict[int, int]
-    # Structural color per node (passes.dedup): nodes of one color in one group cost the same
-    # and their edges are priced once, weighted by how many there are.
-    color: list[int] | None = None
 
 
 @dataclass

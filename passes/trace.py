@@ -19,7 +19,7 @@ from jax.extend import core as jcore
 
 from autopar._mesh import on_explicit_axes
 from autopar.errors import ArgumentError
-from passes.ir import Graph, NodeKind
+from autopar.passes.ir import Graph, NodeKind
 
 # Calls whose body is inlined for planning. Value: how to find (jaxpr, consts) in the params.
 CALL_PRIMS = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",

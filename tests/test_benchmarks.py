@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import autopar
 from benchmarks import run, sharding, workloads
-from cost_model.hlo import analyze
-from examples.models import mlp
+from autopar.cost_model.hlo import analyze
+from autopar.models import mlp
 
 
 def test_one_tiny_row_writes_the_tables(tmp_path, monkeypatch, capsys):

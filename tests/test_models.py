@@ -1,4 +1,4 @@
-"""The example models (examples/models) and the hand-written baselines (autopar.baselines)."""
+"""The example models (autopar.models) and the hand-written baselines (autopar.baselines)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from examples.models import bert, convnet, gpt, llama_nnx, mlp, moe
+from autopar.models import bert, convnet, gpt, llama_nnx, mlp, moe
 
 MODELS = {
     "mlp": mlp,
@@ -178,7 +178,7 @@ def test_llama_annotate_puts_sharding_metadata():
 
 
 def _primitives(step, args):
-    from examples.models.common import primitives_of
+    from autopar.models.common import primitives_of
 
     return primitives_of(step, *args)
 

@@ -64,5 +64,5 @@ def dim_maps(prim: str, ctx: RuleContext, params: dict[str, Any]) -> list[DimMap
 
 
 # The families register themselves on import.
-from passes.rules import (  # noqa: E402,F401
+from autopar.passes.rules import (  # noqa: E402,F401
     control, dot, elementwise, gather, random, reduction, shape)

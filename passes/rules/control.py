@@ -5,7 +5,7 @@ way on both sides; a scanned-over input and a stacked output keep their leading 
 dimension whole.
 """
 
-from passes.rules import DimMap, RuleContext, register
+from autopar.passes.rules import DimMap, RuleContext, register
 
 
 @register("input")

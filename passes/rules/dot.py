@@ -5,7 +5,7 @@ partial sum on every device, reduced over the axis (all-reduce, or reduce-scatte
 result is split over that axis).
 """
 
-from passes.rules import DimMap, Reduce, RuleContext, register
+from autopar.passes.rules import DimMap, Reduce, RuleContext, register
 
 #: The primitives of this family.
 CONTRACTIONS = ("dot_general", "conv_general_dilated")

@@ -4,7 +4,7 @@ Operands may be scalars, or have size-1 dimensions that broadcast (jax 0.10 bina
 ``f32[16,1024,2048] + f32[1,1,2048]``): those stay whole over the axis that splits the result.
 """
 
-from passes.rules import DimMap, RuleContext, register
+from autopar.passes.rules import DimMap, RuleContext, register
 
 UNARY_AND_NARY = (
     "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh",

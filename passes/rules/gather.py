@@ -11,7 +11,7 @@ hand-written vocab-parallel Megatron program compiles to (``tests/cost_model/
 test_ranking.py`` checks the collectives match).
 """
 
-from passes.rules import DimMap, Reduce, RuleContext, register
+from autopar.passes.rules import DimMap, Reduce, RuleContext, register
 
 
 def _index_batch_dims(idx_rank):

@@ -1,7 +1,7 @@
 """Random number primitives. Bits are generated per shard (jax's partitionable threefry), so
 the result may be split any way while the key stays whole."""
 
-from passes.rules import DimMap, RuleContext, register
+from autopar.passes.rules import DimMap, RuleContext, register
 
 
 @register("random_bits", "threefry2x32")

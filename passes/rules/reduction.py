@@ -1,6 +1,6 @@
 """Reductions and scans along a dimension."""
 
-from passes.rules import DimMap, Reduce, RuleContext, register
+from autopar.passes.rules import DimMap, Reduce, RuleContext, register
 
 _KIND = {"reduce_sum": Reduce.SUM, "reduce_max": Reduce.MAX, "reduce_min": Reduce.MIN,
          "reduce_prod": Reduce.PROD, "reduce_and": Reduce.ANY, "reduce_or": Reduce.ANY,

@@ -1,6 +1,6 @@
 """Shape and data-movement primitives: a dimension splits when it moves through unchanged."""
 
-from passes.rules import DimMap, RuleContext, register
+from autopar.passes.rules import DimMap, RuleContext, register
 
 
 @register("broadcast_in_dim")

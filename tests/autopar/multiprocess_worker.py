@@ -28,7 +28,7 @@ def main(port: int, process_id: int) -> None:
     from jax.experimental import multihost_utils
 
     import autopar
-    from examples.models import gpt
+    from autopar.models import gpt
 
     assert len(jax.devices()) == 8 and len(jax.local_devices()) == 4
     fn, args = gpt.make_train_step(gpt.TINY)
@@ -98,7 +98,7 @@ def _global(host, shardings):
 def _take_the_slowest_candidate() -> None:
     """Make this process plan otherwise than the others: its planner returns the slowest of
     the propagated candidate plans instead of the best one."""
-    from passes import pipeline
+    from autopar.passes import pipeline
     best_of = pipeline.best_of
 
     def slowest(solution, graph, strats, mesh, candidates, *rest):

@@ -17,12 +17,12 @@ from jax.sharding import PartitionSpec as P
 import autopar
 from autopar import baselines
 from autopar._mesh import as_auto_mesh
-from autopar.compare import measure
+from autopar._compare import measure
 from autopar.errors import ShardingConflictWarning, ShardingHintError
-from cost_model.hardware import get_profile
-from cost_model.hlo import analyze
-from examples.models import gpt, llama_nnx
-from examples.models.workloads import abstract_train_step
+from autopar.cost_model.hardware import get_profile
+from autopar.cost_model.hlo import analyze
+from autopar.models import gpt, llama_nnx
+from autopar.models.workloads import abstract_train_step
 
 MESH = {"data": 2, "model": 4}
 

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 import autopar
-from examples.models import gpt, mlp
+from autopar.models import gpt, mlp
 
 
 def _step():
@@ -104,7 +104,7 @@ def test_with_sharding_constraint_in_the_function_is_kept(mesh_2d):
 
 def test_validate_flags_collectives_the_plan_did_not_predict(monkeypatch):
     from autopar import _validate
-    from cost_model import hlo
+    from autopar.cost_model import hlo
 
     fn, args = mlp.make_train_step(mlp.TINY)
     plan = autopar.plan(fn, *args, mesh={"data": 8})

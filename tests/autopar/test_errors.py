@@ -84,8 +84,8 @@ def test_ilp_time_limit_falls_back_and_says_so(seeds):
     """Without a solution in time the plan is greedy; with baseline seeds the ILP starts from
     the best propagated plan, keeps it when it finds nothing better, and says so; the plan is
     the fastest predicted of all. Either way it computes what one device does."""
-    from examples.models import mlp
-    from passes.solve import SolverFallbackWarning
+    from autopar.models import mlp
+    from autopar.errors import SolverFallbackWarning
     fn, args = mlp.make_train_step(mlp.TINY)
     match = "no plan better than the propagated one" if seeds else "greedy plan"
     with pytest.warns(SolverFallbackWarning, match=match):
@@ -104,7 +104,7 @@ def test_ilp_time_limit_falls_back_and_says_so(seeds):
 
 
 def test_unsupported_primitive_falls_back_replicated_and_is_reported():
-    from passes.strategies import UnsupportedPrimitiveWarning
+    from autopar.errors import UnsupportedPrimitiveWarning
     fn = lambda x: jnp.linalg.cholesky(x @ x.T + 8 * jnp.eye(8)).sum()  # noqa: E731
     x = jnp.ones((8, 8))
     with pytest.warns(UnsupportedPrimitiveWarning, match="cholesky"):

@@ -11,16 +11,16 @@ import pytest
 import autopar
 from autopar import baselines
 from autopar._mesh import as_auto_mesh
-from autopar.compare import predict_baselines
+from autopar._compare import predict_baselines
 from autopar.errors import ArgumentError, InfeasiblePlanError
-from cost_model.hardware import get_profile
-from cost_model.hlo import analyze, compiled_peak_bytes
-from examples.models import gpt, mlp
-from passes import pipeline
-from passes.memory_budget import default_memory_budget_bytes, peak_lower_bound_bytes
-from passes.remat import RematWarning
-from passes.solve import MemoryBudgetWarning
-from passes.trace import trace
+from autopar.cost_model.hardware import get_profile
+from autopar.cost_model.hlo import analyze, compiled_peak_bytes
+from autopar.models import gpt, mlp
+from autopar.passes import pipeline
+from autopar.passes.memory_budget import default_memory_budget_bytes, peak_lower_bound_bytes
+from autopar.errors import RematWarning
+from autopar.errors import MemoryBudgetWarning
+from autopar.passes.trace import trace
 
 MESH = {"data": 2, "model": 4}
 

@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import autopar
-from examples.models import bert, convnet, gpt, llama_nnx, mlp, moe
-from passes.solve import SolverFallbackWarning
+from autopar.models import bert, convnet, gpt, llama_nnx, mlp, moe
+from autopar.errors import SolverFallbackWarning
 
 MODELS = {"mlp": mlp, "gpt": gpt, "bert": bert, "moe": moe, "llama_nnx": llama_nnx,
           "convnet": convnet}

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec
 
 import autopar
 from autopar.errors import ArgumentError
-from cost_model.hlo import analyze
-from examples.models import gpt, llama_nnx
+from autopar.cost_model.hlo import analyze
+from autopar.models import gpt, llama_nnx
 
 MESH = {"data": 2, "model": 4}
 
@@ -150,7 +150,7 @@ def _cached_step(cache_dir):
 
 
 def test_disk_cache_skips_the_solve_and_survives_corruption(tmp_path):
-    from autopar._cache import StalePlanCacheWarning
+    from autopar.errors import StalePlanCacheWarning
 
     w, x = jnp.ones((16, 16)) * 0.1, jnp.arange(32 * 16.0).reshape(32, 16) / 100
     first = _cached_step(tmp_path)

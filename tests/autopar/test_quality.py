@@ -6,10 +6,10 @@ import dataclasses
 import jax
 import pytest
 
-from autopar.compare import compare
-from cost_model.hardware import get_profile
-from examples.models import gpt, mlp
-from examples.models.workloads import WORKLOADS as ALL_WORKLOADS
+from autopar._compare import compare
+from autopar.cost_model.hardware import get_profile
+from autopar.models import gpt, mlp
+from autopar.models.workloads import WORKLOADS as ALL_WORKLOADS
 
 H100 = get_profile("h100")
 WORKLOADS = {k: v for k, v in ALL_WORKLOADS.items() if k != "mlp"}

@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import autopar
 from autopar.errors import ShardingConflictWarning
-from cost_model.estimate import value_specs
-from passes.solve import SolverFallbackWarning
+from autopar.passes.estimate import value_specs
+from autopar.errors import SolverFallbackWarning
 
 DIMS = (8, 16, 32)
 MESHES = ({"data": 8}, {"data": 2, "model": 4}, {"data": 2, "model": 2, "expert": 2})

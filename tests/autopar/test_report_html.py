@@ -7,8 +7,8 @@ import pytest
 import autopar
 from autopar._html import render_html
 from autopar._layers import layer_rows
-from autopar.compare import predict_baselines
-from examples.models import gpt
+from autopar._compare import predict_baselines
+from autopar.models import gpt
 
 MESH = {"data": 2, "model": 4}
 

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import autopar
-from examples.models import common
+from autopar.models import common
 
 MESH = {"data": 2, "model": 4}
 

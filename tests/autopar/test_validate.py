@@ -9,8 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 import autopar
 from autopar._validate import flag_kinds, validate, validation_table
-from cost_model.hlo import analyze
-from examples.models import gpt, mlp
+from autopar.cost_model.hlo import analyze
+from autopar.models import gpt, mlp
 
 
 @pytest.fixture(scope="module")

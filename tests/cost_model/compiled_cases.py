@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import autopar
 from autopar._mesh import as_auto_mesh
-from autopar.compare import baseline_kinds, compile_baseline, predict_baselines
-from cost_model.hardware import get_profile
-from cost_model.hlo import HloSummary, analyze
-from examples.models.workloads import abstract_train_step
+from autopar._compare import baseline_kinds, compile_baseline, predict_baselines
+from autopar.cost_model.hardware import get_profile
+from autopar.cost_model.hlo import HloSummary, analyze
+from autopar.models.workloads import abstract_train_step
 
 MESHES = {"1d": {"data": 8}, "2d": {"data": 2, "model": 4}}
 H100 = get_profile("h100")
@@ -35,7 +35,7 @@ def autopar_case(model: str, mesh: str) -> Case:
 def baseline_cases(model: str, mesh: str) -> dict[str, Case]:
     """For each hand-written baseline that applies (``autopar.baselines.baseline_kinds``): the
     hand-written program (``jax.jit`` with the baseline's shardings) compiled, beside autopar's
-    prediction of it (``autopar.compare.predict_baselines``: the baseline's shardings
+    prediction of it (``autopar._compare.predict_baselines``: the baseline's shardings
     propagated, ``search=False``)."""
     fn, args = abstract_train_step(model)
     jax_mesh = as_auto_mesh(MESHES[mesh])

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from cost_model.compute import matmul_dims, matmul_efficiency, roofline_s
-from cost_model.hardware import get_profile
+from autopar.cost_model.compute import matmul_dims, matmul_efficiency, roofline_s
+from autopar.cost_model.hardware import get_profile
 
 
 def test_matmul_dims_of_a_batched_dot():

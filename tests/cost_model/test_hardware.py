@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from autopar.errors import AutoparError, MeshError, ProfileError, UnknownHardwareError
-from cost_model import hardware as hw
-from cost_model.hardware import (
+from autopar.cost_model import hardware as hw
+from autopar.cost_model.hardware import (
     PROFILE_FORMAT_VERSION,
     HardwareProfile,
     LevelKind,

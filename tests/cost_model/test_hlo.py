@@ -1,4 +1,4 @@
-"""cost_model.hlo against real compiled programs on 8 CPU devices and literal HLO snippets.
+"""autopar.cost_model.hlo against real compiled programs on 8 CPU devices and literal HLO snippets.
 
 Every expected number is worked out by hand from the shapes; the comments show the sums.
 """
@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cost_model.hlo import CollectiveKind, HloSummary, analyze, parse_collectives, shape_bytes
+from autopar.cost_model.hlo import CollectiveKind, HloSummary, analyze, parse_collectives, shape_bytes
 
 AR, AG, RS, A2A, CP = (
     CollectiveKind.ALL_REDUCE,

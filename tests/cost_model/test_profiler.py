@@ -8,11 +8,11 @@ import pytest
 
 import autopar
 from autopar.errors import ProfileError
-from cost_model.collectives import CommStep
-from cost_model.hardware import HardwareProfile, axis_levels, get_profile
-from cost_model.hlo import CollectiveKind
-from cost_model.profiler import fit_alpha_beta
-from examples.models import mlp
+from autopar.cost_model.collectives import CommStep
+from autopar.cost_model.hardware import HardwareProfile, axis_levels, get_profile
+from autopar.cost_model.hlo import CollectiveKind
+from autopar.cost_model.profiler import fit_alpha_beta
+from autopar.models import mlp
 
 
 @pytest.fixture(scope="module")

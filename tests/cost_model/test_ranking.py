@@ -3,14 +3,14 @@
 Candidates, on the (2, 4) mesh and the ``h100`` profile: autopar's plan and the hand-written
 baselines that apply (``autopar.baselines.baseline_kinds``). Each baseline is a candidate as
 its own program (``jax.jit`` with the baseline's input and output shardings, the inside left to
-XLA's propagation, ``autopar.compare.compile_baseline``), predicted by propagating its
+XLA's propagation, ``autopar._compare.compile_baseline``), predicted by propagating its
 shardings (``predict_baselines``, ``search=False``), which reproduces that program (see
 :func:`test_baseline_programs_are_predicted_by_propagation`).
 
 A candidate's *predicted* step time is autopar's estimate; its *reference* step time is
 computed from its compiled HLO (``cost_model.reference``: the compiled flops at the profile's
 matmul rate plus the alpha-beta time of every compiled collective). Realistic shapes
-(``examples/models/workloads.py``), compiled from ShapeDtypeStruct arguments, never run.
+(``autopar/models/workloads.py``), compiled from ShapeDtypeStruct arguments, never run.
 
 Tolerance: two candidates whose reference times are within ``TIE`` (5%) of each other may be
 predicted in either order. The reference is itself a model, and a coarser one than the
@@ -23,7 +23,7 @@ must be predicted in the reference's order, and autopar's plan must be the best 
 import jax.numpy as jnp
 import pytest
 
-from cost_model.reference import reference_step_time_s
+from autopar.cost_model.reference import reference_step_time_s
 from tests.cost_model.compiled_cases import H100, autopar_case, baseline_cases
 
 #: Reference step times closer than this (relative) are a tie: see the module docstring.

@@ -4,9 +4,9 @@ TPU torus one ring per torus axis in turn."""
 import jax
 import pytest
 
-from cost_model.collectives import CommStep, reduce_step
-from cost_model.hardware import axis_levels, get_profile
-from cost_model.hlo import CollectiveKind
+from autopar.cost_model.collectives import CommStep, reduce_step
+from autopar.cost_model.hardware import axis_levels, get_profile
+from autopar.cost_model.hlo import CollectiveKind
 
 SIZES = {"data": 2, "model": 4}
 

@@ -7,10 +7,10 @@ import itertools
 import pytest
 
 from autopar._mesh import as_auto_mesh, axis_sizes
-from cost_model.hardware import axis_levels, get_profile
-from passes.ir import Value
-from passes.spec import Spec
-from passes.strategies import MeshContext
+from autopar.cost_model.hardware import axis_levels, get_profile
+from autopar.passes.ir import Value
+from autopar.cost_model.spec import Spec
+from autopar.passes.strategies import MeshContext
 
 
 def _mesh(shape: dict) -> MeshContext:

@@ -1,4 +1,4 @@
-"""passes.background: work started before a solve runs in another thread, and work started
+"""autopar.passes.background: work started before a solve runs in another thread, and work started
 in a child process runs there; its result or error reaches whoever waits for it; work never
 started, or whose child died, runs when its result is asked for."""
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from passes.background import Deferred, can_fork
+from autopar.passes.background import Deferred, can_fork
 
 
 def _where(x):
@@ -70,7 +70,7 @@ def test_a_plan_is_the_same_with_its_candidates_made_in_a_child_or_here(monkeypa
     """The pipeline's candidate plans (passes.pipeline._candidates) come from a child process
     where it can fork, from the planning process where it cannot: the same plans either way."""
     import autopar
-    from examples.models import gpt
+    from autopar.models import gpt
 
     fn, args = gpt.make_train_step(gpt.TINY)
     plans = []

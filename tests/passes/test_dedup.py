@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import autopar
-from examples.models import gpt, mlp
-from passes.dedup import node_keys, structural_colors
-from passes.trace import trace
+from autopar.models import gpt, mlp
+from autopar.passes.dedup import node_keys, structural_colors
+from autopar.passes.trace import trace
 
 MESH = {"data": 2, "model": 4}
 # Big enough that sharding pays (planned only, never executed).

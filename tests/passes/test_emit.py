@@ -11,11 +11,11 @@ import pytest
 from jax.sharding import NamedSharding
 
 from autopar._mesh import axis_sizes
-from cost_model.estimate import value_specs
-from cost_model.hardware import axis_levels, get_profile
-from passes.emit import build_flat_fn
-from passes.strategies import MeshContext, build_strategies
-from passes.trace import trace
+from autopar.passes.estimate import value_specs
+from autopar.cost_model.hardware import axis_levels, get_profile
+from autopar.passes.emit import build_flat_fn
+from autopar.passes.strategies import MeshContext, build_strategies
+from autopar.passes.trace import trace
 
 
 def mlp_scan(w, x):

@@ -1,4 +1,4 @@
-"""passes.solve._milp asks HiGHS for one thread (the same ILP, the same plan), and still
+"""autopar.passes.solve._milp asks HiGHS for one thread (the same ILP, the same plan), and still
 solves when the process's HiGHS thread pool was started with another count."""
 
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 SCRIPT = """
 import numpy as np, scipy.optimize, warnings
-from passes.solve import _milp
+from autopar.passes.solve import _milp
 c, A = np.array([1.0, 2.0, 3.0]), np.array([[1.0, 1.0, 0.0], [0.0, 1.0, 1.0]])
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -30,7 +30,7 @@ def test_tied_optima_are_broken_alike_and_the_cost_reported_is_the_plain_one():
     every time, the one they make cheaper, and the cost it reports has no tie break in it."""
     import numpy as np
 
-    from passes.solve import _milp, _tie_break
+    from autopar.passes.solve import _milp, _tie_break
 
     c, A = np.array([4.0, 4.0, 9.0]), np.array([[1.0, 1.0, 1.0]])
     picks = set()

@@ -1,11 +1,11 @@
-"""passes.memory_budget.peaks_over: one row per stretch of nodes a plan is over the budget
+"""autopar.passes.memory_budget.peaks_over: one row per stretch of nodes a plan is over the budget
 at, at the stretch's peak, highest first."""
 
 import types
 
 import pytest
 
-from passes import memory_budget
+from autopar.passes import memory_budget
 
 MESH = types.SimpleNamespace(axis_sizes={}, results_held=True)
 

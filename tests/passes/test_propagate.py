@@ -12,13 +12,13 @@ from jax.sharding import PartitionSpec as P
 
 from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar.errors import ShardingConflictWarning
-from cost_model.estimate import value_specs
-from cost_model.hardware import axis_levels, get_profile
-from passes.annotate import annotate
-from passes.propagate import Splits, propagate
-from passes.spec import Spec
-from passes.strategies import MeshContext, build_strategies
-from passes.trace import trace
+from autopar.passes.estimate import value_specs
+from autopar.cost_model.hardware import axis_levels, get_profile
+from autopar.passes.annotate import annotate
+from autopar.passes.propagate import Splits, propagate
+from autopar.cost_model.spec import Spec
+from autopar.passes.strategies import MeshContext, build_strategies
+from autopar.passes.trace import trace
 
 MESH = {"data": 2, "model": 4}
 

@@ -1,4 +1,4 @@
-"""Which reductions XLA's combiner can merge (``passes.strategies.reduction_depths``): those
+"""Which reductions XLA's combiner can merge (``passes.reductions.reduction_depths``): those
 no reduction to a non-scalar waits for (a train step's gradients, its loss) form one group,
 and others merge only with reductions of equal depth. The estimate charges each group one
 latency; the ILP prices the first group without latency."""
@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from cost_model.estimate import plan_collectives
-from examples.models import mlp
-from passes.cluster import cluster
-from passes.solve import IlpBuilder
-from passes.strategies import is_combined_reduction, reduction_depths
-from passes.trace import trace
+from autopar.passes.estimate import plan_collectives
+from autopar.models import mlp
+from autopar.passes.cluster import cluster
+from autopar.passes.solve import IlpBuilder
+from autopar.passes.reductions import is_combined_reduction, reduction_depths
+from autopar.passes.trace import trace
 from tests.passes.test_propagate import _complete, _setup
 
 

@@ -1,4 +1,4 @@
-"""passes.solve._milp solves the LP relaxation first: an integral optimum of it is taken (and
+"""autopar.passes.solve._milp solves the LP relaxation first: an integral optimum of it is taken (and
 the warm start's cutoff is never asked for); from a fractional one, a dive (the integral
 variables fixed) whose plan is within the gap of it is taken; else the MIP runs, with the
 cutoff. A plan over a given cutoff is never returned."""
@@ -8,7 +8,7 @@ import pytest
 import scipy.optimize
 import scipy.sparse
 
-from passes.solve import (
+from autopar.passes.solve import (
     CUTOFF_MESSAGE,
     DIVE_MESSAGE,
     DIVE_UNPROVEN_MESSAGE,
@@ -87,7 +87,7 @@ def test_no_dive_once_the_lp_took_the_whole_limit():
     took the whole limit goes straight to the MIP, without a dive."""
     import time
 
-    from passes.solve import _from_relaxation
+    from autopar.passes.solve import _from_relaxation
     calls = []
 
     def run(integrality, options, bounds=None):

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from jax.extend import core as jcore
 
-from cost_model.hlo import analyze
-from cost_model.memory import consumers, last_uses, materialized, memory_timeline
-from examples.models import gpt, llama_nnx
-from passes.emit import compiler_options
-from passes.remat import RematPolicy, remat_layers, rematerialize, residual_bytes
-from passes.spec import Spec
-from passes.trace import trace
+from autopar.cost_model.hlo import analyze
+from autopar.passes.liveness import consumers, last_uses, materialized, memory_timeline
+from autopar.models import gpt, llama_nnx
+from autopar.passes.emit import compiler_options
+from autopar.passes.remat import RematPolicy, remat_layers, rematerialize, residual_bytes
+from autopar.cost_model.spec import Spec
+from autopar.passes.trace import trace
 
 #: Activations dominate: a 4-layer GPT at batch 32, sequence 256, hidden 256.
 WIDE = dataclasses.replace(gpt.TINY, batch=32, seq=256, hidden=256, heads=4, layers=4,

@@ -7,11 +7,11 @@ import pytest
 from jax.sharding import NamedSharding
 
 from autopar._mesh import axis_sizes
-from cost_model.hardware import axis_levels, get_profile
-from cost_model.hlo import analyze
-from passes.ir import NodeKind
-from passes.strategies import MeshContext, node_strategies
-from passes.trace import trace
+from autopar.cost_model.hardware import axis_levels, get_profile
+from autopar.cost_model.hlo import analyze
+from autopar.passes.ir import NodeKind
+from autopar.passes.strategies import MeshContext, node_strategies
+from autopar.passes.trace import trace
 
 CASES = {
     "matmul": ("dot_general", lambda a, b: a @ b, ((16, 32), (32, 8))),

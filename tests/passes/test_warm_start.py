@@ -4,11 +4,12 @@ the solver finds nothing better in its time limit, that plan is the solution."""
 import numpy as np
 import pytest
 
-from examples.models import gpt
-from passes.cluster import cluster
-from passes.propagate import propagated_plans
-from passes.solve import IlpBuilder, SolverFallbackWarning, solve
-from passes.spec import Spec
+from autopar.models import gpt
+from autopar.passes.cluster import cluster
+from autopar.passes.propagate import propagated_plans
+from autopar.errors import SolverFallbackWarning
+from autopar.passes.solve import IlpBuilder, solve
+from autopar.cost_model.spec import Spec
 from tests.passes.test_propagate import _setup
 
 

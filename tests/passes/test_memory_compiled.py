@@ -1,6 +1,6 @@
 """The memory model's peak against XLA:CPU's compiled programs of a GPT train step, compiled
 from ShapeDtypeStruct arguments (never run): the hand-written data-parallel, Megatron and FSDP
-programs on a (2, 4) mesh (``autopar.baselines``, predicted by ``autopar.compare.
+programs on a (2, 4) mesh (``autopar.baselines``, predicted by ``autopar._compare.
 predict_baselines``), and the whole step on one device, in float32 and in bfloat16.
 
 The shapes keep activations large beside the parameters (batch 32 x sequence 256, a small
@@ -19,12 +19,12 @@ import pytest
 from jax.extend import core as jcore
 
 from autopar._mesh import as_auto_mesh
-from autopar.compare import compile_baseline, predict_baselines
-from cost_model.hlo import analyze
-from cost_model.memory import memory_timeline
-from examples.models import gpt
-from passes.spec import Spec
-from passes.trace import trace
+from autopar._compare import compile_baseline, predict_baselines
+from autopar.cost_model.hlo import analyze
+from autopar.passes.liveness import memory_timeline
+from autopar.models import gpt
+from autopar.cost_model.spec import Spec
+from autopar.passes.trace import trace
 
 #: Bound on |predicted / compiled - 1| for the peak.
 REL = 0.20

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 import jax
 
-from autopar import baselines
+from autopar import _api, baselines
 from autopar.baselines import baseline_kinds
 from autopar.baselines import baseline_kwargs as _baseline_kwargs
 from autopar._mesh import as_auto_mesh
 from autopar.errors import ShardingConflictWarning
-from cost_model.hardware import get_profile
-from cost_model.hlo import HloSummary, analyze
-from cost_model.reference import reference_step_time_s
+from autopar.cost_model.hardware import get_profile
+from autopar.cost_model.hlo import HloSummary, analyze
+from autopar.cost_model.reference import reference_step_time_s
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,6 @@ def predict_baselines(fn, args, mesh, *, hardware="h100", kinds=("dp", "fsdp"), 
     for the hand-written jit, so the plan predicts the baseline's own program; with
     ``search=True`` the ILP plans the inside, the best program with the baseline's inputs and
     outputs. Nothing is compiled. Returns {kind: Plan}."""
-    import autopar
     jax_mesh = as_auto_mesh(mesh)
     out = {}
     for kind in kinds:
@@ -65,7 +64,7 @@ def predict_baselines(fn, args, mesh, *, hardware="h100", kinds=("dp", "fsdp"), 
         with warnings.catch_warnings():
             # The baseline's own shardings meeting: XLA reshards there too, nothing to tell.
             warnings.simplefilter("ignore", ShardingConflictWarning)
-            out[kind] = autopar.plan(fn, *args, mesh=jax_mesh, hardware=hardware,
+            out[kind] = _api.plan(fn, *args, mesh=jax_mesh, hardware=hardware,
                                      in_shardings=ins, out_shardings=outs, search=search,
                                      **plan_kwargs)
     return out
@@ -78,12 +77,11 @@ def compare(fn, args, mesh, *, hardware="h100", kinds=None, plan=None,
     ``dtype`` is the compute dtype whose peak rate prices the flops (the same for every
     program, so it moves no ranking). Returns (plan, {name: Measured}, planning_time_s).
     """
-    import autopar
     jax_mesh = as_auto_mesh(mesh)
     profile = get_profile(hardware)
     start = time.perf_counter()
     if plan is None:
-        plan = autopar.plan(fn, *args, mesh=jax_mesh, hardware=profile, **plan_kwargs)
+        plan = _api.plan(fn, *args, mesh=jax_mesh, hardware=profile, **plan_kwargs)
     planning_s = time.perf_counter() - start
     results = {"autopar": measure("autopar", plan.compile(), profile, dtype)}
     for kind in kinds if kinds is not None else baseline_kinds(jax_mesh, args):

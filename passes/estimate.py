@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from cost_model.collectives import CommStep
-from cost_model.memory import memory_timeline, reduction_bytes
-from passes.ir import Graph
-from passes.strategies import reduction_depths
+from autopar.cost_model.collectives import CommStep
+from autopar.passes.liveness import memory_timeline, reduction_bytes
+from autopar.passes.ir import Graph
+from autopar.passes.reductions import reduction_depths
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def _with_combined_latency(comms: list[ChosenComm], levels, depths: list[int]
                            ) -> list[ChosenComm]:
     """Reductions of partial results that do not wait for one another are merged by XLA's
     combiner into one collective, which pays the latency once: those of one kind over the
-    same devices and of equal depth (``passes.strategies.reduction_depths``: the same number
+    same devices and of equal depth (``passes.reductions.reduction_depths``: the same number
     of reductions wait for each). Depth 0 holds the gradients, the loss and metrics (on the
     (2, 4) GPT, 26 gradient all-reduces over all 8 devices compile to one); a batch norm's
     mean and mean of squares share a depth. The first step of each such group carries the

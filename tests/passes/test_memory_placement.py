@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from cost_model.memory import _ResultBuffers, not_in_outputs
+from autopar.passes.liveness import _ResultBuffers, not_in_outputs
 
 
 def reference(spans, outputs):

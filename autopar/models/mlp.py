@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from examples.models import common
+from autopar.models import common
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The plan's prediction against what XLA compiled for it.
 
 autopar's own plans for the MLP, BERT, GPT and MoE train steps of
-``examples/models/workloads.py`` (realistic widths: hidden 1024, sequence 512, batch 16, two
+``autopar/models/workloads.py`` (realistic widths: hidden 1024, sequence 512, batch 16, two
 layers, bf16 compute; compiled from ShapeDtypeStruct arguments, never run) on an (8,) and a
 (2, 4) mesh. Bounds (the issue's): wire bytes and per-device flops within 10% of the compiled
 program's, peak memory within 15% of its peak (``cost_model.hlo.compiled_peak_bytes``).
@@ -16,10 +16,10 @@ import jax
 import pytest
 
 from autopar._validate import flag_kinds, predicted_by_kind
-from cost_model.estimate import plan_peak_memory_bytes, value_specs
-from cost_model.hlo import analyze
-from cost_model.memory import argument_and_result_bytes, memory_timeline
-from examples.models.workloads import WORKLOADS
+from autopar.passes.estimate import plan_peak_memory_bytes, value_specs
+from autopar.cost_model.hlo import analyze
+from autopar.passes.liveness import argument_and_result_bytes, memory_timeline
+from autopar.models.workloads import WORKLOADS
 from tests.cost_model.compiled_cases import MESHES, autopar_case
 
 CASES = [(model, mesh) for model in sorted(WORKLOADS) for mesh in sorted(MESHES)]

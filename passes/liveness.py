@@ -80,9 +80,9 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
-from passes.ir import Graph, NodeKind, recomputable
-from passes.rules.elementwise import UNARY_AND_NARY
-from passes.spec import local_bytes
+from autopar.passes.ir import Graph, NodeKind, recomputable
+from autopar.passes.rules.elementwise import UNARY_AND_NARY
+from autopar.cost_model.spec import local_bytes
 
 #: Ops XLA fuses into their consumers when those are fusible too.
 FUSIBLE = frozenset(UNARY_AND_NARY) | {

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from examples.models import common
+from autopar.models import common
 
 
 @dataclass(frozen=True)

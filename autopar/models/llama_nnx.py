@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from examples.models import common
+from autopar.models import common
 
 
 @dataclass(frozen=True)

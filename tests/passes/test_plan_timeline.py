@@ -4,11 +4,11 @@ plans priced last, is the one ``cost_model.memory.memory_timeline`` computes for
 
 import dataclasses
 
-from cost_model import estimate
-from cost_model.estimate import plan_timeline, reductions, value_specs
-from cost_model.memory import memory_timeline
-from examples.models import gpt
-from passes.propagate import propagated_plans
+from autopar.passes import estimate
+from autopar.passes.estimate import plan_timeline, reductions, value_specs
+from autopar.passes.liveness import memory_timeline
+from autopar.models import gpt
+from autopar.passes.propagate import propagated_plans
 from tests.passes.test_propagate import _setup
 
 

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from examples.models import common
+from autopar.models import common
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ so two layers (one for MoE) keep compiling fast; widths are those of real models
 
 import dataclasses
 
-from examples.models import bert, gpt, mlp, moe
+from autopar.models import bert, gpt, mlp, moe
 
 #: name -> (model module, config)
 WORKLOADS = {

@@ -1,8 +1,8 @@
-"""passes.spec.Spec: value semantics, and a hash that is computed once but never pickled."""
+"""autopar.cost_model.spec.Spec: value semantics, and a hash that is computed once but never pickled."""
 
 import pickle
 
-from passes.spec import Spec
+from autopar.cost_model.spec import Spec
 
 
 def test_equal_specs_hash_alike_and_a_pickled_spec_carries_no_hash():
