@@ -38,7 +38,9 @@ def test_report_writes_json_and_html(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["report", "nope.py:f", "--mesh", "data=8"], "no file `nope.py`"),
     (["report", f"{TARGETS}:missing", "--mesh", "data=8"], "has no `missing`"),
-    (["report", f"{TARGETS}:dataclasses", "--mesh", "data=8"], "not callable"),
+    (["report", f"{TARGETS}:__all__", "--mesh", "data=8"], "not callable"),
+    (["report", "autopar.models.targets:missing", "--mesh", "data=8"], "has no `missing`"),
+    (["report", "no_such_module_here:f", "--mesh", "data=8"], "no file or module"),
     (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=64", "--simulate-devices", "8"],
      "xla_force_host_platform_device_count"),
     (["report", TARGETS, "--mesh", "data=8"], "must look like FILE.py:NAME"),
@@ -65,8 +67,8 @@ def test_report_plans_under_a_memory_budget(tmp_path):
     """``--memory-budget`` reaches the planner and the compiled memory check: the tiny GPT
     peaks at 2.7 MiB unconstrained, and under 2 MiB as compiled."""
     out = tmp_path / "plan.json"
-    r = _run("report", f"{TARGETS}:gpt_tiny", "--mesh", "data=2,model=4", "--memory-budget",
-             "2MiB", "--remat", "off", "--time-limit", "5", "--json", str(out),
+    r = _run("report", "autopar.models.targets:gpt_tiny", "--mesh", "data=2,model=4",
+             "--memory-budget", "2MiB", "--remat", "off", "--time-limit", "5", "--json", str(out),
              "--simulate-devices", "8", "--quiet", "--no-baselines")
     assert r.returncode == 0, r.stderr
     compiled = re.search(r"compiled +peak memory ([\d.]+) MiB per device", r.stdout)
@@ -95,3 +97,8 @@ def test_demo_trains_on_simulated_devices_and_points_at_real_hardware():
         assert abs(float(loss) - float(single)) <= 2e-3 * float(single) and float(diff) < 1e-3
     assert "Per layer" in r.stdout and "autopar profile --mesh" in r.stdout
     assert "autopar.models.targets:gpt_realistic" in r.stdout
+
+
+def test_version():
+    r = _run("--version")
+    assert r.returncode == 0 and re.fullmatch(r"autopar \S+\n", r.stdout), (r.stdout, r.stderr)
