@@ -164,7 +164,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         A solve whose LP relaxation is not integral may run a quarter over it (the MIP gets
         at least a quarter of the limit after the LP); a plan over the memory budget is
         refitted by a few more solves, each limited to at most as long
-        (``passes/solve.py``).
+        (``passes/highs.py``, ``passes/memory_fit.py``).
       tie_state: results that replace an argument (same pytree path, shape and dtype, such as
         new parameters) keep that argument's sharding.
       axis_level_overrides: e.g. ``{"data": "dcn"}``: which interconnect a mesh axis crosses.
@@ -316,7 +316,8 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
     sol = result.solution
     stats = {"nodes": len(graph.nodes), "ilp_groups": result.ilp_groups,
              "ilp_variables": sol.num_variables, "ilp_constraints": sol.num_constraints,
-             "solver_status": sol.status, "timings_s": result.timings_s, **result.ilp_stats,
+             "solver_status": sol.name, "source": sol.source.value,
+             "timings_s": result.timings_s, **result.ilp_stats,
              "remat": result.remat.to_dict() if result.remat else None}
     return Plan(jax_mesh, shardings(graph.input_nodes, traced.in_tree, "in"),
                 shardings(graph.output_nodes, traced.out_tree, "out"), est, profile.name,

@@ -43,7 +43,9 @@ class Plan:
       compiler_options: XLA options :meth:`jit` compiles the program with (on XLA:CPU, a
         rematerialized plan keeps its optimization barriers: ``passes.emit.compiler_options``).
       stats: planner statistics; ``stats["remat"]`` names the rematerialized layers and the
-        policy when the plan needed rematerialization to fit its memory budget, else None.
+        policy when the plan needed rematerialization to fit its memory budget, else None;
+        ``stats["source"]`` says where the plan came from ("ilp", "propagated" or "cached"),
+        and ``stats["solver_status"]`` names it (the solver's status, or the candidate's name).
     """
     mesh: Any
     in_shardings: Any

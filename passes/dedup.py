@@ -18,7 +18,7 @@ copy (which see the embedding or the head) get colors of their own.
 :func:`tie_groups` then merges ILP groups (``passes.cluster``) whose members have the same
 colors and index maps into one decision: the representative is solved once and every copy
 takes its choice. Boundary values between layers become edges between the same two groups,
-which :mod:`passes.solve` adds once, weighted by their count.
+which :mod:`passes.ilp` adds once, weighted by their count.
 
 Tying is always sound: tied nodes have identical strategy lists (:func:`node_key` is also the
 strategy cache key), so any choice of the group is a valid strategy for every member.

@@ -1,4 +1,4 @@
-"""The per-device memory budget as ILP rows (used by :mod:`passes.solve`).
+"""The per-device memory budget as ILP rows (used by :mod:`passes.memory_fit`).
 
 A plan's peak (``cost_model.memory``) is the bytes held for the whole call (arguments, and on
 XLA:CPU the results) plus the temporaries live at the worst node. Both are linear in the

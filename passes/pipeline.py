@@ -25,10 +25,11 @@ from autopar.passes.dedup import Groups, node_keys, structural_colors, tie_group
 from autopar.passes.emit import build_flat_fn
 from autopar.passes.ir import Graph
 from autopar.passes.memory_budget import input_labels, peak_lower_bound_bytes
-from autopar.passes.propagate import (
+from autopar.passes.memory_fit import over_budget_error
+from autopar.passes.propagate import propagate
+from autopar.passes.candidates import (
     best_of,
     candidate_starts,
-    propagate,
     propagate_from,
     propagated_plans,
     step_times,
@@ -39,7 +40,8 @@ from autopar.passes.remat import (
     residual_bytes,
     scanned_layers,
 )
-from autopar.passes.solve import Solution, over_budget_error, solve
+from autopar.passes.solution import Solution, SolveStatus, Source
+from autopar.passes.solve import solve
 from autopar.passes.strategies import MeshContext, Strategy, build_strategies
 from autopar.passes.trace import Traced, trace
 
@@ -194,12 +196,16 @@ def _plan(traced: Traced, o: _Options) -> PipelineResult:
 
     t = time.perf_counter()
     if not o.search:
-        solution = Solution(prop.choice, 0.0, "propagated", 0, 0, 0.0)
+        solution = Solution(choice=prop.choice, objective_us=0.0, status=SolveStatus.NOT_RUN,
+                            num_variables=0, num_constraints=0, solve_time_s=0.0,
+                            source=Source.PROPAGATED, candidate="propagated")
     elif o.choice is not None:
         if len(o.choice) != len(strats) or any(not 0 <= c < len(s)
                                                for c, s in zip(o.choice, strats)):
             raise ValueError("the cached choice does not fit this program's strategies")
-        solution = Solution(list(o.choice), 0.0, "cached", 0, 0, 0.0)
+        solution = Solution(choice=list(o.choice), objective_us=0.0,
+                            status=SolveStatus.NOT_RUN, num_variables=0, num_constraints=0,
+                            solve_time_s=0.0, source=Source.CACHED)
     else:
         solution = _solve(traced, strats, groups, labels, ties, o, ilp_stats,
                           (seeded, timed, batch_seeds))
@@ -269,9 +275,9 @@ def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
                      memory_budget_bytes=o.memory_budget_bytes)
     o.progress(f"ILP: {solution.num_variables} variables, {solution.num_constraints} "
                f"constraints, {solution.edges_after} edge classes "
-               f"({solution.edges_before} edges); {solution.status} in "
+               f"({solution.edges_before} edges); {solution.status.value} in "
                f"{solution.solve_time_s:.2f}s")
-    if solution.status != "optimal" and batch_seeds:
+    if solution.status is not SolveStatus.OPTIMAL and batch_seeds:
         # The ILP weighs every mesh axis for the batch, but did not finish: try each one
         # outside it, by propagation.
         o.progress(f"the ILP did not finish: propagating the batch over each of "
@@ -334,7 +340,7 @@ REMAT_SLACK = 0.1
 
 def _step_s(result: PipelineResult) -> float:
     """The predicted step time of an attempt's chosen plan (``passes.propagate.best_of``)."""
-    return result.ilp_stats["candidates_step_s"][result.solution.status]
+    return result.ilp_stats["candidates_step_s"][result.solution.name]
 
 
 def _fastest_peak_bytes(result: PipelineResult) -> float:

@@ -99,12 +99,14 @@ def _take_the_slowest_candidate() -> None:
     """Make this process plan otherwise than the others: its planner returns the slowest of
     the propagated candidate plans instead of the best one."""
     from autopar.passes import pipeline
+    from autopar.passes.solution import Source
     best_of = pipeline.best_of
 
     def slowest(solution, graph, strats, mesh, candidates, *rest):
         best, times, peaks = best_of(solution, graph, strats, mesh, candidates, *rest)
         name = max(candidates, key=times.get)
-        return dataclasses.replace(best, choice=candidates[name], status=name), times, peaks
+        return (dataclasses.replace(best, choice=candidates[name], source=Source.PROPAGATED,
+                                    candidate=name), times, peaks)
 
     pipeline.best_of = slowest
 

@@ -153,6 +153,7 @@ def test_parallelize_forwards_hints_and_search():
                                search=False)
     out = step(w, x)
     assert step.plan.stats["solver_status"] == "propagated"
+    assert step.plan.stats["source"] == "propagated"
     assert jax.tree_util.tree_leaves(step.plan.in_shardings)[-1].spec == P("data")
     np.testing.assert_allclose(np.asarray(out), np.asarray(fn(w, x)), rtol=2e-3)
 

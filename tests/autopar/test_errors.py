@@ -95,8 +95,11 @@ def test_ilp_time_limit_falls_back_and_says_so(seeds):
     if seeds:
         assert "warm start" in times and plan.stats["solver_status"] in times
         assert times[plan.stats["solver_status"]] == min(times.values())
+        assert plan.stats["source"] == ("ilp" if plan.stats["solver_status"] == "warm start"
+                                        else "propagated")
     else:
         assert plan.stats["solver_status"] == "greedy"
+        assert plan.stats["source"] == "ilp"
     expected = jax.tree_util.tree_leaves(fn(*args))
     got = jax.tree_util.tree_leaves(plan.jit()(*args))
     for a, b in zip(got, expected):

@@ -8,7 +8,7 @@ from autopar.passes import estimate
 from autopar.passes.estimate import plan_timeline, reductions, value_specs
 from autopar.passes.liveness import memory_timeline
 from autopar.models import gpt
-from autopar.passes.propagate import propagated_plans
+from autopar.passes.candidates import propagated_plans
 from tests.passes.test_propagate import _setup
 
 

@@ -15,7 +15,8 @@ from autopar.errors import ShardingConflictWarning
 from autopar.passes.estimate import value_specs
 from autopar.cost_model.hardware import axis_levels, get_profile
 from autopar.passes.annotate import annotate
-from autopar.passes.propagate import Splits, propagate
+from autopar.passes.fixed import Splits
+from autopar.passes.propagate import propagate
 from autopar.cost_model.spec import Spec
 from autopar.passes.strategies import MeshContext, build_strategies
 from autopar.passes.trace import trace

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from autopar.passes.estimate import plan_collectives
 from autopar.models import mlp
 from autopar.passes.cluster import cluster
-from autopar.passes.solve import IlpBuilder
+from autopar.passes.ilp import IlpBuilder
 from autopar.passes.reductions import is_combined_reduction, reduction_depths
 from autopar.passes.trace import trace
 from tests.passes.test_propagate import _complete, _setup

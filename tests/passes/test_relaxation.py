@@ -1,19 +1,19 @@
-"""autopar.passes.solve._milp solves the LP relaxation first: an integral optimum of it is taken (and
-the warm start's cutoff is never asked for); from a fractional one, a dive (the integral
-variables fixed) whose plan is within the gap of it is taken; else the MIP runs, with the
-cutoff. A plan over a given cutoff is never returned."""
+"""autopar.passes.highs.solve_milp solves the LP relaxation first: an integral optimum of it is
+taken (and the warm start's cutoff is never asked for); from a fractional one, a dive (the
+integral variables fixed) whose plan is within the gap of it is taken; else the MIP runs, with
+the cutoff. A plan over a given cutoff is never returned."""
 
 import numpy as np
 import pytest
 import scipy.optimize
 import scipy.sparse
 
-from autopar.passes.solve import (
+from autopar.passes.highs import (
     CUTOFF_MESSAGE,
     DIVE_MESSAGE,
     DIVE_UNPROVEN_MESSAGE,
     RELAXATION_MESSAGE,
-    _milp,
+    solve_milp,
 )
 
 
@@ -26,7 +26,7 @@ def _ilp(capacity: float):
 
 def test_an_integral_relaxation_is_the_solution_and_needs_no_cutoff():
     asked = []
-    res, _ = _milp(*_ilp(1.0), time_limit_s=10, cutoff=lambda: asked.append(1))
+    res, _ = solve_milp(*_ilp(1.0), time_limit_s=10, cutoff=lambda: asked.append(1))
     assert res.message == RELAXATION_MESSAGE and list(res.x) == [0.0, 1.0]
     assert res.fun == -2.0 and asked == []
 
@@ -38,7 +38,7 @@ def test_a_fractional_relaxation_runs_the_mip_with_the_cutoff():
         asked.append(1)
         return -1.0  # some plan reaches -1: the MIP's optimum (-2) beats it
     # The relaxation takes x1 = 1 and x0 = 0.5 (objective -2.5); the MIP cannot.
-    res, _ = _milp(*_ilp(1.5), time_limit_s=10, cutoff=cutoff)
+    res, _ = solve_milp(*_ilp(1.5), time_limit_s=10, cutoff=cutoff)
     assert res.message != RELAXATION_MESSAGE and asked == [1]
     assert list(np.round(res.x)) == [0.0, 1.0] and res.fun == -2.0
 
@@ -47,17 +47,17 @@ def test_a_dive_within_the_gap_is_taken_without_the_mip():
     asked = []
     # The relaxation: -2.5 (x0 = 0.5). The dive fixes x1 = 1 and finds x0 = 0: -2, within
     # a 30% gap of -2.5 (not within the default 0.1%, as the test above shows).
-    res, _ = _milp(*_ilp(1.5), time_limit_s=10, gap=0.3, cutoff=lambda: asked.append(1))
+    res, _ = solve_milp(*_ilp(1.5), time_limit_s=10, gap=0.3, cutoff=lambda: asked.append(1))
     assert res.message == DIVE_MESSAGE and list(np.round(res.x)) == [0.0, 1.0]
     assert res.fun == -2.0 and asked == []
 
 
 def test_no_plan_over_a_given_cutoff_is_returned():
     # Integral relaxation, optimum -2, asked to beat -3: no plan does.
-    res, _ = _milp(*_ilp(1.0), time_limit_s=10, cutoff=-3.0)
+    res, _ = solve_milp(*_ilp(1.0), time_limit_s=10, cutoff=-3.0)
     assert res.x is None and res.status == 2 and res.message == CUTOFF_MESSAGE
     # A dive's -2 does not beat -2.2 either, but proves nothing: the MIP runs and finds none.
-    res, _ = _milp(*_ilp(1.5), time_limit_s=10, gap=0.3, cutoff=-2.2)
+    res, _ = solve_milp(*_ilp(1.5), time_limit_s=10, gap=0.3, cutoff=-2.2)
     assert res.x is None and res.message not in (DIVE_MESSAGE, CUTOFF_MESSAGE)
 
 
@@ -76,7 +76,7 @@ def test_a_dive_outside_the_gap_stays_the_answer_when_the_mip_finds_none_better(
         return real(c, integrality=integrality, bounds=bounds, constraints=constraints,
                     options=options)
     monkeypatch.setattr(scipy.optimize, "milp", milp)
-    res, _ = _milp(*_ilp(1.5), time_limit_s=10)
+    res, _ = solve_milp(*_ilp(1.5), time_limit_s=10)
     assert list(np.round(res.x)) == [0.0, 1.0] and res.fun == -2.0
     assert res.status == 1 and res.message == DIVE_UNPROVEN_MESSAGE
     assert bounds_of_mips == [pytest.approx(-2.0, abs=1e-5)]  # the dive's objective
@@ -87,7 +87,7 @@ def test_no_dive_once_the_lp_took_the_whole_limit():
     took the whole limit goes straight to the MIP, without a dive."""
     import time
 
-    from autopar.passes.solve import _from_relaxation
+    from autopar.passes.highs import _from_relaxation
     calls = []
 
     def run(integrality, options, bounds=None):

@@ -6,9 +6,11 @@ import pytest
 
 from autopar.models import gpt
 from autopar.passes.cluster import cluster
-from autopar.passes.propagate import propagated_plans
+from autopar.passes.candidates import propagated_plans
 from autopar.errors import SolverFallbackWarning
-from autopar.passes.solve import IlpBuilder, solve
+from autopar.passes.ilp import IlpBuilder
+from autopar.passes.solution import SolveStatus
+from autopar.passes.solve import solve
 from autopar.cost_model.spec import Spec
 from tests.passes.test_propagate import _setup
 
@@ -41,7 +43,7 @@ def test_nothing_better_in_time_keeps_the_warm_start():
     start = plans["propagated (x)"]
     with pytest.warns(SolverFallbackWarning, match="no plan better than the propagated"):
         tiny = solve(graph, strats, groups, mesh, time_limit_s=1e-6, warm=[start])
-    assert tiny.status == "warm start"
+    assert tiny.status is SolveStatus.WARM_START
     assert np.isfinite(tiny.objective_us)
     full = solve(graph, strats, groups, mesh, warm=[start])
-    assert full.status == "optimal" and full.objective_us <= tiny.objective_us + 1e-6
+    assert full.status is SolveStatus.OPTIMAL and full.objective_us <= tiny.objective_us + 1e-6

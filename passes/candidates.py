@@ -1,0 +1,94 @@
+"""Plan selection: candidate plans beside the ILP's, made by complete propagation from the
+annotations and from seeds (a hand-written baseline's input shardings), and the plan predicted
+fastest among them and the ILP's (:func:`best_of`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autopar.cost_model.spec import Spec
+from autopar.passes.estimate import estimate, plan_collectives, plan_peak_memory_bytes
+from autopar.passes.ir import Graph
+from autopar.passes.propagate import propagate
+from autopar.passes.solution import Solution, Source
+from autopar.passes.strategies import MeshContext
+
+
+def propagated_plans(graph: Graph, strats, mesh: MeshContext, labels: dict[int, str], ties=(),
+                     seeds: dict[str, dict[int, Spec]] | None = None,
+                     annotations_alone: bool = True) -> dict[str, list[int]]:
+    """Candidate plans beside the ILP's: the complete propagation of the annotations (when
+    there are any, and ``annotations_alone``), and with each of ``seeds`` (name -> input node
+    id -> spec: a hand-written baseline's input shardings, say) added under them. The ILP's
+    clustering, its per-edge pricing and its time limit can miss a plan that propagation from
+    a good start finds; the ILP starts from the best of these (``passes.solve``'s warm start)
+    and :func:`best_of` compares them with its plan. (:func:`candidate_starts` and
+    :func:`propagate_from` are its two halves, for callers that spread the work.)"""
+    return propagate_from(graph, strats, mesh, labels, ties,
+                          candidate_starts(labels, seeds, annotations_alone))
+
+
+def candidate_starts(labels: dict[int, str], seeds: dict[str, dict[int, Spec]] | None = None,
+                     annotations_alone: bool = True) -> list[tuple[str, dict | None]]:
+    """:func:`propagated_plans`'s plans to make: (name, ``extra`` for
+    ``passes.fixed.seed``) each."""
+    return ([("propagated", None)] if labels and annotations_alone else []) + [
+        (f"propagated ({name})", extra) for name, extra in (seeds or {}).items()]
+
+
+def propagate_from(graph: Graph, strats, mesh: MeshContext, labels: dict[int, str], ties,
+                   starts: list[tuple[str, dict | None]]) -> dict[str, list[int]]:
+    """Name -> the complete propagation's plan, for each of ``starts``
+    (:func:`candidate_starts`)."""
+    return {name: propagate(graph, strats, mesh, labels, ties, complete=True, warn=False,
+                            extra=extra).choice
+            for name, extra in starts}
+
+
+def step_times(graph: Graph, strats, mesh: MeshContext,
+               plans: dict[str, list[int]]) -> dict[str, float]:
+    """Each plan's predicted step time in seconds (the estimate, without memory)."""
+    return {name: estimate(graph, strats, choice, mesh,
+                           plan_collectives(graph, strats, choice, mesh), memory=False)
+            .step_time_s for name, choice in plans.items()}
+
+
+def best_of(solution: Solution, graph: Graph, strats, mesh: MeshContext,
+            candidates: dict[str, list[int]], memory_budget_bytes: float | None = None,
+            known_s: dict[str, float] | None = None):
+    """The plan predicted fastest among the ILP's ``solution`` and ``candidates`` (name ->
+    plan, :func:`propagated_plans`), by the estimate (``cost_model.estimate``); a plan that
+    fits ``memory_budget_bytes`` first. So with annotations, search never does worse than
+    ``search=False``, and never worse than the seeds' plans. Returns (solution, predicted step
+    time per plan name, predicted peak bytes per plan name); the ILP's plan is named by
+    :attr:`Solution.name`, and a candidate taken becomes a :attr:`Source.PROPAGATED` solution
+    of that name. Peaks are predicted fastest plan first, up to the first that fits (the
+    slower ones cannot win), so the fastest plan's is always there. When none fits, every
+    peak is predicted, and a candidate's below the solve's least peak found becomes it.
+    ``known_s``: step times of candidates already predicted (:func:`step_times`)."""
+    own = solution.name
+    plans = {own: solution.choice, **candidates}
+    known_s = {name: t for name, t in (known_s or {}).items() if name in candidates}
+    times = step_times(graph, strats, mesh,
+                       {name: choice for name, choice in plans.items() if name not in known_s})
+    times = {name: times[name] if name in times else known_s[name] for name in plans}
+    peaks: dict[str, int] = {}
+    best = None
+    for name in sorted(plans, key=times.get):  # stable: the ILP's plan first among equals
+        peaks[name] = plan_peak_memory_bytes(graph, strats, plans[name], mesh.axis_sizes,
+                                             mesh.results_held)
+        fits = (solution.fits_budget if name == own else
+                memory_budget_bytes is None or peaks[name] <= memory_budget_bytes)
+        if best is None or fits:
+            best = solution if name == own else dataclasses.replace(
+                solution, choice=plans[name], source=Source.PROPAGATED, candidate=name,
+                fits_budget=fits)
+        if fits:
+            break
+    if not best.fits_budget and best.least_peak_choice is not None:
+        # Nothing fits: the smallest peak found (the error reports it) may be a candidate's.
+        least = min(peaks, key=peaks.get)
+        if peaks[least] < best.least_peak_bytes:
+            best = dataclasses.replace(best, least_peak_bytes=peaks[least],
+                                       least_peak_choice=plans[least])
+    return best, times, peaks

@@ -1,0 +1,51 @@
+"""Conflict diagnosis: where two annotations meet at a node no strategy can serve as both want.
+
+Priority: a user annotation is fixed before propagation starts and a propagated sharding never
+replaces a fixed one, so the user wins. Where two annotations meet at a node that no strategy
+can serve as both want, the value is resharded there (as XLA would, in complete mode; the
+ILP's choice otherwise) and a :class:`~autopar.errors.ShardingConflictWarning` names both.
+"""
+
+from __future__ import annotations
+
+from autopar.passes.fixed import (
+    _SAME_TENSOR,
+    _SAME_TENSOR_KINDS,
+    Propagation,
+    compatible,
+    node_operands,
+)
+from autopar.passes.ir import Graph, NodeKind
+
+
+def find_conflicts(graph: Graph, strats, prop: Propagation, labels: dict[int, str]
+                   ) -> list[str]:
+    """Same-tensor nodes where a user annotation and another annotation (or a sharding
+    propagated from one) admit no common strategy; one warning per pair of annotations. Two
+    propagated shardings meeting is ordinary resharding, left to the plan without a word."""
+    seen, messages = set(), []
+    for node in graph.nodes:
+        if node.kind not in _SAME_TENSOR_KINDS and node.prim not in _SAME_TENSOR:
+            continue
+        wants = {}  # label -> (user, spec) of the fixed values at this node
+        for vid in [v for _, v in node_operands(node)] + list(node.outs):
+            if vid in prop.specs:
+                origin = prop.origins[vid]
+                wants.setdefault(origin.label, (origin.user, prop.specs[vid]))
+        if node.kind is NodeKind.OUTPUT and node.pinned is not None and node.id in labels:
+            wants.setdefault(labels[node.id], (True, node.pinned[0]))
+        users = [lab for lab, (user, _) in wants.items() if user]
+        if len(wants) < 2 or not users or compatible(node, strats[node.id], prop.specs):
+            continue
+        pair = [users[0], next(lab for lab in wants if lab != users[0])]
+        if tuple(sorted(pair)) in seen:
+            continue
+        seen.add(tuple(sorted(pair)))
+        said = "; ".join(f"{lab} wants {wants[lab][1]}{'' if wants[lab][0] else ' (propagated)'}"
+                         for lab in pair)
+        messages.append(
+            f"autopar: sharding annotations conflict at `{node.prim}` "
+            f"({node.where or 'the program boundary'}): {said}. A user annotation wins over a "
+            "propagated one; the value is resharded where they meet. Make the two annotations "
+            "agree to avoid the resharding.")
+    return messages

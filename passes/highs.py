@@ -1,0 +1,184 @@
+"""The HiGHS driver: the ILP of ``passes.ilp`` solved through ``scipy.optimize.milp``.
+
+The LP relaxation is solved first and taken when integral; a fractional one starts a dive
+(:func:`_from_relaxation`), and only then does the MIP run, with a warm start's objective as
+its cutoff (:func:`warm_start`). HiGHS runs with a time limit; on the limit the best incumbent
+is kept. One thread and fixed tie breaks (:func:`_tie_break`) make the same ILP give the same
+plan. Measurements behind these choices: ``docs/solver_notes.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import numpy as np
+import scipy.optimize
+
+from autopar.passes.ilp import IlpBuilder
+
+#: scipy.optimize.milp's status for "other" (HiGHS refused an option, among others).
+HIGHS_OTHER_STATUS = 4
+
+
+def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: float = 1e-3,
+               cutoff=None):
+    """(result, seconds) of HiGHS on: minimize ``c @ x`` with ``lb <= A @ x <= ub``, ``x``
+    integral where ``integer``, ``0 <= x <= upper`` (1 when None), to the relative ``gap``.
+    ``cutoff``: an objective some plan is known to reach (a warm start), or a function giving
+    it (or None), called only when the MIP runs: HiGHS's ``objective_bound`` option, which
+    prunes every branch that cannot beat it. The result's ``fun`` is the cost of its ``x``
+    without the tie breaks.
+
+    The LP relaxation goes first (:func:`_from_relaxation`); the MIP then gets what is left of
+    ``time_limit_s``, and at least :data:`MIP_MIN_SHARE` of it. One thread and fixed tie
+    breaks, so the same ILP gives the same plan; HiGHS's feasibility jump heuristic is off, as
+    these ILPs are solved at the root. A HiGHS that refuses the thread option (its thread pool
+    is fixed by a process's first solve) solves again without it."""
+    options = {"time_limit": time_limit_s, "disp": bool(os.environ.get("AUTOPAR_HIGHS_LOG")),
+               "mip_rel_gap": gap, "mip_heuristic_run_feasibility_jump": False,
+               "threads": 1}
+    costs = c + _tie_break(c)
+    start = time.perf_counter()
+    run = _runner(costs, A, lb, ub, upper)
+    res, dived = _from_relaxation(run, integer, options, costs, gap, upper)
+    if (res is not None and cutoff is not None and not callable(cutoff)
+            and float(costs @ res.x) > cutoff):
+        # Over a given cutoff: an integral relaxation's optimum is the ILP's, so no plan
+        # beats the cutoff, as the MIP would prove; a dive's plan may miss one that does.
+        res = (scipy.optimize.OptimizeResult(x=None, fun=None, status=2,
+                                             message=CUTOFF_MESSAGE)
+               if res.message == RELAXATION_MESSAGE else None)
+    if res is None:
+        if callable(cutoff):
+            cutoff = cutoff()
+        if dived is not None and cutoff is not None and float(costs @ dived.x) > cutoff:
+            dived = None  # the cutoff asks for better
+        if dived is not None:  # the MIP looks for a better plan than the dive's
+            cutoff = float(costs @ dived.x)
+        if cutoff is not None:
+            options["objective_bound"] = cutoff
+        options["time_limit"] = max(time_limit_s - (time.perf_counter() - start),
+                                    time_limit_s * MIP_MIN_SHARE)
+        res = run(integer, options)
+        if res.x is None and dived is not None:
+            # None better: proven (infeasible under the dive's objective), or not in time.
+            dived.status, dived.message = (0, DIVE_MESSAGE) if res.status == 2 else (
+                1, DIVE_UNPROVEN_MESSAGE)
+            res = dived
+    if res.x is not None:
+        res.fun = float(c @ res.x)
+    return res, time.perf_counter() - start
+
+
+def _runner(costs, A, lb, ub, upper):
+    """``run(integrality, options, bounds=None)``: scipy's milp on the ILP with those (bounds:
+    the variables', when not ``0 <= x <= upper``)."""
+
+    def run(integrality, options, bounds=None):
+        with warnings.catch_warnings():
+            # scipy passes objective_bound through to HiGHS verbatim, warning that it does.
+            warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
+            res = scipy.optimize.milp(
+                costs, integrality=integrality,
+                bounds=(scipy.optimize.Bounds(0, 1 if upper is None else upper)
+                        if bounds is None else bounds),
+                constraints=scipy.optimize.LinearConstraint(A, lb, ub), options=options)
+        if res.x is None and res.status == HIGHS_OTHER_STATUS and "threads" in options:
+            return run(integrality, {k: v for k, v in options.items() if k != "threads"},
+                       bounds)
+        return res
+
+    return run
+
+
+#: The least share of a solve's time limit the MIP gets after the LP relaxation
+#: (:func:`_from_relaxation`, which may take the whole limit) was fractional or did not
+#: finish; so a solve takes at most 1 + MIP_MIN_SHARE times its limit.
+MIP_MIN_SHARE = 0.25
+#: How far from an integer an integer variable of the LP relaxation's optimum may be.
+INTEGRAL_TOLERANCE = 1e-6
+#: The message of a solve that took an integral LP relaxation's optimum.
+RELAXATION_MESSAGE = "optimal (an integral LP relaxation)"
+#: The message of a solve whose integral relaxation's optimum is over its cutoff.
+CUTOFF_MESSAGE = "no plan under the cutoff (an integral LP relaxation)"
+#: The message of a solve that took the plan of a dive from a fractional relaxation.
+DIVE_MESSAGE = "optimal within the gap (a dive from the LP relaxation)"
+#: The message of a solve that took a dive's plan the MIP found none better than in time.
+DIVE_UNPROVEN_MESSAGE = "time limit (the plan of a dive from the LP relaxation)"
+#: The share of a solve's time limit a dive (:func:`_from_relaxation`) may take.
+DIVE_SHARE = 0.25
+
+
+def _from_relaxation(run, integer, options: dict, costs, gap: float, upper=None):
+    """The ILP's solution read from its LP relaxation, or None when the MIP must run.
+    ``run(integrality, options, bounds=None)`` solves the ILP with those (bounds: the
+    variables', when not the ILP's own).
+
+    An integral optimum of the relaxation is an optimum of the ILP (the tie breaks make it the
+    one the MIP returns). From a fractional one, the integer variables it left integral are
+    fixed and the MIP solves the rest (a dive), in at most :data:`DIVE_SHARE` of the time limit
+    and only in what the LP left of it; the dive's plan is taken when within ``gap`` of the
+    relaxation's objective, a lower bound of the ILP's, as the whole MIP stopped at that gap
+    would be.
+
+    Returns (the solution, or None when the MIP must run; a dive's plan outside the gap, or
+    None): the MIP then looks for a better plan than that one, which stays the answer when
+    it finds none."""
+    start = time.perf_counter()
+    relaxed = run(np.zeros_like(integer), {
+        "time_limit": options["time_limit"], "disp": options["disp"],
+        "presolve": False, **({"threads": options["threads"]} if "threads" in options else {})})
+    if relaxed.x is None or relaxed.status != 0:
+        return None, None
+    ints = np.asarray(integer) > 0
+    off = np.abs(relaxed.x - np.round(relaxed.x)) > INTEGRAL_TOLERANCE
+    if not off[ints].any():
+        relaxed.x[ints] = np.round(relaxed.x[ints])
+        relaxed.message = RELAXATION_MESSAGE
+        return relaxed, None
+    left_s = min(options["time_limit"] - (time.perf_counter() - start),
+                 options["time_limit"] * DIVE_SHARE)
+    if left_s <= 0:
+        return None, None
+    fixed = ints & ~off
+    lo = np.zeros(len(costs))
+    hi = np.broadcast_to(np.asarray(1.0 if upper is None else upper, float), lo.shape).copy()
+    lo[fixed] = hi[fixed] = np.round(relaxed.x[fixed])
+    dived = run(integer, {**options, "time_limit": left_s}, scipy.optimize.Bounds(lo, hi))
+    if dived.x is None:
+        return None, None
+    bound, objective = float(costs @ relaxed.x), float(costs @ dived.x)
+    if objective - bound > gap * max(abs(objective), 1e-9):
+        return None, dived
+    dived.status, dived.message = 0, DIVE_MESSAGE  # within the gap, whatever stopped it
+    return dived, None
+
+
+#: The tie breaks' scale, a share of the largest cost (see :func:`solve_milp`): far inside the
+#: solver's gap.
+TIE_BREAK = 1e-7
+
+
+def _tie_break(c) -> np.ndarray:
+    """A cost per variable, the same in every run, small enough to choose only among plans
+    the ILP's costs cannot tell apart."""
+    scale = TIE_BREAK * max(1.0, float(np.abs(c).max(initial=0.0)))
+    return np.random.default_rng(0).random(len(c)) * scale
+
+
+def cutoff_of(objective_us: float) -> float:
+    """HiGHS's cutoff for a warm start of this objective: a hair above it, so a plan as good
+    (which the tie breaks may prefer) is not cut off."""
+    return objective_us * (1 + 1e-6) + 1e-9
+
+
+def warm_start(builder: IlpBuilder, c: np.ndarray, plans) -> tuple[np.ndarray, float] | None:
+    """(point, objective) of the best of ``plans`` the ILP can take, or None."""
+    points = [x for x in (builder.point(p) for p in plans) if x is not None]
+    if not points:
+        return None
+    best = min(points, key=lambda x: float(c @ x))
+    return best, float(c @ best)
+
