@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
+
+# Primitives jax exports nowhere public, by attribute, with the modules that have held them.
+_PRIVATE_PRIMITIVES = {
+    "reshard_p": ("jax._src.pjit",),
+    "random_wrap_p": ("jax._src.prng", "jax._src.random.prng"),
+    "random_unwrap_p": ("jax._src.prng", "jax._src.random.prng"),
+    "custom_vjp_call_jaxpr_p": ("jax._src.custom_derivatives",),
+}
+
 
 def backends_initialized() -> bool:
     """Whether jax has created its device clients, after which `XLA_FLAGS` and the platform
@@ -9,3 +19,29 @@ def backends_initialized() -> bool:
     from jax._src import xla_bridge
     probe = getattr(xla_bridge, "backends_are_initialized", None)
     return probe() if probe is not None else bool(getattr(xla_bridge, "_backends", None))
+
+
+def primitive(attr: str):
+    """The jax ``Primitive`` named ``attr`` (``"add_p"``) in ``jax.lax``, in
+    ``jax.extend.core.primitives`` or, for those with no public home, in jax's private module;
+    None where this jax version has none (``one_minus_square_p`` and ``unstack_p`` are newer than
+    some versions, ``custom_vjp_call_jaxpr_p`` older)."""
+    import jax.lax
+    from jax.extend.core import primitives
+    for module in (jax.lax, primitives):
+        if getattr(module, attr, None) is not None:
+            return getattr(module, attr)
+    for name in _PRIVATE_PRIMITIVES.get(attr, ()):
+        try:
+            found = getattr(importlib.import_module(name), attr, None)
+        except ImportError:
+            continue
+        if found is not None:
+            return found
+    return None
+
+
+def primitives(*attrs: str) -> tuple:
+    """:func:`primitive` of each of ``attrs`` that this jax version has."""
+    found = (primitive(attr) for attr in attrs)
+    return tuple(p for p in found if p is not None)

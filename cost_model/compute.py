@@ -1,53 +1,14 @@
-"""Compute cost: flops and bytes of one primitive application, and a roofline to seconds."""
+"""Compute cost: a roofline from an op's flops and bytes to seconds.
+
+What an op computes (its flops, its matmul's dims) is per-primitive knowledge and lives with
+the op-info registry (``passes.rules``); this prices the numbers.
+"""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
-
-_FREE = frozenset({
-    "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "slice", "iota",
-    "copy", "copy_p", "input", "output", "const", "carry", "scan_in", "scan_out", "merge",
-    "convert_element_type", "sharding_constraint", "reshard", "stop_gradient",
-    "bitcast_convert_type", "dynamic_slice", "concatenate", "pad", "rev", "select_n", "gather",
-    "scatter-add", "scatter", "dynamic_update_slice", "split", "optimization_barrier",
-})
-
-
-def op_flops(prim: str, in_shapes, out_shapes, params) -> float:
-    """Floating-point operations of one application, on the whole (unsplit) tensors.
-
-    Counted as XLA's cost analysis counts them: 2 per multiply-add in contractions, one per
-    output element for arithmetic, one per input element for reductions; data movement is free.
-    """
-    if prim == "dot_general":
-        (lc, _), _ = params["dimension_numbers"]
-        k = math.prod(in_shapes[0][d] for d in lc)
-        return 2.0 * math.prod(out_shapes[0]) * k
-    if prim == "conv_general_dilated":
-        rhs = in_shapes[1]
-        rhs_spec = params["dimension_numbers"][1]
-        window = math.prod(rhs[d] for d in rhs_spec[2:])
-        return 2.0 * math.prod(out_shapes[0]) * window * rhs[rhs_spec[1]]
-    if prim in _FREE:
-        return 0.0
-    if prim.startswith("reduce_") or prim.startswith("cum") or prim in ("argmax", "argmin"):
-        return float(math.prod(in_shapes[0]))
-    return float(sum(math.prod(s) for s in out_shapes))
-
-
-def matmul_dims(prim: str, params, local_in_shapes) -> tuple[int, int, int] | None:
-    """(M, N, K) of one device's dot_general: rows, columns and contraction length (batch
-    dims are separate matmuls); None for other primitives."""
-    if prim != "dot_general" or len(local_in_shapes) < 2:
-        return None
-    (lc, rc), (lb, rb) = params["dimension_numbers"]
-    lhs, rhs = local_in_shapes[0], local_in_shapes[1]
-    m = math.prod(lhs[d] for d in range(len(lhs)) if d not in lc and d not in lb)
-    n = math.prod(rhs[d] for d in range(len(rhs)) if d not in rc and d not in rb)
-    k = math.prod(lhs[d] for d in lc)
-    return m, n, k
 
 
 def _tile_fraction(dim: int, tile: int) -> float:

@@ -1,8 +1,9 @@
 """Pass 4, cluster: merge nodes into groups that share one ILP decision.
 
-* Followers. An elementwise op, a convert or a layout op (reshape, transpose, squeeze,
-  expand_dims) with a single full-shape operand follows that operand's producer: for every
-  strategy of the producer it takes its own cheapest strategy given the producer's result spec.
+* Followers. An elementwise op, a convert or a layout op (reshape, transpose, squeeze: the
+  ``follower`` flag of ``passes.rules.op_info``) with a single full-shape operand follows that
+  operand's producer: for every strategy of the producer it takes its own cheapest strategy
+  given the producer's result spec.
   This is Alpa's "follow and merge"; it cuts the ILP by about the number of such ops, at the
   price of never resharding right before a follower.
 * Ties. A state output (a new parameter or optimizer state) that replaces an input keeps the
@@ -15,12 +16,9 @@ import numpy as np
 
 from autopar.passes.dedup import input_shapes
 from autopar.passes.ir import Graph, NodeKind
-from autopar.passes.rules.elementwise import UNARY_AND_NARY
 from autopar.passes.dedup import Groups
+from autopar.passes.rules import op_info
 from autopar.passes.strategies import MeshContext, Strategy
-
-FOLLOWERS = frozenset(UNARY_AND_NARY) | {"reshape", "transpose", "squeeze", "expand_dims",
-                                         "reduce_precision", "copy"}
 
 
 def _leader_operand(node, graph: Graph, state_shapes: frozenset):
@@ -31,10 +29,11 @@ def _leader_operand(node, graph: Graph, state_shapes: frozenset):
     an optimizer update, a gradient sum), where every operand is best kept in one sharding,
     and the op follows its first operand. The edges from the others stay priced."""
     out_shape = graph.values[node.outs[0]].shape
+    elementwise = op_info(node).elementwise
     full = [(pos, vid) for pos, vid in enumerate(node.ins)
             if vid is not None and graph.values[vid].rank
-            and (node.prim not in UNARY_AND_NARY or graph.values[vid].shape == out_shape)]
-    if len(full) > 1 and node.prim in UNARY_AND_NARY and out_shape in state_shapes:
+            and (not elementwise or graph.values[vid].shape == out_shape)]
+    if len(full) > 1 and elementwise and out_shape in state_shapes:
         return full[0]
     return full[0] if len(full) == 1 else None
 
@@ -64,7 +63,7 @@ def cluster(graph: Graph, strats: list[list[Strategy]], mesh: MeshContext,
     picked: dict = {}
     state_shapes = input_shapes(graph)
     for node in graph.nodes:
-        if not follow or node.kind is not NodeKind.OP or node.prim not in FOLLOWERS:
+        if not follow or node.kind is not NodeKind.OP or not op_info(node).follower:
             continue
         if node.pinned is not None or len(node.outs) != 1:
             continue

@@ -16,15 +16,18 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from jax import lax
 from jax.extend import core as jcore
+from jax.extend.core import primitives as P
 from jax.sharding import NamedSharding
 
 from autopar.cost_model.collectives import plan_redistribute
 from autopar.passes.ir import Graph
 from autopar.cost_model.spec import Spec
-from autopar.passes.trace import CALL_PRIMS, CONSTRAINT_PRIMS, Traced, call_body
+from autopar.passes.rules import info_of
+from autopar.passes.trace import CALLS, CUSTOM_CALLS, Traced, call_body
 
-_CUSTOM_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
+_REGIONS = {P.scan_p: "emit_scan", P.while_p: "emit_while", P.cond_p: "emit_cond"}
 
 
 def _constrainable(x) -> bool:
@@ -99,20 +102,19 @@ class Emitter:
         return [read(a) for a in jaxpr.outvars]
 
     def equation(self, eqn, invals, scope, i) -> list:
-        name = eqn.primitive.name
-        if name in ("scan", "while", "cond"):
-            return getattr(self, "emit_" + name)(eqn, invals, scope, i)
-        if name in CALL_PRIMS and name not in _CUSTOM_CALLS:
+        if eqn.primitive in _REGIONS:
+            return getattr(self, _REGIONS[eqn.primitive])(eqn, invals, scope, i)
+        if eqn.primitive in CALLS and eqn.primitive not in CUSTOM_CALLS:
             inner, consts = call_body(eqn)
             body = lambda *a: self.run(inner, consts, a, scope + (i,))  # noqa: E731
-            if name in ("remat2", "checkpoint"):
+            if eqn.primitive is P.remat_p:
                 body = jax.checkpoint(body, prevent_cse=eqn.params["prevent_cse"],
                                       policy=eqn.params["policy"])
             return list(body(*invals))
         node = self.graph.eqn_nodes.get(scope + (i,))
         if node is not None:
             invals = self.feed(invals, scope, eqn.invars, node, range(len(invals)))
-        if name in CONSTRAINT_PRIMS:
+        if info_of(eqn.primitive).pin_param is not None:
             return self.pin_results(scope, eqn.outvars, invals)
         def bind():
             with eqn.ctx.manager:
@@ -207,6 +209,6 @@ def compiler_options(graph: Graph, platform: str) -> dict:
     barriers early and then merges a rematerialized computation with its original (CSE), so
     rematerialization (``passes.remat``, or ``jax.checkpoint`` in the program) would save no
     memory there; keeping the barriers makes it behave as XLA:GPU and XLA:TPU do."""
-    if platform == "cpu" and any(n.prim == "optimization_barrier" for n in graph.nodes):
+    if platform == "cpu" and any(n.primitive is lax.optimization_barrier_p for n in graph.nodes):
         return {"xla_disable_hlo_passes": "cse_barrier_expander"}
     return {}

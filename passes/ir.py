@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from jax import lax
 
 
 class NodeKind(enum.Enum):
@@ -72,7 +73,9 @@ class Node:
     in_trips: tuple[int, ...] = ()        # per operand: how often that edge is crossed
     where: str = ""                       # source location, for reports
     pinned: tuple[Any, ...] | None = None  # user-fixed specs of the results (or of a sink's operand)
-    primitive: Any = None                 # the jax Primitive of an OP node
+    # The jax Primitive of an OP node (``eqn.primitive``): what the op-info registry
+    # (passes.rules.op_info) is keyed by. ``prim`` is its name, or the boundary kind's.
+    primitive: Any = None
 
     def edge_trip(self, pos: int) -> int:
         return self.in_trips[pos] if self.in_trips else self.trip_count
@@ -129,5 +132,5 @@ def recomputable(graph: Graph, node: Node) -> bool:
     """Whether ``node``'s result is a broadcast of a scalar: XLA fuses it into its consumers
     instead of keeping it, and the emitter rebuilds it in whatever spec a consumer wants
     instead of moving it."""
-    return node.kind is NodeKind.OP and node.prim == "broadcast_in_dim" and all(
+    return node.kind is NodeKind.OP and node.primitive is lax.broadcast_in_dim_p and all(
         vid is None or graph.values[vid].rank == 0 for vid in node.ins)

@@ -79,36 +79,20 @@ import operator
 from dataclasses import dataclass
 
 import jax.numpy as jnp
+from jax import lax
 
 from autopar.passes.ir import Graph, NodeKind, recomputable
-from autopar.passes.rules.elementwise import UNARY_AND_NARY
+from autopar.passes.rules import op_info
 from autopar.cost_model.spec import local_bytes
 
-#: Ops XLA fuses into their consumers when those are fusible too.
-FUSIBLE = frozenset(UNARY_AND_NARY) | {
-    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "iota"}
-#: Fusible ops XLA does not recompute in each consumer (its fusion duplicates only cheap ops):
-#: one read by several consumers is kept.
-EXPENSIVE = frozenset({"exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "rsqrt",
-                       "sqrt", "cbrt", "erf", "erfc", "erf_inv", "pow", "atan2", "lgamma",
-                       "digamma"})
-#: Ops that start an XLA:CPU library (YNNPACK) fusion: a dot or a reduction, grown over the
-#: elementwise ops around it (:func:`library_fusions`).
-LIBRARY = frozenset({"dot_general", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
-#: Ops a library fusion can take in besides its dots and reductions: YNNPACK's arithmetic,
-#: broadcasts and reshapes (no selects, comparisons or transposes).
-LIBRARY_ELEMENTWISE = frozenset({
-    "add", "add_any", "sub", "mul", "div", "max", "min", "pow", "integer_pow", "square", "neg",
-    "abs", "sign", "floor", "ceil", "round", "exp", "expm1", "log", "log1p", "logistic",
-    "rsqrt", "sqrt", "cbrt", "tanh", "sin", "cos", "convert_element_type",
-    "broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
-#: Ops XLA runs in place: the result is written into the first operand's buffer (its resharded
-#: copy, where the plan reshards it), so that copy is no buffer of its own.
-IN_PLACE = frozenset({"scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul",
-                      "scatter-min", "scatter-max", "dynamic_update_slice"})
-#: Ops whose result is their operand's buffer (an optimization barrier, one node per operand):
-#: no new buffer, but the operand's lives until the result's last use.
-ALIASING = frozenset({"optimization_barrier"})
+# What this model reads of each op is in its OpInfo (passes.rules): ``fusible`` (XLA fuses it
+# into fusible consumers), ``expensive`` (XLA does not recompute a fusible op of these in
+# each consumer: one read by several is kept), ``library`` (a dot or reduction that starts an
+# XLA:CPU library fusion), ``library_elementwise`` (YNNPACK's arithmetic, broadcasts and
+# reshapes, which such a fusion takes in; no selects, comparisons or transposes), ``in_place``
+# (the result is written into the first operand's buffer, or its resharded copy, so that copy
+# is no buffer of its own) and ``aliasing`` (the result is its operand's buffer: no new buffer,
+# but the operand's lives until the result's last use).
 
 
 def value_bytes(graph: Graph, vid: int, spec, axis_sizes) -> int:
@@ -140,10 +124,6 @@ def consumers(graph: Graph) -> dict[int, list]:
     return users
 
 
-def _op(node, prims) -> bool:
-    return node.kind is NodeKind.OP and node.prim in prims
-
-
 def library_fusions(graph: Graph, users: dict[int, list]) -> dict[int, int]:
     """node -> the library fusion XLA:CPU puts it in (named by the dot or reduction that
     starts it).
@@ -157,7 +137,7 @@ def library_fusions(graph: Graph, users: dict[int, list]) -> dict[int, int]:
     fusion: dict[int, int] = {}
     members_of: dict[int, list[int]] = {}
     for start in reversed(graph.nodes):
-        if not _op(start, LIBRARY) or start.id in fusion:
+        if not op_info(start).library or start.id in fusion:
             continue
         members: set[int] = set()
         members_of[start.id] = []
@@ -174,14 +154,14 @@ def library_fusions(graph: Graph, users: dict[int, list]) -> dict[int, int]:
                 if vid is None or vid not in graph.producer:
                     continue
                 p = graph.nodes[graph.producer[vid][0]]
-                if (p.id not in fusion and _op(p, LIBRARY_ELEMENTWISE)
+                if (p.id not in fusion and op_info(p).library_elementwise
                         and not recomputable(graph, p)
                         and all(u.id in members for o in p.outs for u in users.get(o, ()))):
                     work.append(p.id)
             readers = [u for o in node.outs for u in users.get(o, ())]
             if len(node.outs) == 1 and len(readers) == 1:
                 r = readers[0]
-                if r.id in members or not _op(r, LIBRARY_ELEMENTWISE | LIBRARY):
+                if r.id in members or not (op_info(r).library_elementwise or op_info(r).library):
                     continue
                 if r.id in fusion and fusion[r.id] != start.id:  # another fusion below: merge
                     merged = members_of.pop(fusion[r.id])
@@ -195,7 +175,7 @@ def library_fusions(graph: Graph, users: dict[int, list]) -> dict[int, int]:
 def materialized(graph: Graph, node, users: dict[int, list], fusions=None) -> list[int]:
     """The values of ``node`` that XLA keeps in memory. ``fusions``: XLA:CPU's library
     fusions (:func:`library_fusions`); without them, the fusion rules of GPU and TPU."""
-    if node.prim == "iota" or node.prim in ALIASING or recomputable(graph, node):
+    if node.primitive is lax.iota_p or op_info(node).aliasing or recomputable(graph, node):
         return []  # fused into the consumers, or an operand's buffer
     if node.kind is not NodeKind.OP:
         return list(node.outs)
@@ -204,10 +184,10 @@ def materialized(graph: Graph, node, users: dict[int, list], fusions=None) -> li
         readers = users.get(vid, ())
         if fusions is not None and node.id in fusions:
             keep = any(fusions.get(u.id) != fusions[node.id] for u in readers)
-        elif node.prim in FUSIBLE:
-            keep = (any(not _op(u, FUSIBLE) or (fusions is not None and u.id in fusions)
+        elif op_info(node).fusible:
+            keep = (any(not op_info(u).fusible or (fusions is not None and u.id in fusions)
                         for u in readers)
-                    or (node.prim in EXPENSIVE and len(readers) > 1))
+                    or (op_info(node).expensive and len(readers) > 1))
         else:
             keep = True
         if keep:
@@ -217,12 +197,12 @@ def materialized(graph: Graph, node, users: dict[int, list], fusions=None) -> li
 
 def last_uses(graph: Graph, users: dict[int, list], fusions=None,
               kept: dict[int, list[int]] | None = None) -> dict[int, int]:
-    """value -> the last node that reads it or, through :data:`ALIASING` ops, its buffer, or
+    """value -> the last node that reads it or, through ``aliasing`` ops, its buffer, or
     through a value XLA does not keep, recomputes from it. ``kept``: node id ->
     :func:`materialized`, when the caller has it."""
     last = {vid: max(u.id for u in us) for vid, us in users.items()}
     for node in reversed(graph.nodes):
-        if node.prim in ALIASING:
+        if op_info(node).aliasing:
             for vin, vout in zip(node.ins, node.outs):
                 last[vin] = max(last.get(vin, node.id), last.get(vout, node.id))
         elif node.kind is NodeKind.OP:
@@ -297,7 +277,7 @@ def _f32_dot_copies(graph, users, fusions, skip=frozenset()) -> list[Buffer]:
     for vid, readers in users.items():
         if vid in skip or not _is_16bit_float(graph.values[vid].dtype):
             continue
-        dots = [u for u in readers if _op(u, {"dot_general"})]
+        dots = [u for u in readers if u.primitive is lax.dot_general_p]
         if len({fusions.get(u.id) for u in dots}) > 1:
             out.append(Buffer(vid, min(u.id for u in dots), max(u.id for u in dots),
                               4 / graph.values[vid].itemsize))
@@ -520,9 +500,9 @@ def copy_spans(graph: Graph, value_specs: dict, operand_specs: dict | None,
         for pos, (vid, spec) in enumerate(zip(node.ins, operand_specs[node.id])):
             if vid is None or spec is None or spec == value_specs[vid]:
                 continue
-            if pos == 0 and node.prim in IN_PLACE:
+            if pos == 0 and op_info(node).in_place:
                 continue
-            if _slices(value_specs[vid], spec) and not _op(node, LIBRARY):
+            if _slices(value_specs[vid], spec) and not op_info(node).library:
                 continue  # a local slice, which XLA fuses into the reader
             key = (vid, spec) if not graph.values[vid].recomputable else (vid, spec, node.id)
             born = (graph.producer[vid][0] if from_producer and not graph.values[vid].recomputable

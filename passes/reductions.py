@@ -3,13 +3,7 @@
 from __future__ import annotations
 
 from autopar.passes.ir import Graph, Node, NodeKind
-
-
-#: Ops whose partial results need a collective of their own (``_collectives``).
-_REDUCING = frozenset({"dot_general", "conv_general_dilated", "reduce_sum", "reduce_max",
-                       "reduce_min", "reduce_prod", "argmax", "argmin", "cumsum", "cumprod",
-                       "cummax", "cummin", "cumlogsumexp", "scatter-add", "scatter_add",
-                       "scatter"})
+from autopar.passes.rules import op_info
 
 
 def is_combined_reduction(node: Node, graph: Graph) -> bool:
@@ -28,7 +22,7 @@ def is_combined_reduction(node: Node, graph: Graph) -> bool:
     This replaced a test by size (a reduction with as many elements as an argument), which
     took the MLP's activations, as large as its input batch, for gradients: four activation
     all-reduces priced as one latency, compiled to four."""
-    return node.prim in _REDUCING and reduction_depths(graph)[node.id] == 0
+    return op_info(node).reducing and reduction_depths(graph)[node.id] == 0
 
 
 def reduction_depths(graph: Graph) -> list[int]:
@@ -44,7 +38,7 @@ def reduction_depths(graph: Graph) -> list[int]:
             for v in node.outs:
                 for r, _ in consumers.get(v, ()):
                     reader = graph.nodes[r]
-                    reduces = (reader.kind is NodeKind.OP and reader.prim in _REDUCING
+                    reduces = (reader.kind is NodeKind.OP and op_info(reader).reducing
                                and any(graph.values[o].rank for o in reader.outs))
                     depth[node.id] = max(depth[node.id], depth[r] + reduces)
         graph.analyses["reductions.reduction_depths"] = depth

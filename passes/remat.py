@@ -37,7 +37,9 @@ import re
 from dataclasses import dataclass
 
 import jax
+from jax import lax
 from jax.extend import core as jcore
+from jax.extend.core import primitives as P
 
 from autopar.passes import remat_scan
 from autopar.passes.trace import Traced, from_jaxpr
@@ -153,7 +155,7 @@ def _plan_layer(jaxpr, name: str, forward: list[int], policy: RematPolicy, uses,
     kept = {v for v in made
             if v in results or any(j not in mine and j < start for j in uses.get(v, ()))}
     if policy is RematPolicy.DOTS:
-        kept |= {v for v, i in made.items() if eqns[i].primitive.name == "dot_general"}
+        kept |= {v for v, i in made.items() if eqns[i].primitive is lax.dot_general_p}
     residuals = [v for v in made if v not in kept and any(j >= start for j in uses.get(v, ()))]
     if not residuals:
         return None
@@ -187,14 +189,9 @@ def _tie(eqns, at: int, start: int, producer: dict) -> tuple:
     return ()
 
 
-def _barrier_primitive():
-    x = jax.ShapeDtypeStruct((), "float32")
-    return jax.make_jaxpr(jax.lax.optimization_barrier)(x).eqns[0].primitive
-
-
 def _rewrite(closed, plans: list[_Recompute]):
     jaxpr = closed.jaxpr
-    barrier = _barrier_primitive()
+    barrier = lax.optimization_barrier_p
     at: dict[int, list[_Recompute]] = {}
     for p in plans:
         at.setdefault(p.at, []).append(p)
@@ -248,7 +245,7 @@ def scanned_layers(traced: Traced) -> list[str]:
     owner = {v: name for v, name in zip(jaxpr.invars, parameter_layers(traced.in_tree))
              if name is not None}
     paired = {p.layer for p in _scan_pairs(traced.closed_jaxpr, traced.in_tree)}
-    return list(dict.fromkeys(owner[a] for eqn in jaxpr.eqns if eqn.primitive.name == "scan"
+    return list(dict.fromkeys(owner[a] for eqn in jaxpr.eqns if eqn.primitive is P.scan_p
                               for a in eqn.invars if _is_var(a) and a in owner
                               and owner[a] not in paired))
 

@@ -25,7 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+from jax import lax
 from jax.extend import core as jcore
+from jax.extend.core import primitives as P
 from jax.extend import source_info_util
 from jax.interpreters import partial_eval as pe
 
@@ -50,7 +52,7 @@ def scan_pairs(jaxpr, owner: dict, start: int) -> list[ScanPair]:
     forward scan belongs to the layer whose parameters it slices; its residuals are the ``ys``
     the backward scan slices and nothing else reads. A forward body with effects is left as
     it is."""
-    if not any(eqn.primitive.name == "scan" for eqn in jaxpr.eqns[:start]):
+    if not any(eqn.primitive is P.scan_p for eqn in jaxpr.eqns[:start]):
         return []  # an unrolled model: nothing to pair
     uses: dict = {}
     for j, eqn in enumerate(jaxpr.eqns):
@@ -60,14 +62,14 @@ def scan_pairs(jaxpr, owner: dict, start: int) -> list[ScanPair]:
     results = {a for a in jaxpr.outvars if _is_var(a)}
     pairs = []
     for i, eqn in enumerate(jaxpr.eqns[:start]):
-        if eqn.primitive.name != "scan":
+        if eqn.primitive is not P.scan_p:
             continue
         p = eqn.params
         xs = eqn.invars[p["num_consts"] + p["num_carry"]:]
         layers = [owner[a] for a in xs if _is_var(a) and a in owner]
         ys = eqn.outvars[p["num_carry"]:]
         readers = {j for v in ys if _is_var(v) for j in uses.get(v, ()) if j >= start
-                   and jaxpr.eqns[j].primitive.name == "scan"}
+                   and jaxpr.eqns[j].primitive is P.scan_p}
         if not layers or len(readers) != 1 or p["jaxpr"].jaxpr.effects:
             continue  # (effects would run twice)
         back = readers.pop()
@@ -101,8 +103,8 @@ def _recompute(jaxpr, pair: ScanPair, keep_dots: bool) -> _Recompute:
     wanted = [inner.outvars[ncar + k] for k in pair.residuals]
     eqns, dots = inner.eqns, []
     if keep_dots:  # the dots' results come from the forward scan instead of being recomputed
-        dots = [v for e in eqns if e.primitive.name == "dot_general" for v in e.outvars]
-        eqns = [e for e in eqns if e.primitive.name != "dot_general"]
+        dots = [v for e in eqns if e.primitive is lax.dot_general_p for v in e.outvars]
+        eqns = [e for e in eqns if e.primitive is not lax.dot_general_p]
     again = jcore.Jaxpr(inner.constvars, [*inner.invars, *dots], wanted, eqns)
     again, used = pe.dce_jaxpr(again, [True] * len(wanted))
     saved = tuple(d for d, u in zip(dots, used[len(inner.invars):]) if u)

@@ -22,12 +22,13 @@ import numpy as np
 
 from autopar.errors import ShardingHintError
 from autopar.cost_model.collectives import CommStep, plan_redistribute, reduce_step, ring_steps
-from autopar.cost_model.compute import matmul_dims, op_flops, roofline_s
+from autopar.cost_model.compute import roofline_s
 from autopar.cost_model.hlo import CollectiveKind
 from autopar.passes import dedup
 from autopar.passes.reductions import is_combined_reduction
 from autopar.passes.ir import Graph, Node, NodeKind, Value, itemsize, recomputable
-from autopar.passes.rules import DimMap, Reduce, RuleContext, dim_maps
+from autopar.passes.rules import (DimMap, Reduce, RuleContext, dim_maps, op_flops,
+                                  op_info)
 from autopar.cost_model.spec import Spec, spec_fits
 from autopar.errors import UnsupportedPrimitiveWarning
 
@@ -223,14 +224,14 @@ def node_strategies(node: Node, graph: Graph, mesh: MeshContext) -> tuple[list[S
     if node.kind is NodeKind.CONST:
         maps, fallback = [], False
     else:
-        maps = dim_maps(node.prim, ctx, node.params)
+        maps = dim_maps(node, ctx)
         fallback = maps is None
         maps = maps or []
-    flops = op_flops(node.prim, in_shapes, out_shapes, node.params)
+    flops = op_flops(node, ctx)
     dtype = graph.values[node.outs[0]].dtype if node.outs else None
     moved = sum(math.prod(s) * itemsize(d) for s, d in node.in_avals) + sum(
         graph.values[v].nbytes for v in node.outs)
-    contraction = node.prim in ("dot_general", "conv_general_dilated")
+    info = op_info(node)
     combined = is_combined_reduction(node, graph)
     out = []
     for in_specs, out_specs, partial, finishes, split, pre in expand(maps, ctx, mesh):
@@ -239,13 +240,13 @@ def node_strategies(node: Node, graph: Graph, mesh: MeshContext) -> tuple[list[S
         steps = _collectives(partial, finishes, pre, node, graph, mesh, combined)
         f = flops / split
         dims = None
-        if node.prim == "dot_general":
-            dims = matmul_dims(node.prim, node.params, [
+        if info.matmul_dims is not None:
+            dims = info.matmul_dims([
                 shape if sp is None else sp.local_shape(shape, mesh.axis_sizes)
-                for sp, shape in zip(in_specs, in_shapes)])
+                for sp, shape in zip(in_specs, in_shapes)], **node.params)
         out.append(Strategy(in_specs, out_specs, f,
                             roofline_s(f, moved / split, mesh.profile, dtype,
-                                       contraction=contraction, dims=dims) if flops else 0.0,
+                                       contraction=info.contraction, dims=dims) if flops else 0.0,
                             sum(s.time_s(mesh.levels) for s in steps), steps))
     assert out, f"no strategy for {node.prim}: replicate is always possible"
     return out, fallback

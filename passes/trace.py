@@ -15,27 +15,32 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax import lax
 from jax.extend import core as jcore
+from jax.extend.core import primitives as P
 
+from autopar._compat import primitives
 from autopar._mesh import on_explicit_axes
 from autopar.errors import ArgumentError
 from autopar.passes.ir import Graph, NodeKind
+from autopar.passes.rules import info_of, registered
 
-# Calls whose body is inlined for planning. Value: how to find (jaxpr, consts) in the params.
-CALL_PRIMS = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
-              "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
-# Primitives that pin their result to a sharding, by the parameter that holds it: a
-# `with_sharding_constraint`, and `jax.sharding.reshard` (jax adds one for the gradient seed
-# when the arguments are already sharded arrays).
-CONSTRAINT_PRIMS = {"sharding_constraint": "sharding", "reshard": "dst_sharding"}
-# Primitives whose operands pass through one to one; planned as independent identities (one
-# node per operand, named after the primitive).
-MULTI_IDENTITY_PRIMS = ("optimization_barrier",)
+#: Calls whose body is inlined for planning (emission re-creates the call around it).
+CALLS = frozenset((P.jit_p, P.closed_call_p, P.call_p, P.remat_p, P.custom_jvp_call_p,
+                   P.custom_vjp_call_p, *primitives("custom_vjp_call_jaxpr_p")))
+#: The calls emission re-binds as the original primitive, so their custom derivatives survive.
+CUSTOM_CALLS = frozenset((P.custom_jvp_call_p, P.custom_vjp_call_p,
+                          *primitives("custom_vjp_call_jaxpr_p")))
+#: Primitives that pin their result to a sharding (OpInfo.pin_param names the parameter that
+#: holds it): a `with_sharding_constraint`, and `jax.sharding.reshard` (jax adds one for the
+#: gradient seed when the arguments are already sharded arrays). By name, for the passes that
+#: still match ``node.prim`` (annotate, propagate); new code asks ``op_info(node).pin_param``.
+CONSTRAINT_PRIMS = {p.name: info.pin_param for p, info in registered().items() if info.pin_param}
 
 
 def constraint_label(node) -> str:
     """How messages name a node of :data:`CONSTRAINT_PRIMS`."""
-    what = ("with_sharding_constraint" if node.prim == "sharding_constraint"
+    what = ("with_sharding_constraint" if node.primitive is lax.sharding_constraint_p
             else f"jax.sharding.{node.prim}")
     return f"{what} at {node.where}"
 
@@ -100,7 +105,7 @@ def unwrap_jit(closed):
             return closed
         eqn = jaxpr.eqns[0]
         inner = eqn.params.get("jaxpr")
-        if (eqn.primitive.name not in ("jit", "pjit") or not isinstance(inner, jcore.ClosedJaxpr)
+        if (eqn.primitive is not P.jit_p or not isinstance(inner, jcore.ClosedJaxpr)
                 or list(eqn.invars) != list(jaxpr.invars)
                 or list(eqn.outvars) != list(jaxpr.outvars)):
             return closed
@@ -170,21 +175,14 @@ class _Tracer:
 
     def walk(self, jaxpr, scope: tuple, trip: int) -> None:
         for i, eqn in enumerate(jaxpr.eqns):
-            name = eqn.primitive.name
-            handler = _HANDLERS.get(name)
-            if handler is None and name in CALL_PRIMS:
-                handler = _Tracer.call
-            if handler is None and name in MULTI_IDENTITY_PRIMS:
-                handler = _Tracer.multi_identity
-            (handler or _Tracer.op)(self, eqn, scope, i, trip)
+            _HANDLERS.get(eqn.primitive, _Tracer.op)(self, eqn, scope, i, trip)
 
     # ----- ordinary equations
     def op(self, eqn, scope, i, trip) -> None:
         ins = [self.read_operand(scope, a) for a in eqn.invars]
         outs = [self.g.new_value(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
-        pinned = None
-        if eqn.primitive.name in CONSTRAINT_PRIMS:
-            pinned = (eqn.params[CONSTRAINT_PRIMS[eqn.primitive.name]],)
+        pin_param = info_of(eqn.primitive).pin_param
+        pinned = None if pin_param is None else (eqn.params[pin_param],)
         node = self.g.add_node(NodeKind.OP, eqn.primitive.name, ins,
                                [_aval(a) for a in eqn.invars], outs, params=dict(eqn.params),
                                trip_count=trip, where=_where(eqn), pinned=pinned,
@@ -197,7 +195,8 @@ class _Tracer:
         for atom, var in zip(eqn.invars, eqn.outvars):
             vid = self.g.new_value(var.aval.shape, var.aval.dtype)
             self.g.add_node(NodeKind.OP, eqn.primitive.name, (self.read(scope, atom),),
-                            (_aval(atom),), (vid,), trip_count=trip, where=_where(eqn))
+                            (_aval(atom),), (vid,), trip_count=trip, where=_where(eqn),
+                            primitive=eqn.primitive)
             outs.append(vid)
         self.bind_outputs(scope, eqn.outvars, outs)
 
@@ -301,4 +300,8 @@ class _Tracer:
         self.bind_outputs(scope, eqn.outvars, [n.outs[0] for n in merges])
 
 
-_HANDLERS = {"scan": _Tracer.scan, "while": _Tracer.while_loop, "cond": _Tracer.cond}
+# Calls, control flow, and the primitives whose operands pass through one to one (planned as
+# independent identities: one node per operand, named after the primitive); the rest are ops.
+_HANDLERS = {**dict.fromkeys(CALLS, _Tracer.call), P.scan_p: _Tracer.scan,
+             P.while_p: _Tracer.while_loop, P.cond_p: _Tracer.cond,
+             lax.optimization_barrier_p: _Tracer.multi_identity}

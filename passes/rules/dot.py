@@ -2,16 +2,43 @@
 
 A split batch or free dimension needs no communication; a split contracting dimension leaves a
 partial sum on every device, reduced over the axis (all-reduce, or reduce-scatter when the
-result is split over that axis).
+result is split over that axis). Flops count 2 per multiply-add, as XLA's cost analysis does.
 """
 
-from autopar.passes.rules import DimMap, Reduce, RuleContext, register
+import math
 
-#: The primitives of this family.
-CONTRACTIONS = ("dot_general", "conv_general_dilated")
+from jax import lax
+
+from autopar.passes.rules import DimMap, Reduce, RuleContext, names_where, register
+
+_CONTRACTION = dict(contraction=True, reducing=True)
 
 
-@register("dot_general")
+def dot_flops(ctx: RuleContext, *, dimension_numbers, **_) -> float:
+    (lc, _), _ = dimension_numbers
+    return 2.0 * math.prod(ctx.out_shapes[0]) * math.prod(ctx.in_shapes[0][d] for d in lc)
+
+
+def matmul_dims(local_in_shapes, *, dimension_numbers, **_) -> tuple[int, int, int]:
+    """(M, N, K) of one device's dot_general: rows, columns and contraction length (batch
+    dims are separate matmuls)."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    lhs, rhs = local_in_shapes[0], local_in_shapes[1]
+    m = math.prod(lhs[d] for d in range(len(lhs)) if d not in lc and d not in lb)
+    n = math.prod(rhs[d] for d in range(len(rhs)) if d not in rc and d not in rb)
+    k = math.prod(lhs[d] for d in lc)
+    return m, n, k
+
+
+def conv_flops(ctx: RuleContext, *, dimension_numbers, **_) -> float:
+    rhs = ctx.in_shapes[1]
+    rhs_spec = dimension_numbers[1]
+    window = math.prod(rhs[d] for d in rhs_spec[2:])
+    return 2.0 * math.prod(ctx.out_shapes[0]) * window * rhs[rhs_spec[1]]
+
+
+@register(lax.dot_general_p, flops=dot_flops, matmul_dims=matmul_dims, library=True,
+          **_CONTRACTION)
 def dot_general(ctx: RuleContext, *, dimension_numbers, **_):
     (lc, rc), (lb, rb) = dimension_numbers
     lhs_rank, rhs_rank = len(ctx.in_shapes[0]), len(ctx.in_shapes[1])
@@ -24,7 +51,7 @@ def dot_general(ctx: RuleContext, *, dimension_numbers, **_):
     return maps
 
 
-@register("conv_general_dilated")
+@register(lax.conv_general_dilated_p, flops=conv_flops, **_CONTRACTION)
 def conv(ctx: RuleContext, *, dimension_numbers, feature_group_count, batch_group_count, **_):
     lhs_spec, rhs_spec, out_spec = dimension_numbers
     # spec = (batch/out-feature dim, feature/in-feature dim, *spatial dims)
@@ -37,3 +64,7 @@ def conv(ctx: RuleContext, *, dimension_numbers, feature_group_count, batch_grou
         maps.append(DimMap((lhs_spec[1], rhs_spec[1]), (Reduce.SUM,),
                            scatter_to=(out_spec[0], out_spec[1])))
     return maps
+
+
+#: Names of this family's primitives, for passes/propagate.py until it asks op_info.
+CONTRACTIONS = names_where("contraction")

@@ -11,14 +11,16 @@ hand-written vocab-parallel Megatron program compiles to (``tests/cost_model/
 test_ranking.py`` checks the collectives match).
 """
 
-from autopar.passes.rules import DimMap, Reduce, RuleContext, register
+from jax import lax
+
+from autopar.passes.rules import DimMap, Reduce, RuleContext, names_where, register
 
 
 def _index_batch_dims(idx_rank):
     return list(range(idx_rank - 1))  # the last dimension of the indices is the index vector
 
 
-@register("gather")
+@register(lax.gather_p, free=True, gather_scatter=True)
 def gather(ctx: RuleContext, *, dimension_numbers, slice_sizes, **_):
     dn = dimension_numbers
     operand, indices = ctx.in_shapes[0], ctx.in_shapes[1]
@@ -72,15 +74,17 @@ def scatter(ctx: RuleContext, *, dimension_numbers, prim_is_add=False, **_):
     return maps
 
 
-_SCATTERS = ("scatter", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min",
-             "scatter-max", "scatter_max")
-_SCATTER_ADDS = ("scatter-add", "scatter_add")
-#: The primitives of this family (XLA partitions them by their operand's sharding).
-GATHER_SCATTER = ("gather",) + _SCATTERS + _SCATTER_ADDS
-
-register(*_SCATTERS)(scatter)
+# A scatter writes into its operand's buffer (passes.liveness). Plain scatter and scatter-add
+# are counted as data movement, the others as one flop per result element.
+register(lax.scatter_p, free=True, reducing=True, gather_scatter=True, in_place=True)(scatter)
+register(lax.scatter_mul_p, lax.scatter_min_p, lax.scatter_max_p, gather_scatter=True,
+         in_place=True)(scatter)
 
 
-@register(*_SCATTER_ADDS)
+@register(lax.scatter_add_p, free=True, reducing=True, gather_scatter=True, in_place=True)
 def scatter_add(ctx: RuleContext, **params):
     return scatter(ctx, prim_is_add=True, **params)
+
+
+#: Names of this family's primitives, for passes/propagate.py until it asks op_info.
+GATHER_SCATTER = names_where("gather_scatter")

@@ -1,10 +1,18 @@
-"""Reductions and scans along a dimension."""
+"""Reductions and scans along a dimension: one flop per operand element, as XLA counts them."""
 
-from autopar.passes.rules import DimMap, Reduce, RuleContext, register
+import math
 
-_KIND = {"reduce_sum": Reduce.SUM, "reduce_max": Reduce.MAX, "reduce_min": Reduce.MIN,
-         "reduce_prod": Reduce.PROD, "reduce_and": Reduce.ANY, "reduce_or": Reduce.ANY,
-         "reduce_xor": Reduce.ANY}
+from jax import lax
+
+from autopar.passes.rules import DimMap, Reduce, RuleContext, mark, register
+
+_KIND = {lax.reduce_sum_p: Reduce.SUM, lax.reduce_max_p: Reduce.MAX,
+         lax.reduce_min_p: Reduce.MIN, lax.reduce_prod_p: Reduce.PROD,
+         lax.reduce_and_p: Reduce.ANY, lax.reduce_or_p: Reduce.ANY, lax.reduce_xor_p: Reduce.ANY}
+
+
+def in_elements(ctx: RuleContext, **_) -> float:
+    return float(math.prod(ctx.in_shapes[0]))
 
 
 def _kept(rank, axes):
@@ -20,22 +28,28 @@ def _reduce_rule(kind):
 
 
 for _prim, _kind in _KIND.items():
-    register(_prim)(_reduce_rule(_kind))
+    register(_prim, flops=in_elements)(_reduce_rule(_kind))
+# Their partial results need a collective of their own (passes.reductions).
+mark(*_KIND, reducing=True)
+# An XLA:CPU library (YNNPACK) fusion starts at each of them (passes.liveness).
+mark(lax.reduce_sum_p, lax.reduce_max_p, lax.reduce_min_p, lax.reduce_prod_p, library=True)
 
 
-@register("argmax", "argmin")
+@register(lax.argmax_p, lax.argmin_p, flops=in_elements, reducing=True)
 def arg_reduce(ctx: RuleContext, *, axes, **_):
     # A split reduced dimension would need an index offset per shard: not offered.
     kept = _kept(len(ctx.in_shapes[0]), axes)
     return [DimMap((d,), (kept.index(d),)) for d in kept]
 
 
-@register("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
+@register(lax.cumsum_p, lax.cumprod_p, lax.cummax_p, lax.cummin_p, lax.cumlogsumexp_p,
+          flops=in_elements, reducing=True)
 def cumulative(ctx: RuleContext, *, axis, **_):
     return [DimMap((d,), (d,)) for d in range(len(ctx.in_shapes[0])) if d != axis]
 
 
-@register("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window")
+@register(lax.reduce_window_sum_p, lax.reduce_window_max_p, lax.reduce_window_min_p,
+          lax.reduce_window_p, flops=in_elements)
 def reduce_window(ctx: RuleContext, *, window_dimensions, window_strides, **_):
     rank = len(ctx.in_shapes[0])
     n_in = len(ctx.in_shapes)
@@ -44,7 +58,7 @@ def reduce_window(ctx: RuleContext, *, window_dimensions, window_strides, **_):
             for d in range(rank) if window_dimensions[d] == 1 and window_strides[d] == 1]
 
 
-@register("select_and_scatter_add", "select_and_gather_add")
+@register(lax.select_and_scatter_add_p, lax.select_and_gather_add_p)
 def select_window(ctx: RuleContext, *, window_dimensions, window_strides, **_):
     rank = len(ctx.out_shapes[0])
     return [DimMap((d,) * len(ctx.in_shapes), (d,))

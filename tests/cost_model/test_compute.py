@@ -1,17 +1,12 @@
-"""Shape-dependent matmul efficiency: tile padding on built-in profiles, measured curves."""
+"""Shape-dependent matmul efficiency: tile padding on built-in profiles, measured curves.
+(A dot's matmul dims come from the op-info registry: tests/passes/test_ops.py.)"""
 
 import dataclasses
 
 import pytest
 
-from autopar.cost_model.compute import matmul_dims, matmul_efficiency, roofline_s
+from autopar.cost_model.compute import matmul_efficiency, roofline_s
 from autopar.cost_model.hardware import get_profile
-
-
-def test_matmul_dims_of_a_batched_dot():
-    params = {"dimension_numbers": (((2,), (1,)), ((0,), (0,)))}
-    assert matmul_dims("dot_general", params, [(4, 96, 64), (4, 64, 200)]) == (96, 200, 64)
-    assert matmul_dims("add", {}, [(4,), (4,)]) is None
 
 
 def test_tile_multiples_run_at_the_profile_efficiency_and_small_dims_pad():
