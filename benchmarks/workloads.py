@@ -1,6 +1,6 @@
 """The benchmark's workloads: every example model at realistic widths, two layers.
 
-Shapes follow the README's table (hidden 1024, sequence 512, batch 16, bf16 compute) where a
+Shapes follow docs/benchmarks.md's table (hidden 1024, sequence 512, batch 16, bf16 compute) where a
 model has them; quality per layer does not depend on depth, so two layers keep compiling
 fast. Arguments are ShapeDtypeStructs: the programs are compiled, never run.
 """

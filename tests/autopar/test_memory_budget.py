@@ -161,7 +161,7 @@ def test_remat_makes_a_budget_fit_that_no_sharding_does():
     """A budget below the smallest peak autopar finds without rematerialization: the planner
     rematerializes layers, predicts a peak within the budget, and the program computes what one
     device does. (The compiled XLA:CPU peak of such budget-fitted plans is not checked: see
-    README, "Not yet".)"""
+    docs/benchmarks.md, "Not yet".)"""
     fn, args = gpt.make_train_step(ACTIVATION_HEAVY)
     mesh = {"data": 8}
     with pytest.raises(InfeasiblePlanError) as info:
@@ -193,7 +193,7 @@ def test_budget_just_under_the_fastest_peak_costs_little_time(fraction, slower):
 
 #: A GPT whose budget-fitted plan at 70% of its fastest plan's peak splits the sequence and
 #: the contractions over all 8 devices; XLA:CPU keeps far more of it than the memory model
-#: counts (README, "Not yet"), so it compiles over the budget.
+#: counts (docs/benchmarks.md, "Not yet"), so it compiles over the budget.
 MISSED = dataclasses.replace(gpt.TINY, batch=16, seq=128, hidden=256, heads=4, layers=2)
 
 
