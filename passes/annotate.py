@@ -12,8 +12,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.errors import ShardingHintError
 from autopar.passes.ir import Graph
+from autopar.passes.rules import op_info
 from autopar.cost_model.spec import Spec, spec_fits
-from autopar.passes.trace import CONSTRAINT_PRIMS, constraint_label
+from autopar.passes.trace import constraint_label
 
 
 def to_spec(hint, shape, axis_sizes: dict[str, int], where: str) -> Spec | None:
@@ -123,7 +124,7 @@ def annotate(graph: Graph, in_specs: list[Spec | None], out_specs: list[Spec | N
                 graph.nodes[node_id].pinned = (spec,)
                 labels[node_id] = names[i] if names else f"{what} leaf {i}"
     for node in graph.nodes:
-        if node.prim in CONSTRAINT_PRIMS and node.pinned is not None:
+        if op_info(node).pin_param is not None and node.pinned is not None:
             shape = graph.values[node.outs[0]].shape
             labels[node.id] = constraint_label(node)
             node.pinned = (to_spec(node.pinned[0], shape, axis_sizes, labels[node.id]),)

@@ -9,13 +9,12 @@ ILP's choice otherwise) and a :class:`~autopar.errors.ShardingConflictWarning` n
 from __future__ import annotations
 
 from autopar.passes.fixed import (
-    _SAME_TENSOR,
-    _SAME_TENSOR_KINDS,
     Propagation,
     compatible,
     node_operands,
 )
 from autopar.passes.ir import Graph, NodeKind
+from autopar.passes.rules import op_info
 
 
 def find_conflicts(graph: Graph, strats, prop: Propagation, labels: dict[int, str]
@@ -25,7 +24,7 @@ def find_conflicts(graph: Graph, strats, prop: Propagation, labels: dict[int, st
     propagated shardings meeting is ordinary resharding, left to the plan without a word."""
     seen, messages = set(), []
     for node in graph.nodes:
-        if node.kind not in _SAME_TENSOR_KINDS and node.prim not in _SAME_TENSOR:
+        if not op_info(node).same_tensor:
             continue
         wants = {}  # label -> (user, spec) of the fixed values at this node
         for vid in [v for _, v in node_operands(node)] + list(node.outs):

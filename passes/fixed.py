@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 from autopar.cost_model.spec import Spec
 from autopar.passes.ir import Graph, Node, NodeKind
-from autopar.passes.rules.elementwise import UNARY_AND_NARY
+from autopar.passes.rules import op_info
 from autopar.passes.strategies import Strategy
-from autopar.passes.trace import CONSTRAINT_PRIMS, constraint_label
+from autopar.passes.trace import constraint_label
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def seed(graph: Graph, labels: dict[int, str], extra: dict[int, Spec] | None = N
 
 
 def _describe(node: Node) -> str:
-    if node.prim in CONSTRAINT_PRIMS:
+    if op_info(node).pin_param is not None:
         return constraint_label(node)
     return f"`{node.prim}` at {node.where or 'the program boundary'}"
 
@@ -154,13 +154,3 @@ def propagated_origin(label: str) -> Origin:
     """The origin of a sharding propagated from annotation ``label`` (one object per label:
     a deep model fixes hundreds of thousands of values from a handful of annotations)."""
     return Origin(label, False)
-
-
-# Ops whose operands and results are one tensor in the same layout (elementwise, converts,
-# layout changes, constraints, region boundaries). Two annotations that meet there with no
-# common strategy want the same tensor sharded two ways: a conflict. Elsewhere (a contraction
-# of an FSDP-sharded weight with a data-parallel batch, say) a resharding is ordinary work.
-_SAME_TENSOR = frozenset(UNARY_AND_NARY) | {"reshape", "transpose", "squeeze", "expand_dims",
-                                            "broadcast_in_dim", "copy"}
-_SAME_TENSOR_KINDS = (NodeKind.OUTPUT, NodeKind.CARRY, NodeKind.MERGE, NodeKind.SCAN_IN,
-                      NodeKind.SCAN_OUT)

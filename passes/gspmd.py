@@ -23,10 +23,10 @@ import math
 import operator
 from dataclasses import dataclass
 
+from jax import lax
+
 from autopar.cost_model.spec import Spec
 from autopar.passes.fixed import (
-    _SAME_TENSOR,
-    _SAME_TENSOR_KINDS,
     Propagation,
     Splits,
     node_operands,
@@ -36,9 +36,7 @@ from autopar.passes.fixed import (
     splits_of,
 )
 from autopar.passes.ir import Graph, Node
-from autopar.passes.rules.dot import CONTRACTIONS
-from autopar.passes.rules.elementwise import UNARY_AND_NARY
-from autopar.passes.rules.gather import GATHER_SCATTER
+from autopar.passes.rules import op_info
 from autopar.passes.strategies import MeshContext, Strategy
 
 
@@ -74,19 +72,18 @@ class Level(enum.IntEnum):
     ANY = 4
 
 
-_FORWARD_ONLY_OPS = frozenset({"dynamic_slice", "dynamic_update_slice"})
 
 
 def _is_broadcast(node: Node) -> bool:
     """A broadcast_in_dim that adds elements (XLA makes one adding only size-1 dims a reshape)."""
-    return (node.prim == "broadcast_in_dim"
+    return (node.primitive is lax.broadcast_in_dim_p
             and math.prod(node.in_avals[0][0]) != math.prod(node.params["shape"]))
 
 
 def _broadcast_operands(graph: Graph, node: Node) -> frozenset[int]:
     """Operand positions of an elementwise op that broadcast size-1 dims (``x + b[None]``): XLA
     lowers each through a broadcast op, and propagation crosses it as it crosses broadcasts."""
-    if node.prim not in UNARY_AND_NARY:
+    if not op_info(node).elementwise:
         return frozenset()
     out = graph.values[node.outs[0]].shape
     return frozenset(pos for pos, vid in node_operands(node)
@@ -95,12 +92,12 @@ def _broadcast_operands(graph: Graph, node: Node) -> frozenset[int]:
 
 def _directions(node: Node, level: Level, multi_use: set[int]) -> tuple[bool, ...]:
     """The directions (True: forward) ``node`` propagates in at ``level``."""
-    if node.kind in _SAME_TENSOR_KINDS or (node.prim in _SAME_TENSOR and not _is_broadcast(node)):
+    if op_info(node).same_tensor and not _is_broadcast(node):
         if level is Level.SAME_TENSOR_SINGLE_USE and any(v in multi_use for _, v in
                                                          node_operands(node)):
             return ()  # each use might want another sharding: settled later
         return (True, False)
-    if node.prim in _FORWARD_ONLY_OPS and level < Level.PASS_THROUGH:
+    if op_info(node).forward_only and level < Level.PASS_THROUGH:
         return (True,)
     if level < Level.PASS_THROUGH:
         return ()
@@ -325,7 +322,7 @@ def _decide(graph: Graph, node: Node, strats, allowed, prop: Propagation, direct
     targets = [(n, t) for n, t in enumerate(slots) if t[0] in sides and t[2] not in prop.closed]
     if not targets or not allowed:
         return ()
-    elementwise = node.prim in UNARY_AND_NARY
+    elementwise = op_info(node).elementwise
     constraints = sorted(
         (-math.prod(graph.values[vid].shape),
          -math.prod(axis_sizes[a] for a in axes) if elementwise else 0, n, d, i, side, pos, axis)
@@ -401,9 +398,9 @@ def _select_one(graph: Graph, node: Node, strats, mesh: MeshContext, tie_want, w
              and all(strats[node.id][i].out_specs[k] == sp for k, sp in want_out)]
     if exact:
         return min(exact, key=lambda i: (strats[node.id][i].cost_s, i))
-    if node.prim not in GATHER_SCATTER:
+    if not op_info(node).gather_scatter:
         options = _in_result_spec(strats[node.id], options, want_out,
-                                  partial_sums=node.prim not in CONTRACTIONS)
+                                  partial_sums=not op_info(node).contraction)
     options = _keeping_larger(graph, node, strats[node.id], options, want_in, want_out)
     return min(options, key=lambda i: (_moved_cost_s(node, strats[node.id][i], want_in,
                                                      want_out, graph, mesh), i))

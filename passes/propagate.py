@@ -41,8 +41,6 @@ from autopar.errors import ShardingConflictWarning
 from autopar.cost_model.spec import Spec
 from autopar.passes.conflicts import find_conflicts
 from autopar.passes.fixed import (
-    _SAME_TENSOR,
-    _SAME_TENSOR_KINDS,
     Propagation,
     Splits,
     admits,
@@ -55,6 +53,7 @@ from autopar.passes.fixed import (
 )
 from autopar.passes.gspmd import complete_sweeps, select
 from autopar.passes.ir import Graph, Node
+from autopar.passes.rules import op_info
 from autopar.passes.strategies import MeshContext, Strategy
 
 
@@ -107,11 +106,11 @@ def run_sweeps(graph: Graph, strats, prop: Propagation, complete: bool, ties=(),
 
 
 def _one_tensor(graph: Graph, node: Node) -> frozenset | None:
-    """Forced mode's reach: a same-tensor node (:data:`_SAME_TENSOR`) passes on the splits of
+    """Forced mode's reach: a same-tensor node (``op_info(node).same_tensor``) passes on the splits of
     its full-size values only. Elsewhere, or from a smaller operand (a broadcast bias or norm
     scale), keeping a sharding is not forced: an FSDP-sharded weight does not make the
     activations it meets split their features, the ILP weighs gathering it instead."""
-    if node.kind not in _SAME_TENSOR_KINDS and node.prim not in _SAME_TENSOR:
+    if not op_info(node).same_tensor:
         return frozenset()
     vids = [v for _, v in node_operands(node)] + list(node.outs)
     largest = max(graph.values[v].nbytes // graph.values[v].itemsize for v in vids)

@@ -43,7 +43,6 @@ from jax.extend.core import primitives as P
 
 from autopar.passes import remat_scan
 from autopar.passes.trace import Traced, from_jaxpr
-from autopar.errors import RematWarning
 
 
 class RematPolicy(enum.Enum):

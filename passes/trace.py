@@ -23,7 +23,7 @@ from autopar._compat import primitives
 from autopar._mesh import on_explicit_axes
 from autopar.errors import ArgumentError
 from autopar.passes.ir import Graph, NodeKind
-from autopar.passes.rules import info_of, registered
+from autopar.passes.rules import info_of
 
 #: Calls whose body is inlined for planning (emission re-creates the call around it).
 CALLS = frozenset((P.jit_p, P.closed_call_p, P.call_p, P.remat_p, P.custom_jvp_call_p,
@@ -31,15 +31,9 @@ CALLS = frozenset((P.jit_p, P.closed_call_p, P.call_p, P.remat_p, P.custom_jvp_c
 #: The calls emission re-binds as the original primitive, so their custom derivatives survive.
 CUSTOM_CALLS = frozenset((P.custom_jvp_call_p, P.custom_vjp_call_p,
                           *primitives("custom_vjp_call_jaxpr_p")))
-#: Primitives that pin their result to a sharding (OpInfo.pin_param names the parameter that
-#: holds it): a `with_sharding_constraint`, and `jax.sharding.reshard` (jax adds one for the
-#: gradient seed when the arguments are already sharded arrays). By name, for the passes that
-#: still match ``node.prim`` (annotate, propagate); new code asks ``op_info(node).pin_param``.
-CONSTRAINT_PRIMS = {p.name: info.pin_param for p, info in registered().items() if info.pin_param}
-
-
 def constraint_label(node) -> str:
-    """How messages name a node of :data:`CONSTRAINT_PRIMS`."""
+    """How messages name a node that pins its result to a sharding (``OpInfo.pin_param``): a
+    `with_sharding_constraint`, or a `jax.sharding.reshard` jax adds."""
     what = ("with_sharding_constraint" if node.primitive is lax.sharding_constraint_p
             else f"jax.sharding.{node.prim}")
     return f"{what} at {node.where}"

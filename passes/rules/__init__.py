@@ -136,12 +136,6 @@ def registered() -> dict[Any, OpInfo]:
     return dict(_OPS)
 
 
-def names_where(field: str) -> frozenset[str]:
-    """Names of the registered primitives whose ``field`` is set, for code that still matches
-    ``node.prim`` (``passes/propagate.py``); new code asks :func:`op_info`."""
-    return frozenset(p.name for p, info in _OPS.items() if getattr(info, field))
-
-
 def dim_maps(node: Node, ctx: RuleContext) -> list[DimMap] | None:
     """The one-axis maps of a node, or None when it has no rule (replicated fallback)."""
     rule = op_info(node).rule

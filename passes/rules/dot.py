@@ -9,7 +9,7 @@ import math
 
 from jax import lax
 
-from autopar.passes.rules import DimMap, Reduce, RuleContext, names_where, register
+from autopar.passes.rules import DimMap, Reduce, RuleContext, register
 
 _CONTRACTION = dict(contraction=True, reducing=True)
 
@@ -67,4 +67,3 @@ def conv(ctx: RuleContext, *, dimension_numbers, feature_group_count, batch_grou
 
 
 #: Names of this family's primitives, for passes/propagate.py until it asks op_info.
-CONTRACTIONS = names_where("contraction")

@@ -10,7 +10,7 @@ from jax import lax
 from jax.extend.core import primitives as P
 
 from autopar._compat import primitives
-from autopar.passes.rules import DimMap, RuleContext, mark, names_where, register
+from autopar.passes.rules import DimMap, RuleContext, mark, register
 
 # Data movement and bookkeeping: no flops.
 _FREE = (lax.convert_element_type_p, lax.bitcast_convert_type_p, lax.copy_p,
@@ -65,4 +65,3 @@ mark(lax.add_p, P.add_jaxvals_p, lax.sub_p, lax.mul_p, lax.div_p, lax.max_p, lax
 register(lax.optimization_barrier_p, free=True, aliasing=True)(elementwise)
 
 #: Names of the elementwise primitives, for passes/propagate.py until it asks op_info.
-UNARY_AND_NARY = names_where("elementwise")

@@ -13,7 +13,7 @@ test_ranking.py`` checks the collectives match).
 
 from jax import lax
 
-from autopar.passes.rules import DimMap, Reduce, RuleContext, names_where, register
+from autopar.passes.rules import DimMap, Reduce, RuleContext, register
 
 
 def _index_batch_dims(idx_rank):
@@ -87,4 +87,3 @@ def scatter_add(ctx: RuleContext, **params):
 
 
 #: Names of this family's primitives, for passes/propagate.py until it asks op_info.
-GATHER_SCATTER = names_where("gather_scatter")
