@@ -67,25 +67,37 @@ def _collectives(graph: Graph, strats, choice, mesh) -> list[ChosenComm]:
     return _with_combined_latency(out, mesh.levels, reduction_depths(graph))
 
 
+def combiner_key(step: CommStep, trips: int, depth: int) -> tuple:
+    """Reductions of partial results with equal keys are merged by XLA's combiner into one
+    collective, which pays the latency once: one kind over the same devices, run as often, and
+    of equal depth (``passes.reductions.reduction_depths``: as many reductions wait for each)."""
+    return (step.kind, step.axes, step.group_size, step.axis_sizes, trips, depth)
+
+
+def combined_latency_s(step: CommStep, levels) -> float:
+    """The latency one merged group of reductions keyed as ``step``'s pays, once."""
+    return CommStep(step.kind, step.axes, step.group_size, 0, 0,
+                    axis_sizes=step.axis_sizes).time_s(levels)
+
+
+def without_latency_s(step: CommStep, levels) -> float:
+    """``step``'s time once merged with others: its bytes, no latency of its own."""
+    return replace(step, combined=True).time_s(levels)
+
+
 def _with_combined_latency(comms: list[ChosenComm], levels, depths: list[int]
                            ) -> list[ChosenComm]:
-    """Reductions of partial results that do not wait for one another are merged by XLA's
-    combiner into one collective, which pays the latency once: those of one kind over the
-    same devices and of equal depth (``passes.reductions.reduction_depths``: the same number
-    of reductions wait for each). Depth 0 holds the gradients, the loss and metrics (on the
-    (2, 4) GPT, 26 gradient all-reduces over all 8 devices compile to one); a batch norm's
-    mean and mean of squares share a depth. The first step of each such group carries the
-    latency."""
+    """Each reduction priced without latency, the first of each combiner group
+    (:func:`combiner_key`) carrying the group's one latency. Depth 0 holds the gradients, the
+    loss and metrics; a batch norm's mean and mean of squares share a depth."""
     out, seen = [], set()
     for c in comms:
         if c.reason == "reduce" and c.step.kind is not None:
-            key = (c.step.kind, c.step.axes, c.step.group_size, c.step.axis_sizes, c.trips,
-                   depths[c.node])
-            time_s = replace(c.step, combined=True).time_s(levels)  # without latency
+            key = combiner_key(c.step, c.trips, depths[c.node])
+            time_s = without_latency_s(c.step, levels)
             if key not in seen:
                 seen.add(key)
-                time_s += CommStep(c.step.kind, c.step.axes, c.step.group_size, 0, 0,
-                                   axis_sizes=c.step.axis_sizes).time_s(levels)
+                time_s += combined_latency_s(c.step, levels)
             c = replace(c, time_s=time_s)
         out.append(c)
     return out

@@ -7,9 +7,15 @@ Formulation (Alpa's intra-op ILP, with resharding edges compressed by spec class
   output tied to the input it replaces). Node ``n`` in group ``g`` takes strategy
   ``map_n[i]`` when ``s_g[i] = 1``. Built by :meth:`IlpBuilder.add_groups`.
 * ``sum(s_g) = 1`` for every group (:meth:`IlpBuilder.add_groups`).
-* Node costs. ``sum_i s_g[i] * sum_{n in g} trips_n * (compute + comm)(map_n[i])``, where compute
-  counts the flops each device really does (replicated work is not free) and comm is the
-  reduction of partial results (:meth:`IlpBuilder.add_node_costs`).
+The objective is the estimate's step time (``passes.estimate``) wherever the model is exact,
+through the same cost functions:
+
+* Node costs. ``sum_i s_g[i] * sum_{n in g} trips_n * (compute + reduction bytes)(map_n[i])``,
+  where compute counts the flops each device really does (replicated work is not free)
+  (:meth:`IlpBuilder.add_node_costs`).
+* Reduction latency. Reductions XLA's combiner merges (``estimate.combiner_key``: one kind,
+  devices, trip count and depth) pay one latency: a ``y >= `` each group's variables that make
+  such a reduction costs it once (:meth:`IlpBuilder.add_group_latencies`).
 * Edge costs. For an edge from node u (group a) to node w (group b), the cost of resharding u's
   result into the spec w needs depends only on the pair (u's out spec, w's in spec). Group a's
   strategies fall into classes by u's out spec, group b's by w's in spec, and a continuous
@@ -18,12 +24,14 @@ Formulation (Alpa's intra-op ILP, with resharding edges compressed by spec class
   chosen, so ``sum e[p, q] * R[p, q]`` is the exact resharding cost. Edges within a group, or
   with only one class on a side, are linear in ``s`` and need no ``e``
   (:meth:`IlpBuilder.add_edges`, :meth:`IlpBuilder._transport`).
-* Large edges. When the two sides have more than ``MAX_EXACT_EDGE_PAIRS`` spec pairs (rank-4
-  activations on a 2-D mesh, most tensors on a 3-D one), the same construction runs once per
-  mesh axis over the dimension that axis splits on each side, with the cost of moving that
-  axis alone. The sum over axes approximates the joint resharding cost with far fewer
-  variables; node choices stay coupled across axes, and the plan's estimate is always
-  computed exactly afterwards.
+* Shared moves. A value read in one spec by several groups moves once: per spec pair, a
+  ``m >= `` each reader's indicator of that pair carries its cost
+  (:meth:`IlpBuilder._add_shared_value`); a reader with more than ``MAX_SHARED_VALUE_PAIRS``
+  pairs is charged alone (an over-estimate).
+* Large edges. When the two sides have more than ``MAX_EXACT_EDGE_PAIRS`` spec pairs (most
+  tensors on a 3-D mesh), the same construction runs once per mesh axis over the dimension that
+  axis splits on each side, with the cost of moving that axis alone: an approximation of the
+  joint cost (the plan's estimate is always computed exactly afterwards).
 
 Costs are in microseconds so HiGHS (``passes.highs``) sees well-scaled numbers.
 """
@@ -33,14 +41,19 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse
 
-from autopar.cost_model.collectives import CommStep
 from autopar.passes.dedup import Groups
+from autopar.passes.estimate import combined_latency_s, combiner_key, without_latency_s
 from autopar.passes.ir import Graph
+from autopar.passes.reductions import reduction_depths
 from autopar.passes.strategies import MeshContext, Strategy
 
 _US = 1e6
 # An edge whose two sides have more distinct spec pairs than this is priced axis by axis.
-MAX_EXACT_EDGE_PAIRS = 400
+MAX_EXACT_EDGE_PAIRS = 1024
+# A value read by several groups is priced once per target spec through indicator variables
+# of each reader's spec pair; a reader with more pairs than this is priced alone (more would
+# make the LP relaxation fractional and the solve many times slower).
+MAX_SHARED_VALUE_PAIRS = 144
 
 
 class IlpBuilder:
@@ -61,6 +74,11 @@ class IlpBuilder:
         self._pending: dict = {}
         self.transports: list[tuple] = []  # every e block: (first var, Q, groups, keys, classes)
         self.latencies: list[tuple[int, list[int]]] = []  # (y, the x it bounds): see below
+        # (m, the readers' indicators it bounds): a value's move paid once (_add_shared_value)
+        self.shared: list[tuple[int, list[dict[int, float]]]] = []
+        self._indicator_blocks: dict = {}  # (gu, gw, src keys, dst keys) -> first e variable
+        self._strategy_cache: dict[int, float] = {}
+        self._step_cache: dict = {}
 
     def new_vars(self, k: int, integer: bool) -> int:
         """Add ``k`` variables of cost 0 (integral or not); the index of the first."""
@@ -84,8 +102,9 @@ class IlpBuilder:
             self.rows.append(({self.offset[g] + i: 1.0 for i in range(size)}, 1.0, 1.0))
 
     def add_node_costs(self) -> None:
-        """Nodes of one color in one group (copies of a layer) are priced once, times their
-        count."""
+        """Each strategy's compute and its reductions' bytes; their latencies are charged per
+        combiner group (:meth:`add_group_latencies`). Nodes of one color in one group (copies
+        of a layer) are priced once, times their count."""
         group_of, color = self.groups.group_of, self.groups.color
         classes: dict = {}
         for n in range(len(self.g.nodes)):
@@ -95,37 +114,43 @@ class IlpBuilder:
         for n, count in classes.values():
             node, strats, g = self.g.nodes[n], self.strats[n], group_of[n]
             for i, j in enumerate(self.groups.index_map[n]):
-                self.cost[self.offset[g] + i] += strats[j].cost_s * node.trip_count * _US * count
+                self.cost[self.offset[g] + i] += (self._strategy_s(strats[j]) * node.trip_count
+                                                  * _US * count)
+
+    def _strategy_s(self, st: Strategy) -> float:
+        if id(st) not in self._strategy_cache:
+            self._strategy_cache[id(st)] = st.compute_s + sum(
+                self._step_s(step) for step in st.collectives)
+        return self._strategy_cache[id(st)]
+
+    def _step_s(self, step) -> float:
+        if step not in self._step_cache:
+            self._step_cache[step] = (step.time_s(self.mesh.levels) if step.kind is None else
+                                      without_latency_s(step, self.mesh.levels))
+        return self._step_cache[step]
 
     def add_group_latencies(self) -> None:
-        """One latency per group of combined reductions (``CommStep.combined``: a train step's
-        gradients and loss, which XLA's combiner merges and each strategy prices without
-        latency): per kind, devices and trip count, a variable ``y`` at least the sum of each
-        group's strategy variables whose node makes such a reduction, costing that latency
-        once, as the estimate charges it (``cost_model.estimate``), so a lone combined
-        reduction pays its latency in the ILP as in the estimate."""
+        """One latency per combiner group of reductions (``estimate.combiner_key``), as the
+        estimate charges it: per key, a variable ``y`` at least the sum of each group's
+        strategy variables whose node makes such a reduction, costing that latency once."""
+        depths = reduction_depths(self.g)
         xs_of: dict[tuple, dict[int, set[int]]] = {}  # key -> group -> its variables
-        makes: dict[int, bool] = {}  # per strategy list: whether any strategy combines
+        steps: dict[tuple, object] = {}
         for g, members in self.groups.members.items():
             for n in members:
                 strats = self.strats[n]
-                if id(strats) not in makes:
-                    makes[id(strats)] = any(step.combined for st in strats
-                                            for step in st.collectives)
-                if not makes[id(strats)]:
-                    continue
                 trips = self.g.nodes[n].trip_count
                 for i, j in enumerate(self.groups.index_map[n]):
                     for step in strats[j].collectives:
-                        if step.combined and step.kind is not None:
-                            key = (step.kind, step.axes, step.group_size, step.axis_sizes, trips)
+                        if step.kind is not None:
+                            key = combiner_key(step, trips, depths[n])
+                            steps.setdefault(key, step)
                             xs_of.setdefault(key, {}).setdefault(g, set()).add(
                                 self.offset[g] + i)
-        for (kind, axes, size, sizes, trips), by_group in xs_of.items():
+        for key, by_group in xs_of.items():
             y = self.new_vars(1, False)
             self.latencies.append((y, sorted(set().union(*by_group.values()))))
-            self.cost[y] = CommStep(kind, axes, size, 0, 0, axis_sizes=sizes).time_s(
-                self.mesh.levels) * trips * _US
+            self.cost[y] = combined_latency_s(steps[key], self.mesh.levels) * key[4] * _US
             # A group takes one strategy: y >= the sum of its variables that make the step.
             self.rows += [({y: 1.0, **{x: -1.0 for x in sorted(xs)}}, 0.0, np.inf)
                           for _, xs in sorted(by_group.items())]
@@ -167,10 +192,41 @@ class IlpBuilder:
         return sum(c for _, c in self.edge_classes), len(self.edge_classes)
 
     def add_edges(self) -> None:
+        """Resharding costs, one value at a time: a value moved into one spec for several
+        consumers is charged once (XLA computes the move once), as the estimate charges it."""
         self.edge_classes = self.edges()
-        for (u, k, w, pos), count in self.edge_classes:
-            self._add_edge(u, k, w, pos, count)
+        for (u, k), readers, count in self.value_classes():
+            if len(readers) == 1:
+                self._add_edge(u, k, *readers[0], count)
+            else:
+                self._add_shared_value(u, k, readers, count)
         self._flush_transports()
+
+    def value_classes(self):
+        """[((u, k), [(w, pos)], count)]: one value per class of structurally identical values
+        (copies of a layer share one), its readers with one per group and in-spec list (they
+        choose alike), and how many values the class holds."""
+        group_of, color = self.groups.group_of, self.groups.color
+        readers: dict[int, list] = {}
+        for w_node in self.g.nodes:
+            for pos, vid in enumerate(w_node.ins):
+                if vid is not None:
+                    readers.setdefault(vid, []).append((w_node.id, pos))
+        out: dict = {}
+        for vid, edges in readers.items():
+            u, k = self.g.producer[vid]
+            key = (u, k) if color is None else (
+                group_of[u], color[u], k,
+                tuple(sorted((group_of[w], color[w], pos) for w, pos in edges)))
+            if key in out:
+                out[key][2] += 1
+                continue
+            distinct: dict = {}
+            for w, pos in edges:
+                dst = tuple(self.strats[w][j].in_specs[pos] for j in self.groups.index_map[w])
+                distinct.setdefault((group_of[w], dst), (w, pos))
+            out[key] = [(u, k), list(distinct.values()), 1]
+        return [tuple(v) for v in out.values()]
 
     def _add_edge(self, u, k, w, pos, count: int = 1) -> None:
         gu, gw, src, dst, value, trip = self._edge_matrix(u, k, w, pos)
@@ -187,6 +243,64 @@ class IlpBuilder:
             self._transport(
                 gu, gw, [a.place_of(axis) for a in src], [b.place_of(axis) for b in dst],
                 lambda p, q, axis=axis: self._axis_cost_us(axis, p, q, value, trip))
+
+    def _add_shared_value(self, u, k, readers, count: int) -> None:
+        """Value ``(u, k)`` read by several groups: per (source spec, target spec) pair, a
+        variable ``m >= `` each reader's indicator of that pair (:meth:`_pair_indicators`) pays
+        the move once. Readers whose pairs are too many to list are priced alone, axis by axis."""
+        pairs: dict = {}   # (src spec, dst spec) -> [(indicator, trip)]
+        for w, pos in readers:
+            indicators = self._pair_indicators(u, k, w, pos)
+            if indicators is None:
+                self._add_edge(u, k, w, pos, count)
+                continue
+            trip = self.g.nodes[w].edge_trip(pos)
+            for pair, indicator in indicators.items():
+                pairs.setdefault(pair, []).append((indicator, trip))
+        value = self.g.values[self.g.nodes[u].outs[k]]
+        for (a, b), uses in pairs.items():
+            cost = self._cost_us(a, b, value, uses[0][1] * count)
+            if cost == 0.0:
+                continue
+            if len(uses) == 1:
+                for var, coef in uses[0][0].items():
+                    self.cost[var] += cost * coef
+                continue
+            m = self.new_vars(1, False)
+            self.cost[m] = cost
+            self.shared.append((m, [indicator for indicator, _ in uses]))
+            self.rows += [({m: 1.0, **{var: -coef for var, coef in indicator.items()}},
+                           0.0, np.inf) for indicator, _ in uses]
+
+    def _pair_indicators(self, u, k, w, pos) -> dict | None:
+        """(u's out spec, w's in spec) -> a linear expression of the ILP's variables that is 1
+        when the two groups' choices make that pair, else 0; None when the pairs are too many
+        to list (:data:`MAX_SHARED_VALUE_PAIRS`)."""
+        gu, gw, src, dst, _, _ = self._edge_matrix(u, k, w, pos)
+        out: dict = {}
+        if gu == gw:
+            for i, pair in enumerate(zip(src, dst)):
+                out.setdefault(pair, {})[self.offset[gu] + i] = 1.0
+            return out
+        src_classes, dst_classes = list(dict.fromkeys(src)), list(dict.fromkeys(dst))
+        if len(src_classes) == 1 or len(dst_classes) == 1:
+            for i, a in enumerate(src):
+                for j, b in enumerate(dst):
+                    if len(src_classes) == 1:
+                        out.setdefault((a, b), {})[self.offset[gw] + j] = 1.0
+                    elif j == 0:
+                        out.setdefault((a, b), {})[self.offset[gu] + i] = 1.0
+            return out
+        if len(src_classes) * len(dst_classes) > MAX_SHARED_VALUE_PAIRS:
+            return None
+        key = (gu, gw, tuple(src), tuple(dst))
+        if key not in self._indicator_blocks:
+            P, Q = len(src_classes), len(dst_classes)
+            self._add_transport(gu, gw, src, dst, src_classes, dst_classes, np.zeros((P, Q)))
+            self._indicator_blocks[key] = self.transports[-1][0]
+        e0, Q = self._indicator_blocks[key], len(dst_classes)
+        return {(a, b): {e0 + p * Q + q: 1.0} for p, a in enumerate(src_classes)
+                for q, b in enumerate(dst_classes)}
 
     def _axis_cost_us(self, axis, p, q, value, trip) -> float:
         key = (axis, p, q, value.shape, value.itemsize, value.recomputable)
@@ -259,6 +373,8 @@ class IlpBuilder:
             x[e0 + p * Q + q] = 1.0
         for y, xs in self.latencies:
             x[y] = x[xs].max()
+        for m, indicators in self.shared:
+            x[m] = max(sum(x[var] * coef for var, coef in ind.items()) for ind in indicators)
         return x
 
     def matrices(self, extra_rows=()):
