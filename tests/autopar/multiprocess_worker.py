@@ -98,15 +98,15 @@ def _global(host, shardings):
 def _take_the_slowest_candidate() -> None:
     """Make this process plan otherwise than the others: its planner returns the slowest of
     the propagated candidate plans instead of the best one."""
-    from autopar.passes import pipeline
-    best_of = pipeline.best_of
+    from autopar.passes import candidate_plans
+    best_of = candidate_plans.best_of
 
     def slowest(solution, graph, strats, mesh, candidates, *rest):
         best, times, peaks = best_of(solution, graph, strats, mesh, candidates, *rest)
         name = max(candidates, key=times.get)
         return dataclasses.replace(best, choice=candidates[name], status=name), times, peaks
 
-    pipeline.best_of = slowest
+    candidate_plans.best_of = slowest
 
 
 if __name__ == "__main__":
