@@ -147,7 +147,7 @@ class _State:
     remat: Remat | None = None                       # remat
     labels: dict[int, str] | None = None             # annotate: node -> the hint pinning it
     ties: list[tuple[int, int]] = field(default_factory=list)  # annotate: (output, input) node
-    starts: list | None = None                       # annotate: the candidates' (None: none)
+    starts: list[tuple] | None = None                # annotate: candidates' (None: no search)
     batch_seeds: dict = field(default_factory=dict)  # annotate: name -> input node -> spec
     keys: list[tuple] | None = None                  # strategies: a structural key per node
     strats: list[list[Strategy]] | None = None       # strategies
