@@ -1,7 +1,8 @@
 """The pass pipeline. :func:`run_pipeline` runs the passes in order:
 
-trace -> [remat] -> annotate -> strategies -> propagate -> cluster -> solve -> emit
+trace -> [remat] -> annotate -> strategies -> propagate -> [candidates] -> cluster -> solve -> emit
 
+([remat]: when asked for or when the memory budget needs it; [candidates]: when the ILP runs.)
 Each pass takes the planning state (:class:`_State`) and returns it with its own fields
 filled in. :func:`timed_pass` wraps every pass: it reports the pass's progress, adds its wall
 time to ``timings_s`` and, when ``PlanOptions.verify_ir``, verifies the IR after it
@@ -281,8 +282,7 @@ def _propagate(state: _State) -> _State:
 
 
 def _candidates_message(state: _State) -> str | None:
-    return None if state.starts is None else (
-        f"propagating {len(state.starts)} candidate plans")
+    return None if state.starts is None else f"propagating {len(state.starts)} candidate plans"
 
 
 @timed_pass("candidates", progress=_candidates_message)
