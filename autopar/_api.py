@@ -29,7 +29,7 @@ from autopar.passes.flax_metadata import check as check_metadata
 from autopar.passes.flax_metadata import merge as merge_hints
 from autopar.passes.flax_metadata import metadata_hints, traced_under_rules
 from autopar.passes.memory_budget import default_memory_budget_bytes
-from autopar.passes.pipeline import Remat, run_pipeline
+from autopar.passes.pipeline import PlanOptions, Remat, run_pipeline
 from autopar.passes.remat import RematPolicy
 from autopar.passes.strategies import MeshContext
 
@@ -279,21 +279,19 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
         return of
 
     traced_fn = traced_under_rules(fn, logical_axis_rules, jax_mesh)
-    result = run_pipeline(traced_fn, example_args, mesh_ctx, jax_mesh,
-                          in_specs_of=pins(in_shardings, "in_shardings"),
-                          out_specs_of=pins(out_shardings, "out_shardings"),
-                          ties_of=_state_ties if tie_state else None,
-                          time_limit_s=time_limit_s, progress=progress,
-                          choice=_choice, search=search,
-                          hint_labels_of=lambda _: (labels.get("in_shardings"),
-                                                    labels.get("out_shardings")),
-                          seeds_of=(_baseline_seeds(example_args, jax_mesh, sizes)
-                                    if baseline_seeds else None),
-                          memory_budget_bytes=(
-                              target_bytes if target_bytes is not None
-                              else default_memory_budget_bytes(profile)),
-                          strict_budget=memory_budget is not None, remat=remat is True,
-                          remat_choice=None if forced is None else Remat.from_dict(forced))
+    options = PlanOptions(
+        mesh_ctx=mesh_ctx, jax_mesh=jax_mesh, in_specs_of=pins(in_shardings, "in_shardings"),
+        out_specs_of=pins(out_shardings, "out_shardings"),
+        hint_labels_of=lambda _: (labels.get("in_shardings"), labels.get("out_shardings")),
+        ties_of=_state_ties if tie_state else None,
+        seeds_of=_baseline_seeds(example_args, jax_mesh, sizes) if baseline_seeds else None,
+        time_limit_s=time_limit_s, search=search,
+        choice=None if _choice is None else tuple(_choice),
+        remat_choice=None if forced is None else Remat.from_dict(forced),
+        memory_budget_bytes=(target_bytes if target_bytes is not None
+                             else default_memory_budget_bytes(profile)),
+        strict_budget=memory_budget is not None, remat=remat is True, progress=progress)
+    result = run_pipeline(traced_fn, example_args, options)
     graph, strats, choice = result.graph, result.strats, result.solution.choice
     comms = plan_collectives(graph, strats, choice, mesh_ctx)
     est = estimate(graph, strats, choice, mesh_ctx, comms)

@@ -83,3 +83,9 @@ class UnsupportedPrimitiveWarning(AutoparWarning):
 class RematWarning(AutoparWarning):
     """Rematerialization was asked for (``plan(remat="dots_saveable")``, say), but the program
     has no layer the pass can recompute; it is planned as it is."""
+
+
+class InvalidIRError(AssertionError):
+    """Internal, not a user error: the Graph IR broke an invariant after the pass the message
+    names (``autopar.passes.verify``, checked between passes when ``AUTOPAR_DEBUG=1``). A bug
+    in autopar; report it with the program that triggers it."""

@@ -1,49 +1,69 @@
-"""The pass pipeline. :func:`run_pipeline` lists the passes in order:
+"""The pass pipeline. :func:`run_pipeline` runs the passes in order:
 
-trace -> [remat] -> annotate -> strategies -> propagate -> cluster -> solve -> emit
+trace -> [remat] -> annotate -> strategies -> propagate -> [candidates] -> cluster -> solve -> emit
 
-With ``search=False`` propagation gives the whole plan and cluster/solve do not run (plain
-GSPMD). When no plan fits the memory budget, the passes after trace run again on the program
-with layers rematerialized (``passes.remat``): every layer, or fewer when that is predicted
-faster and still fits (:func:`_remat_search`).
+([remat]: when asked for or when the memory budget needs it; [candidates]: when the ILP runs.)
+Each pass takes the planning state (:class:`_State`) and returns it with its own fields
+filled in. :func:`timed_pass` wraps every pass: it reports the pass's progress, adds its wall
+time to ``timings_s`` and, when ``PlanOptions.verify_ir``, verifies the IR after it
+(``passes.verify``). With ``search=False`` propagation gives the whole plan and cluster/solve
+do not run (plain GSPMD). When no plan fits the memory budget, the passes after trace run
+again on the program with layers rematerialized (``passes.remat``): every layer, or fewer
+when that is predicted faster and still fits (:func:`_plan_within_budget`).
 Pipeline stages and collective overlap are not in this version; see README.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
-from autopar.passes.estimate import value_specs
+from jax.sharding import Mesh
+
+from autopar.cost_model.spec import Spec
 from autopar.errors import MemoryBudgetWarning, RematWarning
+from autopar.passes import candidates
 from autopar.passes.annotate import annotate
-from autopar.passes.background import Deferred, usable_cores
 from autopar.passes.cluster import cluster
 from autopar.passes.dedup import Groups, node_keys, structural_colors, tie_groups
 from autopar.passes.emit import build_flat_fn
+from autopar.passes.estimate import value_specs
 from autopar.passes.ir import Graph
 from autopar.passes.memory_budget import input_labels, peak_lower_bound_bytes
-from autopar.passes.memory_fit import over_budget_error
 from autopar.passes.propagate import propagate
-from autopar.passes.candidates import (
-    best_of,
-    candidate_starts,
-    propagate_from,
-    propagated_plans,
-    step_times,
-)
-from autopar.passes.remat import (
-    RematPolicy,
-    rematerialize,
-    residual_bytes,
-    scanned_layers,
-)
+from autopar.passes.remat import RematPolicy, rematerialize, residual_bytes, scanned_layers
+from autopar.passes.memory_fit import over_budget_error
 from autopar.passes.solution import Solution, SolveStatus, Source
 from autopar.passes.solve import solve
 from autopar.passes.strategies import MeshContext, Strategy, build_strategies
 from autopar.passes.trace import Traced, trace
+from autopar.passes.verify import debug_requested, verify
+
+#: Per flat input (or output) leaf of the traced program: its pinned Spec, or None.
+SpecsOf = Callable[[Traced], list[Spec | None]]
+#: (input leaf labels, output leaf labels): how messages name the pinned leaves.
+LabelsOf = Callable[[Traced], tuple[list[str] | None, list[str] | None]]
+#: (output leaf, input leaf) pairs that must share a sharding.
+TiesOf = Callable[[Traced], list[tuple[int, int]]]
+#: (name -> a Spec or None per input leaf, the seeds whose propagated plans compete with the
+#: ILP's (``passes.candidates``); the same for the batch seeds, propagated only when the
+#: ILP does not finish).
+SeedsOf = Callable[[Traced], tuple[dict[str, list[Spec | None]], dict[str, list[Spec | None]]]]
+
+#: The ``timings_s`` key each pass's wall time adds to (``Plan.stats["timings_s"]``, read by
+#: the report and the benchmarks). Annotation counts as strategies; the remat, candidates and
+#: emit passes count in the total only.
+TIMINGS_KEY = {"trace": "trace", "annotate": "strategies", "strategies": "strategies",
+               "propagate": "propagate", "cluster": "cluster", "solve": "solve",
+               "total": "total"}
+
+#: A plan with every layer rematerialized is taken when it is predicted at most this much
+#: slower than the plan that ignores the budget; else fewer layers are tried too.
+REMAT_SLACK = 0.1
 
 
 @dataclass(frozen=True)
@@ -59,6 +79,46 @@ class Remat:
     @classmethod
     def from_dict(cls, d: dict) -> Remat:
         return cls(None if d["layers"] is None else tuple(d["layers"]), RematPolicy(d["policy"]))
+
+
+def _quiet(message: str) -> None:
+    """Progress that reports nothing."""
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How :func:`run_pipeline` plans one program.
+
+    ``mesh_ctx``: the mesh as the planner sees it; ``jax_mesh``: the mesh the plan runs on.
+    The ``*_of`` providers read the traced program (None: nothing of their kind; see their
+    types). ``search=False``: annotations plus propagation only (no ILP); free values are
+    replicated. ``choice``: a strategy index per node from an earlier solve of the same
+    program (a plan cache), with ``remat_choice`` its rematerialized layers; the solve is
+    skipped (ValueError if it does not fit this graph's strategies). ``dedup_layers``:
+    structurally identical nodes (copies of a layer) share one decision (``passes.dedup``).
+    ``memory_budget_bytes``: the per-device peak the plan must fit in
+    (``passes.memory_budget``); when no plan fits, with ``remat`` layers are rematerialized
+    until one does; if none still fits, InfeasiblePlanError, or with ``strict_budget=False``
+    a MemoryBudgetWarning and the plan that ignores the budget. ``progress``: told what the
+    passes do. ``verify_ir``: check the IR after every pass (``passes.verify``).
+    """
+    mesh_ctx: MeshContext
+    jax_mesh: Mesh
+    in_specs_of: SpecsOf | None = None
+    out_specs_of: SpecsOf | None = None
+    hint_labels_of: LabelsOf | None = None
+    ties_of: TiesOf | None = None
+    seeds_of: SeedsOf | None = None
+    time_limit_s: float = 60.0
+    search: bool = True
+    choice: tuple[int, ...] | None = None
+    remat_choice: Remat | None = None
+    dedup_layers: bool = True
+    memory_budget_bytes: float | None = None
+    strict_budget: bool = True
+    remat: bool = True
+    progress: Callable[[str], None] = _quiet
+    verify_ir: bool = field(default_factory=debug_requested)
 
 
 @dataclass
@@ -80,225 +140,278 @@ class PipelineResult:
 
 
 @dataclass(frozen=True)
-class _Options:
-    """What every planning attempt of one call shares (see :func:`run_pipeline`)."""
-    mesh_ctx: MeshContext
-    in_specs_of: object
-    out_specs_of: object
-    ties_of: object
-    time_limit_s: float
-    progress: object
-    choice: list[int] | None
-    search: bool
-    hint_labels_of: object
-    seeds_of: object
-    dedup_layers: bool
-    memory_budget_bytes: float | None
+class _State:
+    """One program as the passes have left it: each pass returns a copy with its own fields
+    filled in (the comments name the pass). ``timings_s``, one dict shared by the copies of
+    one planning attempt, collects the passes' wall times."""
+    options: PlanOptions
+    timings_s: dict[str, float]
+    traced: Traced | None = None                     # trace, remat
+    remat: Remat | None = None                       # remat
+    labels: dict[int, str] | None = None             # annotate: node -> the hint pinning it
+    ties: list[tuple[int, int]] = field(default_factory=list)  # annotate: (output, input) node
+    starts: list[tuple] | None = None                # annotate: candidates' (None: no search)
+    batch_seeds: dict = field(default_factory=dict)  # annotate: name -> input node -> spec
+    keys: list[tuple] | None = None                  # strategies: a structural key per node
+    strats: list[list[Strategy]] | None = None       # strategies
+    fallbacks: dict[str, int] = field(default_factory=dict)  # strategies
+    propagated: list[int] | None = None              # propagate: the plan, without search
+    candidates: candidates.Candidates | None = None  # candidates
+    groups: Groups | None = None                     # cluster
+    ilp_stats: dict = field(default_factory=dict)    # cluster, solve
+    solution: Solution | None = None                 # solve
+    flat_fn: Callable | None = None                  # emit
+
+    def result(self) -> PipelineResult:
+        return PipelineResult(
+            traced=self.traced, strats=self.strats, solution=self.solution,
+            fallbacks=self.fallbacks, flat_fn=self.flat_fn, timings_s=self.timings_s,
+            ilp_groups=len(self.groups.members) if self.groups else 0,
+            ilp_stats=self.ilp_stats, groups=self.groups, remat=self.remat)
 
 
-def run_pipeline(fn, args, mesh_ctx: MeshContext, jax_mesh, *, in_specs_of=None,
-                 out_specs_of=None, ties_of=None, time_limit_s: float = 60.0,
-                 progress=lambda msg: None, choice=None, search: bool = True,
-                 hint_labels_of=None, seeds_of=None, dedup_layers: bool = True,
-                 memory_budget_bytes: float | None = None, strict_budget: bool = True,
-                 remat: bool = True, remat_choice: Remat | None = None) -> PipelineResult:
-    """in_specs_of(traced) / out_specs_of(traced) give the pinned Spec (or None) per flat leaf;
-    hint_labels_of(traced) gives (in labels, out labels) naming those leaves in messages;
-    seeds_of(traced) gives name -> a Spec (or None) per flat input leaf: starting points whose
-    propagated plans compete with the ILP's (``passes.propagate.best_of``);
-    ties_of(traced) gives (output leaf, input leaf) pairs that must share a sharding.
-    ``search=False``: annotations plus propagation only (no ILP); free values are replicated.
-    ``choice``: a strategy index per node from an earlier solve of the same program (a plan
-    cache), with ``remat_choice`` its rematerialized layers; the solve is skipped. ValueError
-    if it does not fit this graph's strategies.
-    ``dedup_layers``: structurally identical nodes (copies of a layer) share one decision
-    (``passes.dedup``). ``memory_budget_bytes``: the per-device peak the plan must fit in
-    (``passes.memory_budget``); when no plan fits, with ``remat`` layers are rematerialized
-    until one does; if none still fits, InfeasiblePlanError, or with
-    ``strict_budget=False`` a MemoryBudgetWarning and the plan that ignores the budget."""
-    t0 = time.perf_counter()
-    progress("tracing")
-    traced = trace(fn, args)
-    trace_s = time.perf_counter() - t0
-    opts = _Options(mesh_ctx, in_specs_of, out_specs_of, ties_of, time_limit_s, progress,
-                    choice, search, hint_labels_of, seeds_of, dedup_layers, memory_budget_bytes)
-    if remat_choice is not None:
-        layers = remat_choice.layers or tuple(residual_bytes(traced, remat_choice.policy))
-        if not layers and remat_choice.layers is None:
-            warnings.warn(
-                f"autopar: remat={remat_choice.policy.value!r} asks to rematerialize every "
-                "layer, but this program has none autopar can recompute. Layers are the "
-                "top-level modules of the first argument (the parameters) of a differentiated "
-                "train step, found at the top level of the program (or in one `jax.jit` of the "
-                "whole function); a function without a backward pass, or whose backward pass is "
-                "inside a nested `jax.jit`, has none. Planned without rematerialization: wrap "
-                "the layers in `jax.checkpoint` to recompute them.", RematWarning, stacklevel=4)
-        remat_choice = Remat(layers, remat_choice.policy) if layers else None
-        if remat_choice is not None:
-            traced = rematerialize(traced, list(layers), remat_choice.policy)
-    searched = remat and search and choice is None
-    # No plan of the program as it is may fit: then the remat search goes first.
-    first = searched and _needs_remat(traced, opts)
-    result = _remat_search(traced, opts, None) if first else None
-    if result is None or not result.solution.fits_budget:
-        result = _plan(traced, opts)
-        result.remat = remat_choice
-        if not result.solution.fits_budget:
-            fitting = _remat_search(traced, opts, result) if searched and not first else None
-            result = fitting if fitting is not None and fitting.solution.fits_budget else (
-                _over_budget(traced, opts, result, searched, remat and search, strict_budget))
-
-    graph, strats, solution = result.graph, result.strats, result.solution
-    specs = value_specs(graph, strats, solution.choice)
-    node_in_specs = {n.id: strats[n.id][solution.choice[n.id]].in_specs for n in graph.nodes}
-    result.flat_fn = build_flat_fn(result.traced, specs, node_in_specs, jax_mesh)
-    result.timings_s = {"trace": trace_s, **result.timings_s,
-                        "total": time.perf_counter() - t0}
-    return result
+def timed_pass(name: str, progress: str | Callable[[_State], str | None] | None = None):
+    """Make ``run(state, *args) -> state`` pass ``name`` of the pipeline: it first reports
+    ``progress`` (a message, or one made of the state given; None: none), then adds its wall
+    time to the returned state's ``timings_s[TIMINGS_KEY[name]]`` (when it has a key) and,
+    with ``verify_ir``, verifies the IR it leaves (InvalidIRError naming the pass)."""
+    def decorate(run: Callable[..., _State]) -> Callable[..., _State]:
+        @functools.wraps(run)
+        def timed(state: _State, *args) -> _State:
+            message = progress(state) if callable(progress) else progress
+            if message:
+                state.options.progress(message)
+            start_s = time.perf_counter()
+            state = run(state, *args)
+            if name in TIMINGS_KEY:
+                key = TIMINGS_KEY[name]
+                state.timings_s[key] = (state.timings_s.get(key, 0.0)
+                                        + time.perf_counter() - start_s)
+            if state.options.verify_ir and state.traced is not None:
+                verify(state.traced.graph, after=name)
+            return state
+        return timed
+    return decorate
 
 
-def _plan(traced: Traced, o: _Options) -> PipelineResult:
-    """The passes after trace, on one traced program: its strategies and chosen solution."""
-    timings = {}
+def run_pipeline(fn: Callable, args: tuple, options: PlanOptions) -> PipelineResult:
+    """``fn`` at ``args``, planned under ``options``: the passes of the module docstring,
+    with the plan's emitted function (``flat_fn``) and each pass's wall time (``timings_s``:
+    trace, strategies, propagate, cluster, solve and total)."""
+    return _passes(_State(options, timings_s={}), fn, args).result()
+
+
+@timed_pass("total")
+def _passes(state: _State, fn: Callable, args: tuple) -> _State:
+    # trace: the jaxpr of fn, inlined into one flat Graph
+    state = _trace(state, fn, args)
+    # [remat]: the layers that a cached plan or `plan(remat=<policy>)` names, recomputed
+    state = _rematerialize(state, _forced_remat(state))
+    # annotate -> strategies -> propagate -> cluster -> solve (_plan), and again with layers
+    # rematerialized when no plan fits the memory budget
+    state = _plan_within_budget(state)
+    # emit: the chosen plan as one function of the flat arguments
+    return _emit(state)
+
+
+def _plan(state: _State) -> _State:
+    """The passes after trace, on ``state``'s program: one planning attempt, timed apart."""
+    state = replace(state, timings_s=dict(state.timings_s))
+    # annotate: hints pin their values; the ties and the candidates' seeds, by node
+    state = _annotate(state)
+    # strategies: every node's shardings, with their costs
+    state = _strategies(state)
+    # propagate: the pinned shardings through the graph, cutting the strategies they rule out
+    state = _propagate(state)
+    # candidates: whole plans propagated from each seed, in child processes
+    state = _candidates(state)
+    # cluster: nodes that follow a leader, or repeat a layer, share one decision
+    state = _cluster(state)
+    # solve: the ILP's plan, or a candidate predicted faster
+    return _solve(state)
+
+
+@timed_pass("trace", progress="tracing")
+def _trace(state: _State, fn: Callable, args: tuple) -> _State:
+    return replace(state, traced=trace(fn, args))
+
+
+@timed_pass("remat")
+def _rematerialize(state: _State, remat: Remat | None) -> _State:
+    if remat is None:
+        return state
+    traced = rematerialize(state.traced, list(remat.layers), remat.policy)
+    return replace(state, traced=traced, remat=remat)
+
+
+@timed_pass("annotate")
+def _annotate(state: _State) -> _State:
+    """The hints pin their values (``passes.annotate``); the ties and, when the ILP is to
+    run, the candidate plans' starts, as graph nodes."""
+    o, traced = state.options, state.traced
     graph = traced.graph
-    t = time.perf_counter()
     in_specs = o.in_specs_of(traced) if o.in_specs_of else []
     out_specs = o.out_specs_of(traced) if o.out_specs_of else []
     in_labels, out_labels = o.hint_labels_of(traced) if o.hint_labels_of else (None, None)
     labels = annotate(graph, in_specs, out_specs, o.mesh_ctx.axis_sizes, in_labels, out_labels)
-    o.progress(f"building strategies for {len(graph.nodes)} nodes")
-    keys = node_keys(graph)
-    strats, fallbacks = build_strategies(graph, o.mesh_ctx, keys)
-    timings["strategies"] = time.perf_counter() - t
+    ties = [(graph.output_nodes[out], graph.input_nodes[i])
+            for out, i in (o.ties_of(traced) if o.ties_of else [])]
+    if not o.search or o.choice is not None:
+        return replace(state, labels=labels, ties=ties)
+    seeds, batch_seeds = o.seeds_of(traced) if o.seeds_of else ({}, {})
+    return replace(state, labels=labels, ties=ties,
+                   starts=candidates.candidate_starts(labels, candidates.by_node(traced, seeds)),
+                   batch_seeds=candidates.by_node(traced, batch_seeds))
 
-    ties = []
-    if o.ties_of is not None:
-        ties = [(graph.output_nodes[out], graph.input_nodes[i]) for out, i in o.ties_of(traced)]
-    t = time.perf_counter()
-    o.progress("propagating annotations")
-    prop = propagate(graph, strats, o.mesh_ctx, labels, ties, complete=not o.search)
-    timings["propagate"] = time.perf_counter() - t
 
-    # The candidate plans propagate in a child process while this one clusters the graph and
-    # solves the ILP (passes.background).
-    seeded, timed, batch_seeds = (_candidates(traced, strats, labels, ties, o)
-                                  if o.search and o.choice is None else (None, None, {}))
-    t = time.perf_counter()
-    groups, ilp_stats = None, {}
-    if o.search:
-        groups = cluster(graph, strats, o.mesh_ctx, ties)
-        ilp_stats = {"ilp_nodes_before": len(graph.nodes),
-                     "ilp_groups_followed": len(groups.members)}
-        if o.dedup_layers:
-            groups = tie_groups(groups, structural_colors(graph, keys))
-        ilp_stats["ilp_groups"] = len(groups.members)
-    timings["cluster"] = time.perf_counter() - t
+def _strategies_message(state: _State) -> str:
+    return f"building strategies for {len(state.traced.graph.nodes)} nodes"
 
-    t = time.perf_counter()
+
+@timed_pass("strategies", progress=_strategies_message)
+def _strategies(state: _State) -> _State:
+    keys = node_keys(state.traced.graph)
+    strats, fallbacks = build_strategies(state.traced.graph, state.options.mesh_ctx, keys)
+    return replace(state, keys=keys, strats=strats, fallbacks=fallbacks)
+
+
+@timed_pass("propagate", progress="propagating annotations")
+def _propagate(state: _State) -> _State:
+    o = state.options
+    prop = propagate(state.traced.graph, state.strats, o.mesh_ctx, state.labels, state.ties,
+                     complete=not o.search)
+    return replace(state, propagated=prop.choice)
+
+
+def _candidates_message(state: _State) -> str | None:
+    return None if state.starts is None else f"propagating {len(state.starts)} candidate plans"
+
+
+@timed_pass("candidates", progress=_candidates_message)
+def _candidates(state: _State) -> _State:
+    if state.starts is None:
+        return state
+    problem = candidates.Problem(graph=state.traced.graph, strats=state.strats,
+                                      mesh_ctx=state.options.mesh_ctx, labels=state.labels,
+                                      ties=state.ties)
+    return replace(state, candidates=candidates.start(problem, state.starts,
+                                                           state.batch_seeds))
+
+
+@timed_pass("cluster")
+def _cluster(state: _State) -> _State:
+    o, graph = state.options, state.traced.graph
     if not o.search:
-        solution = Solution(choice=prop.choice, objective_us=0.0, status=SolveStatus.NOT_RUN,
-                            num_variables=0, num_constraints=0, solve_time_s=0.0,
-                            source=Source.PROPAGATED, candidate="propagated")
+        return state
+    groups = cluster(graph, state.strats, o.mesh_ctx, state.ties)
+    ilp_stats = {"ilp_nodes_before": len(graph.nodes), "ilp_groups_followed": len(groups.members)}
+    if o.dedup_layers:
+        groups = tie_groups(groups, structural_colors(graph, state.keys))
+    ilp_stats["ilp_groups"] = len(groups.members)
+    return replace(state, groups=groups, ilp_stats=ilp_stats)
+
+
+def _solving_message(state: _State) -> str | None:
+    if state.candidates is None:
+        return None
+    return (f"solving the ILP over {len(state.groups.members)} groups "
+            f"({len(state.traced.graph.nodes)} nodes before coarsening)")
+
+
+@timed_pass("solve", progress=_solving_message)
+def _solve(state: _State) -> _State:
+    """The ILP's plan, or the best of it and the candidates; without search the propagated
+    plan, and with a cached choice that one (ValueError if it does not fit)."""
+    o, strats = state.options, state.strats
+    if not o.search:
+        choice, source = state.propagated, Source.PROPAGATED
     elif o.choice is not None:
         if len(o.choice) != len(strats) or any(not 0 <= c < len(s)
                                                for c, s in zip(o.choice, strats)):
             raise ValueError("the cached choice does not fit this program's strategies")
-        solution = Solution(choice=list(o.choice), objective_us=0.0,
-                            status=SolveStatus.NOT_RUN, num_variables=0, num_constraints=0,
-                            solve_time_s=0.0, source=Source.CACHED)
+        choice, source = list(o.choice), Source.CACHED
     else:
-        solution = _solve(traced, strats, groups, labels, ties, o, ilp_stats,
-                          (seeded, timed, batch_seeds))
-    timings["solve"] = time.perf_counter() - t
-    return PipelineResult(traced, strats, solution, fallbacks, timings_s=timings,
-                          ilp_groups=len(groups.members) if groups else 0,
-                          ilp_stats=ilp_stats, groups=groups)
+        return replace(state, solution=_ilp(state))
+    return replace(state, solution=Solution(
+        choice=choice, objective_us=0.0, status=SolveStatus.NOT_RUN, num_variables=0,
+        num_constraints=0, solve_time_s=0.0, source=source,
+        candidate="propagated" if source is Source.PROPAGATED else ""))
 
 
-def _by_node(traced: Traced, seeds: dict) -> dict:
-    """Seeds (name -> a spec or None per input leaf) as name -> input node id -> spec."""
-    return {name: {traced.graph.input_nodes[i]: spec for i, spec in enumerate(leaf_specs)
-                   if spec is not None} for name, leaf_specs in seeds.items()}
-
-
-def _candidates(traced: Traced, strats, labels, ties, o: _Options
-                ) -> tuple[Deferred, Deferred, dict]:
-    """The propagated candidate plans (``passes.propagate.propagated_plans``: of the
-    annotations, and of each baseline seed) and their predicted step times, as Deferreds of
-    name -> plan and name -> seconds, started in child processes: seconds of Python each on a
-    deep model, while this process clusters the graph and solves the ILP, which needs them
-    only when its LP relaxation is fractional. As many children as cores but one (one on two
-    cores; each child copies the pages of the graph it touches, so more children than cores
-    cost more than they save). Also the batch seeds (name -> input node id -> spec),
-    propagated only when the ILP does not finish."""
-    seeds, batch_seeds = o.seeds_of(traced) if o.seeds_of else ({}, {})
-    starts = candidate_starts(labels, _by_node(traced, seeds))
-    o.progress(f"propagating {len(starts)} candidate plans")
-    workers = max(1, min(len(starts), usable_cores() - 1))
-    parts = [Deferred(_propagate_and_time, traced.graph, strats, o.mesh_ctx, labels, ties,
-                      starts[k::workers], process=True).start() for k in range(workers)]
-    names = [name for name, _ in starts]
-    return (Deferred(_in_order, names, parts, 0), Deferred(_in_order, names, parts, 1),
-            _by_node(traced, batch_seeds))
-
-
-def _propagate_and_time(graph, strats, mesh_ctx: MeshContext, labels, ties, starts
-                        ) -> tuple[dict, dict]:
-    """(name -> plan, name -> predicted step time) of the propagations from ``starts``."""
-    plans = propagate_from(graph, strats, mesh_ctx, labels, ties, starts)
-    return plans, step_times(graph, strats, mesh_ctx, plans)
-
-
-def _in_order(names: list[str], parts: list[Deferred], k: int) -> dict:
-    """The ``k``-th dict of each of ``parts`` (name -> plan, name -> time), merged in
-    ``names``' order."""
-    merged = {}
-    for part in parts:
-        merged.update(part.result()[k])
-    return {name: merged[name] for name in names}
-
-
-def _solve(traced: Traced, strats, groups: Groups, labels, ties, o: _Options,
-           ilp_stats: dict, candidates_of: tuple[Deferred, Deferred, dict]) -> Solution:
-    """The ILP's plan, then the best of it and the propagated candidates (``candidates_of``,
-    from :func:`_candidates`)."""
-    graph = traced.graph
-    seeded, timed, batch_seeds = candidates_of
-    o.progress(f"solving the ILP over {len(groups.members)} groups "
-               f"({len(graph.nodes)} nodes before coarsening)")
-    solution = solve(graph, strats, groups, o.mesh_ctx, time_limit_s=o.time_limit_s,
-                     memory_budget_bytes=o.memory_budget_bytes, warm=seeded,
+def _ilp(state: _State) -> Solution:
+    """The ILP's plan, then the best of it and the candidate plans."""
+    o, graph, stats = state.options, state.traced.graph, state.ilp_stats
+    solution = solve(graph, state.strats, state.groups, o.mesh_ctx, time_limit_s=o.time_limit_s,
+                     memory_budget_bytes=o.memory_budget_bytes, warm=state.candidates.plans,
                      progress=o.progress)
-    candidates, known_s = seeded.result(), timed.result()
-    ilp_stats.update(ilp_edges_before=solution.edges_before, ilp_edges=solution.edges_after,
-                     memory_rows=solution.memory_rows,
-                     memory_budget_bytes=o.memory_budget_bytes)
+    stats.update(ilp_edges_before=solution.edges_before, ilp_edges=solution.edges_after,
+                 memory_rows=solution.memory_rows, memory_budget_bytes=o.memory_budget_bytes)
     o.progress(f"ILP: {solution.num_variables} variables, {solution.num_constraints} "
                f"constraints, {solution.edges_after} edge classes "
                f"({solution.edges_before} edges); {solution.status.value} in "
                f"{solution.solve_time_s:.2f}s")
-    if solution.status is not SolveStatus.OPTIMAL and batch_seeds:
-        # The ILP weighs every mesh axis for the batch, but did not finish: try each one
-        # outside it, by propagation.
-        o.progress(f"the ILP did not finish: propagating the batch over each of "
-                   f"{len(batch_seeds)} mesh axes")
-        candidates.update(propagated_plans(graph, strats, o.mesh_ctx, labels, ties,
-                                           batch_seeds, annotations_alone=False))
     # Also the predicted step time and peak of the plan taken (and of the others).
-    o.progress(f"comparing the ILP's plan with {len(candidates)} propagated ones")
-    solution, ilp_stats["candidates_step_s"], ilp_stats["candidates_peak_bytes"] = best_of(
-        solution, graph, strats, o.mesh_ctx, candidates, o.memory_budget_bytes, known_s)
+    solution, stats["candidates_step_s"], stats["candidates_peak_bytes"] = candidates.best(
+        state.candidates, solution, o.memory_budget_bytes, o.progress)
     return solution
 
 
-def _needs_remat(traced: Traced, o: _Options) -> bool:
+@timed_pass("emit")
+def _emit(state: _State) -> _State:
+    graph, strats, choice = state.traced.graph, state.strats, state.solution.choice
+    specs = value_specs(graph, strats, choice)
+    node_in_specs = {n.id: strats[n.id][choice[n.id]].in_specs for n in graph.nodes}
+    return replace(state, flat_fn=build_flat_fn(state.traced, specs, node_in_specs,
+                                                state.options.jax_mesh))
+
+
+def _forced_remat(state: _State) -> Remat | None:
+    """``remat_choice``'s layers in this program (None: every layer ``passes.remat`` can
+    recompute); None, with a RematWarning, when it asks for every layer and there is none."""
+    forced = state.options.remat_choice
+    if forced is None:
+        return None
+    layers = forced.layers or tuple(residual_bytes(state.traced, forced.policy))
+    if not layers and forced.layers is None:
+        warnings.warn(
+            f"autopar: remat={forced.policy.value!r} asks to rematerialize every "
+            "layer, but this program has none autopar can recompute. Layers are the "
+            "top-level modules of the first argument (the parameters) of a differentiated "
+            "train step, found at the top level of the program (or in one `jax.jit` of the "
+            "whole function); a function without a backward pass, or whose backward pass is "
+            "inside a nested `jax.jit`, has none. Planned without rematerialization: wrap "
+            "the layers in `jax.checkpoint` to recompute them.", RematWarning,
+            stacklevel=7)  # autopar.plan's frame
+    return Remat(layers, forced.policy) if layers else None
+
+
+def _plan_within_budget(state: _State) -> _State:
+    """``state``'s program planned (:func:`_plan`). When the plan is over the memory budget
+    and a search may rematerialize: the fastest fitting plan with layers rematerialized
+    (:func:`_remat_search`), tried first when no plan of the program as it is can fit
+    (:func:`_needs_remat`). Over the budget still: :func:`_over_budget`."""
+    o = state.options
+    searched = o.remat and o.search and o.choice is None
+    first = searched and _needs_remat(state)
+    fitting = _remat_search(state, None) if first else None
+    if fitting is not None:
+        return fitting
+    plain = _plan(state)
+    if plain.solution.fits_budget:
+        return plain
+    fitting = _remat_search(state, plain) if searched and not first else None
+    return fitting if fitting is not None else _over_budget(plain, searched)
+
+
+def _needs_remat(state: _State) -> bool:
     """Whether no plan of the program as it is fits the memory budget, as
     :func:`passes.memory_budget.peak_lower_bound_bytes` shows without planning it."""
+    o = state.options
     budget = o.memory_budget_bytes
     if budget is None:
         return False
-    bound = peak_lower_bound_bytes(traced.graph, math.prod(o.mesh_ctx.axis_sizes.values()),
-                                   o.mesh_ctx.results_held)
+    devices = math.prod(o.mesh_ctx.axis_sizes.values())
+    bound = peak_lower_bound_bytes(state.traced.graph, devices, o.mesh_ctx.results_held)
     if bound > budget:
         o.progress(f"memory: every plan without rematerialization peaks at "
                    f"{bound / 2**20:.1f} MiB or more, over the budget of "
@@ -306,21 +419,21 @@ def _needs_remat(traced: Traced, o: _Options) -> bool:
     return bound > budget
 
 
-def _over_budget(traced: Traced, o: _Options, result: PipelineResult, searched: bool,
-                 advise: bool, strict: bool) -> PipelineResult:
-    """``result``, over the budget: InfeasiblePlanError when ``strict``, else it with a
-    MemoryBudgetWarning."""
+def _over_budget(plain: _State, searched: bool) -> _State:
+    """``plain``, over the budget: InfeasiblePlanError when ``strict_budget``, else it with a
+    MemoryBudgetWarning. ``searched``: whether the remat search ran."""
+    o, traced = plain.options, plain.traced
     error = over_budget_error(
-        result.graph, result.strats, result.groups, o.mesh_ctx, o.memory_budget_bytes,
-        input_labels(traced.in_tree), o.time_limit_s, result.solution,
+        traced.graph, plain.strats, plain.groups, o.mesh_ctx, o.memory_budget_bytes,
+        input_labels(traced.in_tree), o.time_limit_s, plain.solution,
         " (rematerializing every layer did not make one fit either)"
         if searched and residual_bytes(traced, RematPolicy.NOTHING) else "",
-        _scan_advice(traced) if advise else "")
-    if strict:
+        _scan_advice(traced) if o.remat and o.search else "")
+    if o.strict_budget:
         raise error
     warnings.warn(f"autopar: {error} The plan below ignores the default budget.",
-                  MemoryBudgetWarning, stacklevel=4)
-    return result
+                  MemoryBudgetWarning, stacklevel=7)  # autopar._gc's wrapper of _plan_once
+    return plain
 
 
 def _scan_advice(traced: Traced) -> str:
@@ -333,24 +446,18 @@ def _scan_advice(traced: Traced) -> str:
             "`jax.checkpoint_policies.dots_saveable` to keep fewer activations.")
 
 
-#: A plan with every layer rematerialized is taken when it is predicted at most this much
-#: slower than the plan that ignores the budget; else fewer layers are tried too.
-REMAT_SLACK = 0.1
+def _step_s(attempt: _State) -> float:
+    """The predicted step time of an attempt's chosen plan (``passes.candidates.best_of``)."""
+    return attempt.ilp_stats["candidates_step_s"][attempt.solution.name]
 
 
-def _step_s(result: PipelineResult) -> float:
-    """The predicted step time of an attempt's chosen plan (``passes.propagate.best_of``)."""
-    return result.ilp_stats["candidates_step_s"][result.solution.name]
-
-
-def _fastest_peak_bytes(result: PipelineResult) -> float:
+def _fastest_peak_bytes(attempt: _State) -> float:
     """The predicted peak of an attempt's fastest plan, whether it fits the budget or not."""
-    times = result.ilp_stats["candidates_step_s"]
-    return result.ilp_stats["candidates_peak_bytes"][min(times, key=times.get)]
+    times = attempt.ilp_stats["candidates_step_s"]
+    return attempt.ilp_stats["candidates_peak_bytes"][min(times, key=times.get)]
 
 
-def _remat_search(traced: Traced, o: _Options,
-                  plain: PipelineResult | None) -> PipelineResult | None:
+def _remat_search(state: _State, plain: _State | None) -> _State | None:
     """The fastest plan found of the program with layers rematerialized, by the cheaper policy
     first, that fits the memory budget; None when even every layer does not make one fit.
     ``plain``: the plan without rematerialization, over the budget; None when it was not
@@ -364,19 +471,18 @@ def _remat_search(traced: Traced, o: _Options,
     plans is taken. Without ``plain`` there is neither a time to compare with nor a peak to
     interpolate from: the every-layer plan is taken (planning the program as it is would
     cost as much as the search itself, for a plan known not to fit)."""
+    o = state.options
     budget = o.memory_budget_bytes
     for policy in (RematPolicy.DOTS, RematPolicy.NOTHING):
-        saved = residual_bytes(traced, policy)
+        saved = residual_bytes(state.traced, policy)
         order = sorted(saved, key=lambda name: -saved[name])
         if not order:
             return None
 
-        def attempt(k: int, order=order, policy=policy) -> PipelineResult:
+        def attempt(k: int, order=order, policy=policy) -> _State:
             o.progress(f"rematerializing {k} of {len(order)} layers ({policy.value}) to fit "
                        "the memory budget")
-            result = _plan(rematerialize(traced, order[:k], policy), o)
-            result.remat = Remat(tuple(order[:k]), policy)
-            return result
+            return _plan(_rematerialize(state, Remat(tuple(order[:k]), policy)))
 
         every = attempt(len(order))
         if not every.solution.fits_budget:

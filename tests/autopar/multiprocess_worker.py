@@ -98,9 +98,9 @@ def _global(host, shardings):
 def _take_the_slowest_candidate() -> None:
     """Make this process plan otherwise than the others: its planner returns the slowest of
     the propagated candidate plans instead of the best one."""
-    from autopar.passes import pipeline
+    from autopar.passes import candidates
     from autopar.passes.solution import Source
-    best_of = pipeline.best_of
+    best_of = candidates.best_of
 
     def slowest(solution, graph, strats, mesh, candidates, *rest):
         best, times, peaks = best_of(solution, graph, strats, mesh, candidates, *rest)
@@ -108,7 +108,7 @@ def _take_the_slowest_candidate() -> None:
         return (dataclasses.replace(best, choice=candidates[name], source=Source.PROPAGATED,
                                     candidate=name), times, peaks)
 
-    pipeline.best_of = slowest
+    candidates.best_of = slowest
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def test_process_work_runs_here_where_forking_is_off(monkeypatch):
 
 
 def test_a_plan_is_the_same_with_its_candidates_made_in_a_child_or_here(monkeypatch):
-    """The pipeline's candidate plans (passes.pipeline._candidates) come from a child process
+    """The pipeline's candidate plans (passes.candidates.start) come from a child process
     where it can fork, from the planning process where it cannot: the same plans either way."""
     import autopar
     from autopar.models import gpt
