@@ -110,14 +110,16 @@ def _microbatches(asked: int | None, batch: int, stages: int) -> int:
         if batch % asked:
             raise PipelineError(
                 f"`Pipeline(microbatches={asked})` does not divide the batch of {batch} examples; "
-                f"use a divisor of {batch} (for example {_divisor_at_least(batch, 2 * stages)}).")
+                f"use a divisor of {batch} (for example {_default_microbatches(batch, stages)}).")
         return asked
-    return _divisor_at_least(batch, 2 * stages)
+    return _default_microbatches(batch, stages)
 
 
-def _divisor_at_least(n: int, low: int) -> int:
-    """The smallest divisor of ``n`` that is at least ``low`` (``n`` when none is)."""
-    return next((d for d in range(low, n + 1) if n % d == 0), n)
+def _default_microbatches(batch: int, stages: int) -> int:
+    """The smallest divisor of ``batch`` from 2S up that leaves microbatches of at least two
+    examples (one-example traces can lose the batch axis); else the largest that does."""
+    fits = [d for d in range(1, batch + 1) if batch % d == 0 and batch // d >= 2] or [1]
+    return next((d for d in fits if d >= 2 * stages), fits[-1])
 
 
 def _trace_micro(fun, flat_args, per_example, rows: int, is_param, full) -> split.Stack:
