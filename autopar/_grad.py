@@ -84,6 +84,7 @@ def _pipelined(fun: Callable, args: tuple, argnums, has_aux: bool, context) -> C
 
     prep = prepare.prepare(flat_fun, flat, is_param, context.settings.request(), context.mesh,
                            has_aux)
+    context.chosen.append(prep.choice())
     run = emit.pipelined(prep, context.mesh)
 
     def pipelined(*new_args):

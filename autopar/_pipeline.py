@@ -14,12 +14,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
+from jax._src import config as jax_config
 
 from autopar.errors import ArgumentError
-from autopar.passes.stages.prepare import StageRequest
+from autopar.passes.stages.prepare import StageChoice, StageRequest
 from autopar.passes.stages.schedules import Schedule
 
 _NAMES = ", ".join(f'"{s.value}"' for s in Schedule)
@@ -71,18 +72,28 @@ class Pipeline:
                             schedule=self.schedule_kind)
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: it keys jax's trace caches (see _TRACE_KEY)
 class PipelineContext:
-    """An active pipelining context: the settings, the mesh, and how often
-    ``autopar.value_and_grad`` / ``autopar.grad`` ran inside it (``calls``)."""
+    """An active pipelining context: the settings, the mesh, how often
+    ``autopar.value_and_grad`` / ``autopar.grad`` ran inside it (``calls``), and what each
+    pipelined call chose (``chosen``)."""
 
     settings: Pipeline
     mesh: jax.sharding.Mesh
     calls: int = 0
+    chosen: list[StageChoice] = field(default_factory=list)
 
 
 _ACTIVE: contextvars.ContextVar[PipelineContext | None] = contextvars.ContextVar(
     "autopar_pipelining", default=None)
+
+#: The active context also enters jax's trace context, so that a function jitted (or
+#: make_jaxpr'ed) outside a pipelining context is traced again inside one instead of reusing
+#: the cached, unpipelined trace. jax offers no public hook for this.
+_TRACE_KEY = jax_config.string_or_object_state(
+    "autopar_pipelining_context", None,
+    "The active autopar pipelining context (set by autopar; part of jax's trace cache key).",
+    include_in_trace_context=True)
 
 
 @contextlib.contextmanager
@@ -95,7 +106,8 @@ def pipelining(settings: Pipeline, mesh: jax.sharding.Mesh) -> Iterator[Pipeline
     context = PipelineContext(settings=settings, mesh=mesh)
     token = _ACTIVE.set(context)
     try:
-        yield context
+        with _TRACE_KEY(context):
+            yield context
     finally:
         _ACTIVE.reset(token)
 

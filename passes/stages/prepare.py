@@ -18,7 +18,7 @@ import numpy as np
 from autopar.errors import PipelineError
 from autopar.passes.stages import batch_axes, split
 from autopar.passes.stages.batch_axes import BatchSum, Mode
-from autopar.passes.stages.schedules import EMITTED, Schedule
+from autopar.passes.stages.schedules import EMITTED, Schedule, bubble_fraction, ticks
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,19 @@ class StageRequest:
     stages: int | None = None
     microbatches: int | None = None
     schedule: Schedule | None = None
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    """What a pipelined loss runs: for the plan's record and reports."""
+
+    axis: str
+    stages: int
+    layer_ranges: tuple[tuple[int, int], ...]   # [first, last) layer of each stage
+    microbatches: int
+    schedule: Schedule
+    ticks: int
+    bubble_fraction: float
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,15 @@ class Prepared:
     microbatches: int
     schedule: Schedule
     loss_weight: float           # loss = weight * sum of the microbatch traces' losses
+
+    def choice(self) -> StageChoice:
+        per = self.full.layers // self.stages
+        return StageChoice(
+            axis=self.axis, stages=self.stages,
+            layer_ranges=tuple((s * per, (s + 1) * per) for s in range(self.stages)),
+            microbatches=self.microbatches, schedule=self.schedule,
+            ticks=ticks(self.schedule, self.stages, self.microbatches),
+            bubble_fraction=bubble_fraction(self.schedule, self.stages, self.microbatches))
 
 
 def prepare(fun: Callable, flat_args, is_param: list[bool], request: StageRequest, mesh,

@@ -37,13 +37,14 @@ def _step(value_and_grad, loss_fn, tx):
     return train_step
 
 
-def _pipelined(step, settings, mesh):
-    """Jit ``step`` traced inside the pipelining context (a fresh function each call, so no
-    trace from outside the context is reused)."""
+def _pipelined(step, settings, mesh, schedule=None):
+    """Jit ``step`` traced inside the pipelining context; check the schedule it chose."""
     def run(*args):
         with pipelining(settings, mesh) as context:
-            compiled = jax.jit(lambda *a: step(*a)).lower(*args).compile()
-        assert context.calls == 1
+            compiled = jax.jit(step).lower(*args).compile()
+        assert context.calls == 1 and len(context.chosen) == 1
+        if schedule is not None:
+            assert context.chosen[0].schedule.value == schedule
         return compiled
     return run
 
@@ -91,6 +92,19 @@ def test_pipeline_settings_are_validated(kwargs, match):
         autopar.Pipeline(**kwargs)
 
 
+def test_a_step_traced_outside_is_traced_again_inside_and_records_its_choice(gpt_case):
+    loss_fn, _, (params, _, batch), _ = gpt_case
+    step = jax.jit(autopar.value_and_grad(loss_fn))
+    assert "shard_map" not in str(jax.make_jaxpr(step)(params, batch))
+    with pipelining(autopar.Pipeline(), _mesh({"stage": 4, "data": 2})) as context:
+        inside = str(jax.make_jaxpr(step)(params, batch))
+    assert "shard_map" in inside and context.calls == 1
+    (choice,) = context.chosen
+    assert choice.schedule.value == "1f1b" and choice.microbatches == 4
+    assert choice.layer_ranges == ((0, 1), (1, 2), (2, 3), (3, 4))
+    assert choice.ticks == 10 and choice.bubble_fraction == pytest.approx(3 / 7)
+
+
 def test_pipeline_is_frozen_and_exported():
     settings = autopar.Pipeline(schedule="gpipe", microbatches=4)
     with pytest.raises(AttributeError):
@@ -107,7 +121,7 @@ def test_pipelined_train_step_matches_one_device(gpt_case, axes, schedule, micro
     loss_fn, tx, args, expected = gpt_case
     step = _step(autopar.value_and_grad, loss_fn, tx)
     settings = autopar.Pipeline(schedule=schedule, microbatches=microbatches)
-    got = _pipelined(step, settings, _mesh(axes))(*args)(*args)
+    got = _pipelined(step, settings, _mesh(axes), schedule)(*args)(*args)
     _close(got, expected)
 
 
@@ -217,5 +231,5 @@ def test_a_loss_normalized_by_a_batch_count_is_exact_under_the_chosen_schedule()
     _, args = gpt.make_train_step(CONFIG, tx=tx)
     expected = jax.jit(_step(jax.value_and_grad, loss_fn, tx))(*args)
     step = _step(autopar.value_and_grad, loss_fn, tx)
-    got = _pipelined(step, autopar.Pipeline(), _mesh({"stage": 4, "data": 2}))(*args)(*args)
+    got = _pipelined(step, autopar.Pipeline(), _mesh({"stage": 4, "data": 2}), "gpipe")(*args)(*args)
     _close(got, expected)
