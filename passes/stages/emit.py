@@ -123,23 +123,30 @@ def _one_f_one_b_run(prep: Prepared, mesh, flat):
 
     ops, pre_vjp = jax.vjp(pre_of_floats, *floats)
     consts, carry, xs = _operands(prep, ops)
-    value, d_post, d_consts, d_carry, d_xs = _one_f_one_b_stack(prep, mesh, flat, is_f,
+    # the loss after the layers reads only some inputs: only those enter the pipeline region
+    reads = split.post_reads(prep.micro)[0]
+    kinds = [None if not r else "float" if f else "other" for r, f in zip(reads, is_f)]
+    value, d_post, d_consts, d_carry, d_xs = _one_f_one_b_stack(prep, mesh, flat, kinds,
                                                                 consts, carry, xs)
     d_ops = [d if _is_float(o) else _no_grad(o)
              for o, d in zip(ops, d_consts + [d_carry] + d_xs, strict=True)]
     d_pre = iter(pre_vjp(d_ops))
     d_post = iter(d_post)
-    grads = tuple(next(d_pre) + next(d_post) if f else _no_grad(a)
-                  for a, f in zip(flat, is_f, strict=True))
-    return value, grads
+    grads = []
+    for a, kind in zip(flat, kinds, strict=True):
+        if not _is_float(a):
+            grads.append(_no_grad(a))
+        else:
+            grads.append(next(d_pre) + next(d_post) if kind == "float" else next(d_pre))
+    return value, tuple(grads)
 
 
-def _one_f_one_b_stack(prep: Prepared, mesh, flat, is_f, consts, carry, xs):
+def _one_f_one_b_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
     axis, n_micro = prep.axis, prep.microbatches
     rows = carry.shape[0] // n_micro
-    float_ins = [a for a, f in zip(flat, is_f, strict=True) if f]
-    other_ins = [a for a, f in zip(flat, is_f, strict=True) if not f]
-    tick = _one_f_one_b_tick(prep, is_f, rows)
+    float_ins = [a for a, k in zip(flat, kinds, strict=True) if k == "float"]
+    other_ins = [a for a, k in zip(flat, kinds, strict=True) if k == "other"]
+    tick = _one_f_one_b_tick(prep, kinds, rows)
 
     def body(consts, mbs, xs, float_ins, other_ins):
         consts, float_ins = _varying((consts, float_ins), axis)
@@ -168,7 +175,7 @@ def _one_f_one_b_stack(prep: Prepared, mesh, flat, is_f, consts, carry, xs):
     return value, d_post, d_consts, d_mbs.reshape(carry.shape), d_xs
 
 
-def _one_f_one_b_tick(prep: Prepared, is_f, rows: int) -> Callable:
+def _one_f_one_b_tick(prep: Prepared, kinds, rows: int) -> Callable:
     axis, n_stages, n_micro = prep.axis, prep.stages, prep.microbatches
     n_slots = stash_slots(n_stages)
     stage = _stage(prep)
@@ -178,9 +185,9 @@ def _one_f_one_b_tick(prep: Prepared, is_f, rows: int) -> Callable:
     bwd_pairs = [(j + 1, j) for j in range(n_stages - 1)]
 
     def micro_loss(y, float_ins, other_ins, i):
-        f_it, o_it = iter(float_ins), iter(other_ins)
-        ins = [next(f_it) if f else next(o_it) for f in is_f]
-        ins = [lax.dynamic_slice_in_dim(a, i * rows, rows, 0) if p else a
+        its = {"float": iter(float_ins), "other": iter(other_ins), None: iter(())}
+        ins = [next(its[k], None) for k in kinds]
+        ins = [lax.dynamic_slice_in_dim(a, i * rows, rows, 0) if p and a is not None else a
                for a, p in zip(ins, prep.per_example, strict=True)]
         return post(ins, [y] + [None] * n_ys)[0].astype(jnp.float32)
 

@@ -141,21 +141,42 @@ def pre_fn(stack: Stack) -> Callable:
     return pre
 
 
+def _live(eqns, outvars) -> tuple[list, set]:
+    """The equations ``outvars`` need, in order, and every variable they read."""
+    needed = {v for v in outvars if not isinstance(v, jcore.Literal)}
+    live = []
+    for eqn in reversed(eqns):
+        if any(v in needed for v in eqn.outvars) or eqn.effects:
+            live.append(eqn)
+            needed.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+    return live[::-1], needed
+
+
 def post_fn(stack: Stack) -> Callable:
-    """``post(flat_ins, scan_outs) -> [outputs]``; recomputes what it needs from before the
-    stack (XLA removes the rest)."""
+    """``post(flat_ins, scan_outs) -> [outputs]``; recomputes only what it needs from before
+    the stack, and reads only the inputs :func:`post_reads` flags (pass None for the rest)."""
+    jaxpr = stack.jaxpr.jaxpr
+    eqns = jaxpr.eqns[: stack.index] + jaxpr.eqns[stack.index + 1:]
+    live, _ = _live(eqns, jaxpr.outvars)
 
     def post(flat_ins, scan_outs):
         env = _start(stack, flat_ins)
-        eqns = stack.jaxpr.jaxpr.eqns
-        _replay(eqns[: stack.index], env)
         for var, value in zip(stack.eqn.outvars, scan_outs, strict=True):
             if not isinstance(var, jcore.DropVar):
                 env[var] = value
-        _replay(eqns[stack.index + 1:], env)
-        return [_read(env, v) for v in stack.jaxpr.jaxpr.outvars]
+        _replay(live, env)
+        return [_read(env, v) for v in jaxpr.outvars]
 
     return post
+
+
+def post_reads(stack: Stack) -> tuple[list[bool], list[bool]]:
+    """Which flat inputs and which scan outputs the code after the stack reads."""
+    jaxpr = stack.jaxpr.jaxpr
+    eqns = jaxpr.eqns[: stack.index] + jaxpr.eqns[stack.index + 1:]
+    _, needed = _live(eqns, jaxpr.outvars)
+    return ([v in needed for v in jaxpr.invars],
+            [not isinstance(v, jcore.DropVar) and v in needed for v in stack.eqn.outvars])
 
 
 def stage_fn(stack: Stack) -> Callable:
@@ -180,10 +201,7 @@ def stage_fn(stack: Stack) -> Callable:
 
 def ys_used(stack: Stack) -> bool:
     """Whether anything after the stack reads its stacked per-layer outputs."""
-    jaxpr = stack.jaxpr.jaxpr
-    ys = {v for v in stack.eqn.outvars[stack.num_carry:] if not isinstance(v, jcore.DropVar)}
-    later = [v for e in jaxpr.eqns[stack.index + 1:] for v in e.invars] + list(jaxpr.outvars)
-    return any(not isinstance(v, jcore.Literal) and v in ys for v in later)
+    return any(post_reads(stack)[1][stack.num_carry:])
 
 
 def trace(fun: Callable, flat_args) -> jcore.ClosedJaxpr:
