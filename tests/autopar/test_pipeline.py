@@ -233,3 +233,27 @@ def test_a_loss_normalized_by_a_batch_count_is_exact_under_the_chosen_schedule()
     step = _step(autopar.value_and_grad, loss_fn, tx)
     got = _pipelined(step, autopar.Pipeline(), _mesh({"stage": 4, "data": 2}), "gpipe")(*args)(*args)
     _close(got, expected)
+
+
+def _toy_loss(params, batch):
+    """A plain-jax stack: embedding, 8 scanned layers sharing one matrix (a scan constant),
+    and a float per-example target read after the stack."""
+    def layer(h, w):
+        return h + jnp.tanh(h @ w["kernel"] + w["bias"][None]) @ params["shared"], None
+
+    h, _ = jax.lax.scan(layer, batch["x"] @ params["embed"], params["layers"])
+    return jnp.mean((h @ params["head"] - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_plain_jax_stack_with_a_shared_weight(schedule):
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32) / 4  # noqa: E731
+    params = {"embed": normal(6, 16), "shared": normal(16, 16), "head": normal(16, 3),
+              "layers": {"kernel": normal(8, 16, 16), "bias": normal(8, 16)}}
+    batch = {"x": normal(16, 6), "y": normal(16, 3)}
+    expected = jax.value_and_grad(_toy_loss)(params, batch)
+    step = autopar.value_and_grad(_toy_loss)
+    settings = autopar.Pipeline(schedule=schedule, microbatches=8)
+    compiled = _pipelined(step, settings, _mesh({"stage": 4, "data": 2}), schedule)(params, batch)
+    _close(compiled(params, batch), expected)
