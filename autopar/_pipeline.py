@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import jax
-from jax._src import config as jax_config
 
+from autopar._compat import trace_context_state
 from autopar.errors import ArgumentError
 from autopar.passes.stages.prepare import StageChoice, StageRequest
 from autopar.passes.stages.schedules import Schedule
@@ -90,10 +90,9 @@ _ACTIVE: contextvars.ContextVar[PipelineContext | None] = contextvars.ContextVar
 #: The active context also enters jax's trace context, so that a function jitted (or
 #: make_jaxpr'ed) outside a pipelining context is traced again inside one instead of reusing
 #: the cached, unpipelined trace. jax offers no public hook for this.
-_TRACE_KEY = jax_config.string_or_object_state(
-    "autopar_pipelining_context", None,
-    "The active autopar pipelining context (set by autopar; part of jax's trace cache key).",
-    include_in_trace_context=True)
+_TRACE_KEY = trace_context_state(
+    "autopar_pipelining_context",
+    "The active autopar pipelining context (set by autopar; part of jax's trace cache key).")
 
 
 @contextlib.contextmanager
