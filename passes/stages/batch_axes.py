@@ -60,9 +60,15 @@ _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"
 #: Same-shape ops that mix along one axis (param name of the axis or axes).
 _ALONG = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis",
           "cumlogsumexp": "axis", "sort": "dimension", "rev": "dimensions"}
-_NOT_ELEMENTWISE = frozenset({"scan", "while", "cond", "shard_map", "all_gather", "psum",
-                              "ppermute", "all_to_all", "fft", "top_k", "iota",
-                              "custom_linear_solve", "triangular_solve", "cholesky"})
+#: Ops that may keep an operand's shape without being elementwise: never treated as one.
+_NOT_ELEMENTWISE = frozenset({
+    "scan", "while", "cond", "shard_map", "all_gather", "psum", "ppermute", "all_to_all",
+    "fft", "top_k", "iota", "custom_linear_solve", "triangular_solve", "cholesky", "scatter",
+    "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min",
+    "scatter-max", "scatter_max", "scatter_apply", "reduce_window", "reduce_window_sum",
+    "reduce_window_max", "reduce_window_min", "select_and_scatter_add",
+    "select_and_gather_add", "conv_general_dilated", "split", "argsort", "reduce",
+    "pallas_call", "ffi_call", "custom_call", "pure_callback", "io_callback"})
 _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
           "remat": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
           "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
@@ -177,6 +183,16 @@ def _axis_rule(eqn, states) -> int:
         full = (params["start_indices"][a] == 0 and params["limit_indices"][a] == shapes[0][a]
                 and (params["strides"] is None or params["strides"][a] == 1))
         if not full:
+            raise _Mixes
+        return a
+    if name == "dynamic_slice":
+        a = _agree(states[:1])
+        if any(states[1:]) or params["slice_sizes"][a] != shapes[0][a]:
+            raise _Mixes
+        return a
+    if name == "dynamic_update_slice":
+        a = _agree(states[:2])
+        if any(states[2:]) or shapes[1][a] != shapes[0][a]:
             raise _Mixes
         return a
     if name == "concatenate":

@@ -117,3 +117,21 @@ def test_split_without_a_stack_says_to_scan_layers():
     closed = jax.make_jaxpr(lambda w, x: [jnp.sum(x @ w)])(jnp.ones((4, 4)), jnp.ones((8, 4)))
     with pytest.raises(PipelineError, match="nn.scan"):
         split.find_stack(closed, [True, False])
+
+
+@pytest.mark.parametrize("op", [
+    lambda x: jax.lax.dynamic_update_slice(x, jnp.zeros((1, 4)), (2, 0)),   # overwrites example 2
+    lambda x: jax.lax.dynamic_slice(x, (1, 0), (8, 4)) * 0 + jax.lax.dynamic_slice(
+        x, (0, 0), (1, 4)),                                                  # reads example 0
+    lambda x: x.at[3].add(1.0),
+])
+def test_indexing_along_the_batch_axis_mixes(op):
+    with pytest.raises(PipelineError, match="mixes examples"):
+        batch_axes.analyze(_body_with(op), [0], Mode.BODY, "the layers")
+
+
+def test_indexing_other_axes_keeps_examples_apart():
+    def op(x):
+        x = jax.lax.dynamic_update_slice(x, jnp.zeros((8, 1)), (0, 2))
+        return jax.lax.dynamic_slice(x, (0, 1), (8, 3)).sum(axis=1, keepdims=True) + x
+    assert batch_axes.analyze(_body_with(op), [0], Mode.BODY, "the layers").outputs == [0]
