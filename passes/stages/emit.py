@@ -45,6 +45,26 @@ def _varying(tree, axis):
     return jax.tree.map(lambda a: lax.pcast(a, axis, to="varying"), tree)
 
 
+def _low(dtype) -> bool:
+    """A float type whose all-reduce inside a partly manual shard_map crashes XLA:CPU
+    ("Invalid binary instruction opcode copy", jax 0.10.2): reduce it in float32."""
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
+
+
+def _up(a):
+    return a.astype(jnp.float32) if _low(a.dtype) else a
+
+
+def _psum(tree, axis):
+    return jax.tree.map(lambda a: lax.psum(_up(a), axis).astype(a.dtype), tree)
+
+
+def _varying_as(tree, dtypes, axis):
+    """``tree`` (passed in as :func:`_up` made it) varying over ``axis``, in ``dtypes``: the
+    transpose of the pcast (a psum of cotangents) then runs in float32."""
+    return jax.tree.map(lambda a, d: lax.pcast(a, axis, to="varying").astype(d), tree, dtypes)
+
+
 def _stage(prep: Prepared) -> Callable:
     stage = split.stage_fn(prep.micro)
     return lambda consts, x, xs: stage(consts, [x], xs)[0]
@@ -67,8 +87,11 @@ def _gpipe_stack(prep: Prepared, mesh, consts, carry, xs):
     stage = _stage(prep)
     shift = [(j, j + 1) for j in range(n_stages - 1)]
 
+    dtypes = ([c.dtype for c in consts], carry.dtype)
+
     def body(consts, mbs, xs):
         s = lax.axis_index(axis)
+        consts, mbs = _varying_as((consts, mbs), dtypes, axis)
 
         def tick(state, t):
             x = jnp.where(s == 0, mbs[jnp.clip(t, 0, n_micro - 1)], state)
@@ -79,11 +102,11 @@ def _gpipe_stack(prep: Prepared, mesh, consts, carry, xs):
         n_ticks = ticks(Schedule.GPIPE, n_stages, n_micro)
         _, ys = lax.scan(tick, start, jnp.arange(n_ticks))
         done = ys[n_stages - 1:]                 # the last stage's outputs, microbatch order
-        return lax.psum(jnp.where(s == n_stages - 1, done, jnp.zeros_like(done)), axis)
+        return _psum(jnp.where(s == n_stages - 1, done, jnp.zeros_like(done)), axis)
 
     mbs = carry.reshape(n_micro, carry.shape[0] // n_micro, *carry.shape[1:])
     out = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis)), out_specs=P(),
-                        axis_names={axis})(consts, mbs, xs)
+                        axis_names={axis})(jax.tree.map(_up, consts), _up(mbs), xs)
     return out.reshape(carry.shape)
 
 
@@ -162,7 +185,7 @@ def _one_f_one_b_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
         n_ticks = ticks(Schedule.ONE_F_ONE_B, prep.stages, n_micro)
         end, _ = lax.scan(lambda c, t: (tick(fixed, c, t), None), start, jnp.arange(n_ticks))
         w = prep.loss_weight
-        total = lambda t: jax.tree.map(lambda a: lax.psum(a, axis), t)  # noqa: E731
+        total = lambda t: _psum(t, axis)  # noqa: E731
         return (total(end["loss"]) * w, jax.tree.map(lambda a: a * w, total(end["d_post"])),
                 total(end["d_consts"]), total(end["d_mbs"]), end["d_xs"])
 
