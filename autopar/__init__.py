@@ -12,6 +12,9 @@ from autopar._api import parallelize as parallelize
 from autopar._api import plan as plan
 from autopar._plan import Plan as Plan
 from autopar._compare import compare as compare
+from autopar._grad import grad as grad
+from autopar._grad import value_and_grad as value_and_grad
+from autopar._pipeline import Pipeline as Pipeline
 from autopar.cost_model.profiler import profile as profile
 from autopar.errors import ArgumentError as ArgumentError
 from autopar.errors import AutoparError as AutoparError
@@ -22,6 +25,7 @@ from autopar.errors import MemoryBudgetWarning as MemoryBudgetWarning
 from autopar.errors import MeshError as MeshError
 from autopar.errors import OtherProcessError as OtherProcessError
 from autopar.errors import PlanFormatError as PlanFormatError
+from autopar.errors import PipelineError as PipelineError
 from autopar.errors import ProfileError as ProfileError
 from autopar.errors import RematWarning as RematWarning
 from autopar.errors import ShardingConflictWarning as ShardingConflictWarning

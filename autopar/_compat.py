@@ -45,3 +45,18 @@ def primitives(*attrs: str) -> tuple:
     """:func:`primitive` of each of ``attrs`` that this jax version has."""
     found = (primitive(attr) for attr in attrs)
     return tuple(p for p in found if p is not None)
+
+
+def trace_context_state(name: str, doc: str):
+    """A context manager factory ``state(value)`` whose value is part of jax's trace cache key
+    (so jit and make_jaxpr trace again when it changes); a no-op where jax lacks the hook."""
+    import contextlib
+
+    from jax._src import config as jax_config
+    make = getattr(jax_config, "string_or_object_state", None)
+    if make is None:
+        return lambda value: contextlib.nullcontext()
+    try:
+        return make(name, None, doc, include_in_trace_context=True)
+    except TypeError:  # the keyword changed
+        return lambda value: contextlib.nullcontext()

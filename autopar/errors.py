@@ -21,6 +21,11 @@ class ShardingHintError(ArgumentError):
     """A sharding hint does not fit the arguments, the mesh or the shapes."""
 
 
+class PipelineError(ArgumentError):
+    """A pipeline (``autopar.Pipeline``, ``autopar.value_and_grad`` under a pipelined plan) was
+    asked of a program, mesh or batch it cannot pipeline exactly; the message says what to change."""
+
+
 class UnknownHardwareError(AutoparError):
     """A hardware profile name is not known."""
 

@@ -1,0 +1,116 @@
+"""``autopar.Pipeline`` (what the user asks of a pipeline) and the pipelining context that
+autopar enters around tracing a train step, inside which ``autopar.value_and_grad`` pipelines.
+
+Example::
+
+    settings = autopar.Pipeline(axis="stage", schedule="1f1b", microbatches=8)
+    with pipelining(settings, mesh) as ctx:
+        jax.jit(train_step).lower(*args)   # the step calls autopar.value_and_grad
+    assert ctx.calls >= 1
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import jax
+
+from autopar._compat import trace_context_state
+from autopar.errors import ArgumentError
+from autopar.passes.stages.prepare import StageChoice, StageRequest
+from autopar.passes.stages.schedules import Schedule
+
+_NAMES = ", ".join(f'"{s.value}"' for s in Schedule)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """Pipeline settings; a field left ``None`` is chosen by autopar.
+
+    Arguments:
+        axis: the mesh axis whose devices hold successive stages.
+        stages: number of stages (today: the size of ``axis``).
+        microbatches: how many microbatches the batch is split into (must divide it).
+        schedule: one of ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``.
+        virtual_stages: model chunks per device (``"interleaved"`` only).
+    """
+
+    axis: str = "stage"
+    stages: int | None = None
+    microbatches: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.axis, str) or not self.axis:
+            raise ArgumentError(f"`Pipeline(axis={self.axis!r})` must be a mesh axis name (a "
+                                "non-empty string), for example `axis=\"stage\"`.")
+        for name in ("stages", "microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ArgumentError(f"`Pipeline({name}={value!r})` must be a positive integer "
+                                    "or None (autopar chooses).")
+        if self.schedule is not None and self.schedule not in {s.value for s in Schedule}:
+            raise ArgumentError(f"`Pipeline(schedule={self.schedule!r})` is not a schedule; "
+                                f"use one of {_NAMES}, or None (autopar chooses).")
+        if (self.virtual_stages or 1) > 1 and self.schedule not in (None, "interleaved"):
+            raise ArgumentError(
+                f"`Pipeline(virtual_stages={self.virtual_stages})` needs "
+                f"`schedule=\"interleaved\"` (it was {self.schedule!r}).")
+
+    @property
+    def schedule_kind(self) -> Schedule | None:
+        return None if self.schedule is None else Schedule(self.schedule)
+
+    def request(self) -> StageRequest:
+        """The request the stage pass reads."""
+        return StageRequest(axis=self.axis, stages=self.stages, microbatches=self.microbatches,
+                            schedule=self.schedule_kind)
+
+
+@dataclass(eq=False)  # hashed by identity: it keys jax's trace caches (see _TRACE_KEY)
+class PipelineContext:
+    """An active pipelining context: the settings, the mesh, how often
+    ``autopar.value_and_grad`` / ``autopar.grad`` ran inside it (``calls``), and what each
+    pipelined call chose (``chosen``)."""
+
+    settings: Pipeline
+    mesh: jax.sharding.Mesh
+    calls: int = 0
+    chosen: list[StageChoice] = field(default_factory=list)
+
+
+_ACTIVE: contextvars.ContextVar[PipelineContext | None] = contextvars.ContextVar(
+    "autopar_pipelining", default=None)
+
+#: The active context also enters jax's trace context, so that a function jitted (or
+#: make_jaxpr'ed) outside a pipelining context is traced again inside one instead of reusing
+#: the cached, unpipelined trace. jax offers no public hook for this.
+_TRACE_KEY = trace_context_state(
+    "autopar_pipelining_context",
+    "The active autopar pipelining context (set by autopar; part of jax's trace cache key).")
+
+
+@contextlib.contextmanager
+def pipelining(settings: Pipeline, mesh: jax.sharding.Mesh) -> Iterator[PipelineContext]:
+    """Within this block, ``autopar.value_and_grad`` and ``autopar.grad`` pipeline their loss
+    over ``mesh`` as ``settings`` ask. Yields the :class:`PipelineContext` (read ``calls``)."""
+    if not isinstance(settings, Pipeline):
+        raise ArgumentError(f"`pipelining(settings=...)` takes an `autopar.Pipeline`, not "
+                            f"{type(settings).__name__}.")
+    context = PipelineContext(settings=settings, mesh=mesh)
+    token = _ACTIVE.set(context)
+    try:
+        with _TRACE_KEY(context):
+            yield context
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> PipelineContext | None:
+    """The innermost active pipelining context, or None."""
+    return _ACTIVE.get()

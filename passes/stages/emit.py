@@ -1,0 +1,251 @@
+"""Emit a pipelined loss whose gradient runs the schedule.
+
+:func:`pipelined` returns ``f(*flat_args) -> flat outputs`` computing what the traced loss
+computes; differentiate it with ``jax.value_and_grad``. Inside, one ``jax.shard_map`` is manual
+over the stage axis only (``axis_names={axis}``; other mesh axes stay automatic). Stage ``s``
+holds layers ``[s*L/S, (s+1)*L/S)``: the stacked layer operands enter sharded ``P(axis)`` on
+the layer axis, and their gradients leave the same way. Ticks run as a ``lax.scan``;
+activations and cotangents move with ``lax.ppermute``.
+
+- GPipe: only the layer stack is pipelined; ``pre`` and ``post`` run on the whole batch
+  outside the region, and autodiff through the tick loop gives the backward.
+- 1F1B: one lockstep loop; at tick t stage s runs the forward of microbatch t - s and the
+  backward (``jax.vjp``, recomputing the stage from a stashed input) of microbatch
+  t - 2(S-1) + s. The last stage computes each microbatch's loss and its cotangent in the same
+  tick. The result is a ``jax.custom_vjp`` whose forward runs the whole loop.
+
+Idle slots are masked with ``jnp.where``, never skipped with a device-varying ``lax.cond``
+(which can hang under grad). Invariant operands are ``pcast`` to varying before per-device
+derivatives are taken, so each gradient is masked per device and summed once at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from autopar.passes.stages import split
+from autopar.passes.stages.prepare import Prepared
+from autopar.passes.stages.schedules import Schedule, stash_slots, ticks
+
+
+def pipelined(prep: Prepared, mesh) -> Callable:
+    """``f(*flat_args) -> list of flat outputs`` of the loss, its layer stack pipelined."""
+    if prep.schedule is Schedule.GPIPE:
+        return lambda *flat: _gpipe(prep, mesh, flat)
+    return _one_f_one_b(prep, mesh)
+
+
+def _varying(tree, axis):
+    return jax.tree.map(lambda a: lax.pcast(a, axis, to="varying"), tree)
+
+
+def _low(dtype) -> bool:
+    """A float type whose all-reduce inside a partly manual shard_map crashes XLA:CPU
+    ("Invalid binary instruction opcode copy", jax 0.10.2): reduce it in float32."""
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
+
+
+def _up(a):
+    return a.astype(jnp.float32) if _low(a.dtype) else a
+
+
+def _psum(tree, axis):
+    return jax.tree.map(lambda a: lax.psum(_up(a), axis).astype(a.dtype), tree)
+
+
+def _varying_as(tree, dtypes, axis):
+    """``tree`` (passed in as :func:`_up` made it) varying over ``axis``, in ``dtypes``: the
+    transpose of the pcast (a psum of cotangents) then runs in float32."""
+    return jax.tree.map(lambda a, d: lax.pcast(a, axis, to="varying").astype(d), tree, dtypes)
+
+
+def _stage(prep: Prepared) -> Callable:
+    stage = split.stage_fn(prep.micro)
+    return lambda consts, x, xs: stage(consts, [x], xs)[0]
+
+
+def _operands(prep: Prepared, ops):
+    n = prep.full.num_consts
+    return list(ops[:n]), ops[n], list(ops[n + 1:])
+
+
+def _gpipe(prep: Prepared, mesh, flat):
+    consts, carry, xs = _operands(prep, split.pre_fn(prep.full)(*flat))
+    n_ys = len(prep.full.eqn.outvars) - 1
+    out = _gpipe_stack(prep, mesh, consts, carry, xs)
+    return split.post_fn(prep.full)(flat, [out] + [None] * n_ys)
+
+
+def _gpipe_stack(prep: Prepared, mesh, consts, carry, xs):
+    axis, n_stages, n_micro = prep.axis, prep.stages, prep.microbatches
+    stage = _stage(prep)
+    shift = [(j, j + 1) for j in range(n_stages - 1)]
+
+    dtypes = ([c.dtype for c in consts], carry.dtype)
+
+    def body(consts, mbs, xs):
+        s = lax.axis_index(axis)
+        consts, mbs = _varying_as((consts, mbs), dtypes, axis)
+
+        def tick(state, t):
+            x = jnp.where(s == 0, mbs[jnp.clip(t, 0, n_micro - 1)], state)
+            y = stage(consts, x, xs)
+            return lax.ppermute(y, axis, shift), y
+
+        start = _varying(jnp.zeros(mbs.shape[1:], mbs.dtype), axis)
+        n_ticks = ticks(Schedule.GPIPE, n_stages, n_micro)
+        _, ys = lax.scan(tick, start, jnp.arange(n_ticks))
+        done = ys[n_stages - 1:]                 # the last stage's outputs, microbatch order
+        return _psum(jnp.where(s == n_stages - 1, done, jnp.zeros_like(done)), axis)
+
+    mbs = carry.reshape(n_micro, carry.shape[0] // n_micro, *carry.shape[1:])
+    out = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis)), out_specs=P(),
+                        axis_names={axis})(jax.tree.map(_up, consts), _up(mbs), xs)
+    return out.reshape(carry.shape)
+
+
+def _is_float(a) -> bool:
+    return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+
+
+def _no_grad(a):
+    return np.zeros(np.shape(a), jax.dtypes.float0)
+
+
+def _one_f_one_b(prep: Prepared, mesh) -> Callable:
+    @jax.custom_vjp
+    def loss(*flat):
+        return [_one_f_one_b_run(prep, mesh, flat)[0]]
+
+    def fwd(*flat):
+        value, grads = _one_f_one_b_run(prep, mesh, flat)
+        return [value], grads
+
+    def bwd(grads, cts):
+        (ct,) = cts
+        return tuple(g if g.dtype == jax.dtypes.float0 else g * ct.astype(g.dtype) for g in grads)
+
+    loss.defvjp(fwd, bwd)
+    return loss
+
+
+def _one_f_one_b_run(prep: Prepared, mesh, flat):
+    """(loss, gradient of every flat input; float0 for non-float ones)."""
+    is_f = [_is_float(a) for a in flat]
+    floats = [a for a, f in zip(flat, is_f, strict=True) if f]
+
+    def pre_of_floats(*fl):
+        it = iter(fl)
+        return split.pre_fn(prep.full)(*[next(it) if f else a for a, f in zip(flat, is_f)])
+
+    ops, pre_vjp = jax.vjp(pre_of_floats, *floats)
+    consts, carry, xs = _operands(prep, ops)
+    # the loss after the layers reads only some inputs: only those enter the pipeline region
+    reads = split.post_reads(prep.micro)[0]
+    kinds = [None if not r else "float" if f else "other" for r, f in zip(reads, is_f)]
+    value, d_post, d_consts, d_carry, d_xs = _one_f_one_b_stack(prep, mesh, flat, kinds,
+                                                                consts, carry, xs)
+    d_ops = [d if _is_float(o) else _no_grad(o)
+             for o, d in zip(ops, d_consts + [d_carry] + d_xs, strict=True)]
+    d_pre = iter(pre_vjp(d_ops))
+    d_post = iter(d_post)
+    grads = []
+    for a, kind in zip(flat, kinds, strict=True):
+        if not _is_float(a):
+            grads.append(_no_grad(a))
+        else:
+            grads.append(next(d_pre) + next(d_post) if kind == "float" else next(d_pre))
+    return value, tuple(grads)
+
+
+def _one_f_one_b_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
+    axis, n_micro = prep.axis, prep.microbatches
+    rows = carry.shape[0] // n_micro
+    float_ins = [a for a, k in zip(flat, kinds, strict=True) if k == "float"]
+    other_ins = [a for a, k in zip(flat, kinds, strict=True) if k == "other"]
+    tick = _one_f_one_b_tick(prep, kinds, rows)
+
+    def body(consts, mbs, xs, float_ins, other_ins):
+        consts, float_ins = _varying((consts, float_ins), axis)
+        act = _varying(jnp.zeros(mbs.shape[1:], mbs.dtype), axis)
+        zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # noqa: E731
+        start = dict(fwd=act, bwd=act,
+                     stash=_varying(jnp.zeros((stash_slots(prep.stages), *act.shape), act.dtype),
+                                    axis),
+                     d_xs=zeros(xs), d_consts=zeros(consts), d_post=zeros(float_ins),
+                     d_mbs=_varying(jnp.zeros_like(mbs), axis),
+                     loss=_varying(jnp.zeros((), jnp.float32), axis))
+        fixed = (consts, mbs, xs, float_ins, other_ins)
+        n_ticks = ticks(Schedule.ONE_F_ONE_B, prep.stages, n_micro)
+        end, _ = lax.scan(lambda c, t: (tick(fixed, c, t), None), start, jnp.arange(n_ticks))
+        w = prep.loss_weight
+        total = lambda t: _psum(t, axis)  # noqa: E731
+        return (total(end["loss"]) * w, jax.tree.map(lambda a: a * w, total(end["d_post"])),
+                total(end["d_consts"]), total(end["d_mbs"]), end["d_xs"])
+
+    mbs = carry.reshape(n_micro, rows, *carry.shape[1:])
+    out = jax.shard_map(
+        body, mesh=mesh, in_specs=(P(), P(), P(axis), P(), P()),
+        out_specs=(P(), P(), P(), P(), P(axis)), axis_names={axis},
+    )(consts, mbs, xs, float_ins, other_ins)
+    value, d_post, d_consts, d_mbs, d_xs = out
+    return value, d_post, d_consts, d_mbs.reshape(carry.shape), d_xs
+
+
+def _one_f_one_b_tick(prep: Prepared, kinds, rows: int) -> Callable:
+    axis, n_stages, n_micro = prep.axis, prep.stages, prep.microbatches
+    n_slots = stash_slots(n_stages)
+    stage = _stage(prep)
+    post = split.post_fn(prep.micro)
+    n_ys = len(prep.micro.eqn.outvars) - 1
+    fwd_pairs = [(j, j + 1) for j in range(n_stages - 1)]
+    bwd_pairs = [(j + 1, j) for j in range(n_stages - 1)]
+
+    def micro_loss(y, float_ins, other_ins, i):
+        its = {"float": iter(float_ins), "other": iter(other_ins), None: iter(())}
+        ins = [next(its[k], None) for k in kinds]
+        ins = [lax.dynamic_slice_in_dim(a, i * rows, rows, 0) if p and a is not None else a
+               for a, p in zip(ins, prep.per_example, strict=True)]
+        return post(ins, [y] + [None] * n_ys)[0].astype(jnp.float32)
+
+    def masked_add(acc, new, keep):
+        return jax.tree.map(lambda a, b: a + jnp.where(keep, b, jnp.zeros_like(b)), acc, new)
+
+    def tick(fixed, c, t):
+        consts, mbs, xs, float_ins, other_ins = fixed
+        s = lax.axis_index(axis)
+        last = s == n_stages - 1
+        # forward slot: microbatch t - s
+        i_f = t - s
+        ok_f = (i_f >= 0) & (i_f < n_micro)
+        j_f = jnp.clip(i_f, 0, n_micro - 1)
+        x = jnp.where(s == 0, mbs[j_f], c["fwd"])
+        y = stage(consts, x, xs)
+        slot = i_f % n_slots
+        stash = lax.dynamic_update_index_in_dim(
+            c["stash"], jnp.where(ok_f, x, c["stash"][slot]), slot, 0)
+        loss, (dy, d_post) = jax.value_and_grad(micro_loss, argnums=(0, 1))(
+            y, float_ins, other_ins, j_f)
+        take = ok_f & last
+        # backward slot: microbatch t - 2(S-1) + s (the same one on the last stage)
+        i_b = t - 2 * (n_stages - 1) + s
+        ok_b = (i_b >= 0) & (i_b < n_micro)
+        j_b = jnp.clip(i_b, 0, n_micro - 1)
+        ct = jnp.where(last, dy * prep.loss_weight, c["bwd"])
+        _, pull = jax.vjp(stage, consts, stash[i_b % n_slots], xs)
+        d_consts, dx, d_xs = pull(ct.astype(y.dtype))
+        d_mbs = lax.dynamic_update_index_in_dim(
+            c["d_mbs"], jnp.where(ok_b & (s == 0), dx, c["d_mbs"][j_b]), j_b, 0)
+        return dict(fwd=lax.ppermute(y, axis, fwd_pairs), bwd=lax.ppermute(dx, axis, bwd_pairs),
+                    stash=stash, d_xs=masked_add(c["d_xs"], d_xs, ok_b),
+                    d_consts=masked_add(c["d_consts"], d_consts, ok_b),
+                    d_post=masked_add(c["d_post"], d_post, take), d_mbs=d_mbs,
+                    loss=c["loss"] + jnp.where(take, loss, 0.0))
+
+    return tick

@@ -1,0 +1,226 @@
+"""Check that a loss can be pipelined exactly, and settle what the request left open.
+
+:func:`prepare` traces the loss twice, on the whole batch and on one microbatch, finds the
+layer stack in both (:mod:`.split`), and proves with :mod:`.batch_axes` that microbatching
+changes nothing: the layer body never mixes examples nor depends on the batch size, and (for
+schedules that compute the loss per microbatch) the loss is a fixed sum over examples.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from autopar.errors import PipelineError
+from autopar.passes.stages import batch_axes, split
+from autopar.passes.stages.batch_axes import BatchSum, Mode
+from autopar.passes.stages.schedules import EMITTED, Schedule, bubble_fraction, ticks
+
+
+@dataclass(frozen=True)
+class StageRequest:
+    """What the user asked: the mesh axis carrying stages; ``None`` fields are chosen here."""
+
+    axis: str
+    stages: int | None = None
+    microbatches: int | None = None
+    schedule: Schedule | None = None
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    """What a pipelined loss runs: for the plan's record and reports."""
+
+    axis: str
+    stages: int
+    layer_ranges: tuple[tuple[int, int], ...]   # [first, last) layer of each stage
+    microbatches: int
+    schedule: Schedule
+    ticks: int
+    bubble_fraction: float
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A loss checked for pipelining, with every choice made."""
+
+    full: split.Stack            # traced on the whole batch
+    micro: split.Stack           # traced on one microbatch
+    per_example: tuple[bool, ...]  # flat inputs whose leading axis is the batch
+    axis: str
+    stages: int
+    microbatches: int
+    schedule: Schedule
+    loss_weight: float           # loss = weight * sum of the microbatch traces' losses
+
+    def choice(self) -> StageChoice:
+        per = self.full.layers // self.stages
+        return StageChoice(
+            axis=self.axis, stages=self.stages,
+            layer_ranges=tuple((s * per, (s + 1) * per) for s in range(self.stages)),
+            microbatches=self.microbatches, schedule=self.schedule,
+            ticks=ticks(self.schedule, self.stages, self.microbatches),
+            bubble_fraction=bubble_fraction(self.schedule, self.stages, self.microbatches))
+
+
+def prepare(fun: Callable, flat_args, is_param: list[bool], request: StageRequest, mesh,
+            has_aux: bool) -> Prepared:
+    """Check ``fun`` (a function of ``flat_args``) and the request against ``mesh``."""
+    if request.axis not in mesh.shape:
+        raise PipelineError(
+            f"`Pipeline(axis={request.axis!r})` names an axis the mesh lacks (its axes: "
+            f"{', '.join(mesh.axis_names)}). Name one of them, or add a {request.axis!r} axis.")
+    stages = mesh.shape[request.axis]
+    if request.stages is not None and request.stages != stages:
+        raise PipelineError(
+            f"`Pipeline(stages={request.stages})` differs from the size of mesh axis "
+            f"{request.axis!r} ({stages}); one stage per device along it: set `stages={stages}` "
+            "or leave it None.")
+    full = split.find_stack(split.trace(fun, flat_args), is_param)
+    batch = _batch_size(full)
+    per_example = tuple(not p and np.ndim(a) >= 1 and np.shape(a)[0] == batch
+                        for a, p in zip(flat_args, is_param, strict=True))
+    _check_operands(full, per_example)
+    if full.layers % stages:
+        raise PipelineError(
+            f"the layer stack has {full.layers} layers, which {stages} stages (mesh axis "
+            f"{request.axis!r}) do not divide; use a stage count that divides {full.layers}.")
+    micro_n = _microbatches(request.microbatches, batch, stages)
+    micro = _trace_micro(fun, flat_args, per_example, batch // micro_n, is_param, full)
+    schedule, weight = _schedule(request.schedule, full, micro, per_example, has_aux)
+    return Prepared(full=full, micro=micro, per_example=per_example, axis=request.axis,
+                    stages=stages, microbatches=micro_n, schedule=schedule, loss_weight=weight)
+
+
+def _batch_size(stack: split.Stack) -> int:
+    if stack.num_carry != 1 or not stack.carry_shape:
+        raise PipelineError(
+            "the layer stack's scan must carry one activation array with the batch axis first "
+            f"(it carries {stack.num_carry} values); move other carried values (auxiliary "
+            "losses, counters) out of the scanned layers.")
+    return stack.carry_shape[0]
+
+
+def _check_operands(stack: split.Stack, per_example) -> None:
+    pre = split.trace(split.pre_fn(stack), stack.jaxpr.in_avals)
+    states = batch_axes.analyze(pre, [0 if p else None for p in per_example], Mode.PRE,
+                                "the code before the layer stack").outputs
+    consts, carry = states[: stack.num_consts], states[stack.num_consts]
+    xs = states[stack.num_consts + 1:]
+    if carry != 0:
+        raise PipelineError(
+            "the layer stack's carried activation does not have the batch (the leading axis of "
+            "the batch arguments) as its first axis; keep the batch axis first.")
+    if any(s is not None for s in consts + xs):
+        raise PipelineError(
+            "a value computed from the batch enters the layer stack besides its carried "
+            "activation (a mask or position array passed to the scanned layers); pipelining "
+            "cannot split it into microbatches yet. Compute it inside the layer from the "
+            "carry, or plan with `pipeline=None`.")
+    if split.ys_used(stack):
+        raise PipelineError(
+            "the code after the layer stack reads the stack's per-layer outputs; pipelining "
+            "passes on only the final activation. Return `None` as the scan's per-layer output.")
+
+
+def _microbatches(asked: int | None, batch: int, stages: int) -> int:
+    if asked is not None:
+        if batch % asked:
+            raise PipelineError(
+                f"`Pipeline(microbatches={asked})` does not divide the batch of {batch} examples; "
+                f"use a divisor of {batch} (for example {_default_microbatches(batch, stages)}).")
+        return asked
+    return _default_microbatches(batch, stages)
+
+
+def _default_microbatches(batch: int, stages: int) -> int:
+    """The smallest divisor of ``batch`` from 2S up that leaves microbatches of at least two
+    examples (one-example traces can lose the batch axis); else the largest that does."""
+    fits = [d for d in range(1, batch + 1) if batch % d == 0 and batch // d >= 2] or [1]
+    return next((d for d in fits if d >= 2 * stages), fits[-1])
+
+
+def _trace_micro(fun, flat_args, per_example, rows: int, is_param, full) -> split.Stack:
+    specs = [jax.ShapeDtypeStruct((rows, *np.shape(a)[1:]) if p else np.shape(a), a.dtype)
+             for a, p in zip(flat_args, per_example, strict=True)]
+    micro = split.find_stack(jax.make_jaxpr(fun)(*specs), is_param)
+    if micro.index != full.index or micro.layers != full.layers:
+        raise PipelineError(
+            "the loss traces to a different program on one microbatch than on the whole batch "
+            "(its layer stack moved); make the code before the stack independent of the batch "
+            "size.")
+    where = "the scanned layers"
+    body = [micro.eqn.params["jaxpr"], full.eqn.params["jaxpr"]]
+    found = [batch_axes.analyze(b, _body_states(micro), Mode.BODY, where) for b in body]
+    if found[0].outputs[: micro.num_carry] != [0]:
+        raise PipelineError("the scanned layers move the batch axis of their carried activation; "
+                            "keep it first.")
+    if found[0].literals != found[1].literals:
+        raise PipelineError(
+            "the scanned layers use a constant that depends on the batch size (a literal changes "
+            "when the batch is split into microbatches); compute per example instead.")
+    return micro
+
+
+def _body_states(stack: split.Stack) -> list:
+    n_xs = len(stack.eqn.invars) - stack.num_consts - 1
+    return [None] * stack.num_consts + [0] + [None] * n_xs
+
+
+def _schedule(asked, full, micro, per_example, has_aux) -> tuple[Schedule, float]:
+    """The schedule and, for one that computes the loss per microbatch, the loss weight."""
+    if asked is not None and asked not in EMITTED:
+        raise PipelineError(
+            f"`Pipeline(schedule={asked.value!r})` is not emitted yet; use "
+            f"{' or '.join(repr(s.value) for s in sorted(EMITTED, key=lambda s: s.value))}.")
+    if asked is Schedule.GPIPE:
+        return asked, 1.0
+    try:
+        ops = full.eqn.invars[: full.num_consts] + full.eqn.invars[full.num_consts + 1:]
+        if not all(jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact) for v in ops):
+            raise PipelineError(
+                "the scanned layers read integer operands besides their activation; 1f1b "
+                "differentiates per stage and does not handle them yet. Use "
+                "`Pipeline(schedule=\"gpipe\")`.")
+        if has_aux:
+            raise PipelineError(
+                "`has_aux=True` with a schedule that computes the loss per microbatch (1f1b): "
+                "the auxiliary outputs cannot be combined across microbatches; use "
+                "`Pipeline(schedule=\"gpipe\")` or drop `has_aux`.")
+        return Schedule.ONE_F_ONE_B, _loss_weight(full, micro, per_example)
+    except PipelineError:
+        if asked is None:
+            return Schedule.GPIPE, 1.0
+        raise
+
+
+def _loss_weight(full, micro, per_example) -> float:
+    """``w`` with loss(batch) = w * sum of loss(microbatch), proved from both traces."""
+    found = []
+    for stack in (full, micro):
+        n_outs = len(stack.eqn.outvars)
+        states = [0 if p else None for p in per_example] + [0] + [None] * (n_outs - 1)
+        post = split.post_fn(stack)
+        n_ins = len(per_example)
+        traced = split.trace(lambda *flat: post(flat[:n_ins], flat[n_ins:]),
+                             list(stack.jaxpr.in_avals) + [v.aval for v in stack.eqn.outvars])
+        found.append(batch_axes.analyze(traced, states, Mode.LOSS, "the loss after the layers"))
+    loss = [f.outputs[0] for f in found]
+    if not all(isinstance(s, BatchSum) for s in loss):
+        raise PipelineError(
+            "the loss is not a sum or mean over examples (it does not reduce over the batch); "
+            "1f1b computes it per microbatch. Use `Pipeline(schedule=\"gpipe\")`.")
+    if found[0].literals != found[1].literals or len(loss[0].scales) != len(loss[1].scales):
+        raise PipelineError(
+            "the loss uses a constant that depends on the batch size outside its final mean; "
+            "use `Pipeline(schedule=\"gpipe\")`, which computes the loss on the whole batch.")
+    ratios = [a / b for (_, a), (_, b) in zip(loss[0].scales, loss[1].scales, strict=True)]
+    if not all(math.isclose(r, ratios[0], rel_tol=1e-6) for r in ratios):
+        raise PipelineError(
+            "the loss adds sums over examples normalized differently (a mean plus a sum); "
+            "1f1b cannot weight its microbatches exactly. Use `Pipeline(schedule=\"gpipe\")`.")
+    return ratios[0]

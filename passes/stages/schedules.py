@@ -1,0 +1,80 @@
+"""Pipeline schedules and their figures, as pure functions of stages S, microbatches M and
+virtual stages v (model chunks per device).
+
+A *tick* is one step of the emitted ``lax.scan`` in which every stage runs its slot(s):
+
+==============  ===============================  ==========================  ===================
+schedule        ticks of the emitted loop        bubble fraction             in flight, stage s
+==============  ===============================  ==========================  ===================
+gpipe           M + S - 1 (forward; autodiff     (S-1) / (M+S-1)             M
+                runs as many backward)
+1f1b            M + 2(S-1) (one forward and one  (S-1) / (M+S-1)             S - s
+                backward slot per tick)
+interleaved     v*M + S - 1 (forward)            (S-1) / (v*M+S-1)           M (circular buffer)
+zb-h1           not emitted yet                  (S-1) / (3M)                S - s
+==============  ===============================  ==========================  ===================
+
+Bubble fractions follow GPipe (arXiv 1811.06965), Megatron (arXiv 2104.04473) and Zero Bubble
+(arXiv 2401.10241, ZB-H1 at 1F1B's memory). The emitted 1F1B loop keeps stage inputs in a ring
+of :func:`stash_slots` = 2S - 1 entries (lockstep: the forward-to-backward distance at stage s
+is 2(S-1-s) ticks).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Schedule(enum.Enum):
+    """A pipeline schedule; the value is the name users pass to ``autopar.Pipeline``."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    ZB_H1 = "zb-h1"
+
+
+#: Schedules :mod:`autopar.passes.stages.emit` can emit today.
+EMITTED = frozenset({Schedule.GPIPE, Schedule.ONE_F_ONE_B})
+
+
+def _check(stages: int, microbatches: int, virtual: int) -> None:
+    assert stages >= 1 and microbatches >= 1 and virtual >= 1, (stages, microbatches, virtual)
+
+
+def ticks(schedule: Schedule, stages: int, microbatches: int, virtual: int = 1) -> int | None:
+    """Trip count of the emitted tick loop (None for a schedule not emitted yet)."""
+    _check(stages, microbatches, virtual)
+    s, m = stages, microbatches
+    if schedule is Schedule.GPIPE:
+        return m + s - 1
+    if schedule is Schedule.ONE_F_ONE_B:
+        return m + 2 * (s - 1)
+    if schedule is Schedule.INTERLEAVED:
+        return virtual * m + s - 1
+    return None
+
+
+def bubble_fraction(schedule: Schedule, stages: int, microbatches: int, virtual: int = 1) -> float:
+    """Predicted idle share of the pipeline (0 when S = 1)."""
+    _check(stages, microbatches, virtual)
+    idle = stages - 1
+    if schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+        return idle / (microbatches + idle)
+    if schedule is Schedule.INTERLEAVED:
+        return idle / (virtual * microbatches + idle)
+    return idle / (3 * microbatches)
+
+
+def in_flight(schedule: Schedule, stages: int, microbatches: int, stage: int) -> int:
+    """Microbatches whose activations stage ``stage`` (0-based) holds at its peak."""
+    _check(stages, microbatches, 1)
+    assert 0 <= stage < stages, (stage, stages)
+    if schedule in (Schedule.GPIPE, Schedule.INTERLEAVED):
+        return microbatches
+    return min(stages - stage, microbatches)
+
+
+def stash_slots(stages: int) -> int:
+    """Entries of the emitted 1F1B loop's ring of stage inputs: 2S - 1."""
+    return 2 * stages - 1

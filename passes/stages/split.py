@@ -1,0 +1,210 @@
+"""Split a traced loss around its layer stack: ``pre`` (before the stack: embedding), the
+per-layer ``body``, and ``post`` (after it: head and loss).
+
+The layer stack is the top-level ``scan`` whose scanned operands (``xs``) depend on the
+differentiated parameters, stacked on a leading layer axis (``nn.scan``, ``nnx.scan`` and a
+``lax.scan`` over stacked params all trace to one). With several, the one scanning the most
+bytes. Its single carry is the activation, batch axis first; its other operands must not
+depend on the batch.
+
+All three pieces are plain functions of flat values that replay the traced equations, so the
+emitter can run, trace or differentiate them like any jax code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from autopar.errors import PipelineError
+
+MSG_NO_STACK = (
+    "the loss has no scanned layer stack to cut into pipeline stages: no top-level `scan` "
+    "runs over parameters stacked on a leading layer axis. Scan your layers with `nn.scan` "
+    "(flax linen), `nnx.scan` (flax nnx) or `jax.lax.scan` over stacked parameters, or plan "
+    "with `pipeline=None`."
+)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The layer stack of one traced loss: the scan equation and where it sits."""
+
+    jaxpr: jcore.ClosedJaxpr
+    index: int
+
+    @property
+    def eqn(self) -> jcore.JaxprEqn:
+        return self.jaxpr.jaxpr.eqns[self.index]
+
+    @property
+    def num_consts(self) -> int:
+        return self.eqn.params["num_consts"]
+
+    @property
+    def num_carry(self) -> int:
+        return self.eqn.params["num_carry"]
+
+    @property
+    def layers(self) -> int:
+        return self.eqn.params["length"]
+
+    @property
+    def carry_shape(self) -> tuple[int, ...]:
+        return tuple(self.eqn.invars[self.num_consts].aval.shape)
+
+
+def find_stack(closed: jcore.ClosedJaxpr, is_param: list[bool]) -> Stack:
+    """The layer stack of ``closed`` (inputs flagged ``is_param`` are the parameters)."""
+    jaxpr = closed.jaxpr
+    from_params = {v for v, p in zip(jaxpr.invars, is_param, strict=True) if p}
+    best, best_bytes = None, -1
+    for i, eqn in enumerate(jaxpr.eqns):
+        uses = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+        if any(v in from_params for v in uses):
+            from_params.update(eqn.outvars)
+        if eqn.primitive.name != "scan":
+            continue
+        first_x = eqn.params["num_consts"] + eqn.params["num_carry"]
+        xs = [v for v in eqn.invars[first_x:] if not isinstance(v, jcore.Literal)]
+        if not any(v in from_params for v in xs) or eqn.params["reverse"]:
+            continue
+        size = sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize for v in xs)
+        if size > best_bytes:
+            best, best_bytes = i, size
+    if best is None:
+        raise PipelineError(MSG_NO_STACK)
+    return Stack(jaxpr=closed, index=best)
+
+
+def _read(env, var):
+    return var.val if isinstance(var, jcore.Literal) else env[var]
+
+
+#: Call primitives replayed inline (their body), so that operands' varying axes can differ.
+_INLINE = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+
+
+def _replay(eqns, env) -> None:
+    """Evaluate ``eqns`` into ``env``. Inside ``shard_map`` an operand less varying than the
+    others is ``pcast`` to varying first, as jax's own tracing does."""
+    for eqn in eqns:
+        args = _match_varying([_read(env, v) for v in eqn.invars])
+        if eqn.primitive.name in _INLINE:
+            sub = eqn.params[_INLINE[eqn.primitive.name]]
+            inner = dict(zip(sub.jaxpr.constvars, sub.consts, strict=True))
+            inner.update(zip(sub.jaxpr.invars, args, strict=True))
+            _replay(sub.jaxpr.eqns, inner)
+            outs = [_read(inner, v) for v in sub.jaxpr.outvars]
+        else:
+            params = eqn.primitive.get_bind_params(eqn.params)
+            outs = eqn.primitive.bind(*args, **params)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        for var, value in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(var, jcore.DropVar):
+                env[var] = value
+
+
+def _vma(x) -> frozenset:
+    return jax.typeof(x).mat.varying
+
+
+def _match_varying(args: list) -> list:
+    union = frozenset().union(*(_vma(a) for a in args))
+    if not union:
+        return args
+    return [a if _vma(a) == union else lax.pcast(a, tuple(sorted(union - _vma(a))), to="varying")
+            for a in args]
+
+
+def _start(stack: Stack, flat_ins) -> dict:
+    jaxpr = stack.jaxpr.jaxpr
+    env = dict(zip(jaxpr.constvars, stack.jaxpr.consts, strict=True))
+    env.update(zip(jaxpr.invars, flat_ins, strict=True))
+    return env
+
+
+def pre_fn(stack: Stack) -> Callable:
+    """``pre(*flat_ins) -> [scan operands]``: everything the stack's scan reads."""
+
+    def pre(*flat_ins):
+        env = _start(stack, flat_ins)
+        _replay(stack.jaxpr.jaxpr.eqns[: stack.index], env)
+        return [_read(env, v) for v in stack.eqn.invars]
+
+    return pre
+
+
+def _live(eqns, outvars) -> tuple[list, set]:
+    """The equations ``outvars`` need, in order, and every variable they read."""
+    needed = {v for v in outvars if not isinstance(v, jcore.Literal)}
+    live = []
+    for eqn in reversed(eqns):
+        if any(v in needed for v in eqn.outvars) or eqn.effects:
+            live.append(eqn)
+            needed.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+    return live[::-1], needed
+
+
+def post_fn(stack: Stack) -> Callable:
+    """``post(flat_ins, scan_outs) -> [outputs]``; recomputes only what it needs from before
+    the stack, and reads only the inputs :func:`post_reads` flags (pass None for the rest)."""
+    jaxpr = stack.jaxpr.jaxpr
+    eqns = jaxpr.eqns[: stack.index] + jaxpr.eqns[stack.index + 1:]
+    live, _ = _live(eqns, jaxpr.outvars)
+
+    def post(flat_ins, scan_outs):
+        env = _start(stack, flat_ins)
+        for var, value in zip(stack.eqn.outvars, scan_outs, strict=True):
+            if not isinstance(var, jcore.DropVar):
+                env[var] = value
+        _replay(live, env)
+        return [_read(env, v) for v in jaxpr.outvars]
+
+    return post
+
+
+def post_reads(stack: Stack) -> tuple[list[bool], list[bool]]:
+    """Which flat inputs and which scan outputs the code after the stack reads."""
+    jaxpr = stack.jaxpr.jaxpr
+    eqns = jaxpr.eqns[: stack.index] + jaxpr.eqns[stack.index + 1:]
+    _, needed = _live(eqns, jaxpr.outvars)
+    return ([v in needed for v in jaxpr.invars],
+            [not isinstance(v, jcore.DropVar) and v in needed for v in stack.eqn.outvars])
+
+
+def stage_fn(stack: Stack) -> Callable:
+    """``stage(consts, carry, xs) -> carry``: the stack's body scanned over the layers of
+    ``xs`` (any leading length: a stage's share of the layers)."""
+    body = stack.eqn.params["jaxpr"]
+    n_carry = stack.num_carry
+
+    def stage(consts, carry, xs):
+        def layer(c, x):
+            env = dict(zip(body.jaxpr.constvars, body.consts, strict=True))
+            env.update(zip(body.jaxpr.invars, [*consts, *c, *x], strict=True))
+            _replay(body.jaxpr.eqns, env)
+            outs = [_read(env, v) for v in body.jaxpr.outvars]
+            return list(outs[:n_carry]), None
+
+        out, _ = lax.scan(layer, list(carry), list(xs))
+        return out
+
+    return stage
+
+
+def ys_used(stack: Stack) -> bool:
+    """Whether anything after the stack reads its stacked per-layer outputs."""
+    return any(post_reads(stack)[1][stack.num_carry:])
+
+
+def trace(fun: Callable, flat_args) -> jcore.ClosedJaxpr:
+    """``jax.make_jaxpr`` of ``fun`` over flat (possibly abstract) arguments."""
+    specs = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in flat_args]
+    return jax.make_jaxpr(fun)(*specs)

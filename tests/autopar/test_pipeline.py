@@ -1,0 +1,276 @@
+"""autopar.value_and_grad / grad / Pipeline: jax's outside a pipeline; inside a pipelining
+context, the scanned GPT's train step pipelined with GPipe and 1F1B computes what the
+single-device step computes, runs the schedule's tick count, and 1F1B holds less memory."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autopar
+from autopar._pipeline import pipelining
+from autopar.errors import ArgumentError, PipelineError
+from autopar.models import common, gpt
+
+CONFIG = gpt.Config(scan_layers=True, layers=4)   # gpt.TINY_SCAN with one layer per stage
+
+
+def _mesh(axes):
+    return jax.make_mesh(tuple(axes.values()), tuple(axes),
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+
+
+def _close(a, b):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(
+        np.asarray(x), np.asarray(y), rtol=2e-3, atol=2e-5), a, b)
+
+
+def _step(value_and_grad, loss_fn, tx):
+    def train_step(params, opt_state, batch):
+        loss, grads = value_and_grad(loss_fn)(params, batch)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_opt_state, loss, grads
+    return train_step
+
+
+def _pipelined(step, settings, mesh, schedule=None):
+    """Jit ``step`` traced inside the pipelining context; check the schedule it chose."""
+    def run(*args):
+        with pipelining(settings, mesh) as context:
+            compiled = jax.jit(step).lower(*args).compile()
+        assert context.calls == 1 and len(context.chosen) == 1
+        if schedule is not None:
+            assert context.chosen[0].schedule.value == schedule
+        return compiled
+    return run
+
+
+@pytest.fixture(scope="module")
+def gpt_case():
+    tx = common.make_optimizer()
+    _, args = gpt.make_train_step(CONFIG, tx=tx)
+    loss_fn = gpt._loss_fn(CONFIG)
+    expected = jax.jit(_step(jax.value_and_grad, loss_fn, tx))(*args)
+    return loss_fn, tx, args, expected
+
+
+# ----------------------------------------------------------------------------- outside
+
+
+def _loss(w, x, scale):
+    y = jnp.tanh(x @ w["a"]) @ w["b"] * scale
+    return jnp.mean(y ** 2), {"y_sum": y.sum()}
+
+
+def test_outside_a_pipeline_value_and_grad_is_jax_s():
+    w = {"a": jnp.full((4, 3), 0.3), "b": jnp.full((3, 2), -0.2)}
+    x = jnp.arange(32.0).reshape(8, 4) / 16
+    for argnums in (0, (0, 2)):
+        got = autopar.value_and_grad(_loss, argnums=argnums, has_aux=True)(w, x, 1.5)
+        want = jax.value_and_grad(_loss, argnums=argnums, has_aux=True)(w, x, 1.5)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        _close(got, want)
+    plain = lambda w, x: _loss(w, x, 2.0)[0]  # noqa: E731
+    _close(autopar.value_and_grad(plain)(w, x), jax.value_and_grad(plain)(w, x))
+    _close(autopar.grad(plain)(w, x), jax.grad(plain)(w, x))
+    _close(autopar.grad(_loss, has_aux=True)(w, x, 1.0), jax.grad(_loss, has_aux=True)(w, x, 1.0))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(schedule="pipedream"), "schedule='pipedream'.*1f1b"),
+    (dict(microbatches=0), "microbatches=0.*positive integer"),
+    (dict(stages=True), "stages=True"),
+    (dict(axis=""), "mesh axis name"),
+    (dict(schedule="1f1b", virtual_stages=2), "interleaved"),
+])
+def test_pipeline_settings_are_validated(kwargs, match):
+    with pytest.raises(ArgumentError, match=match):
+        autopar.Pipeline(**kwargs)
+
+
+def test_a_step_traced_outside_is_traced_again_inside_and_records_its_choice(gpt_case):
+    loss_fn, _, (params, _, batch), _ = gpt_case
+    step = jax.jit(autopar.value_and_grad(loss_fn))
+    assert "shard_map" not in str(jax.make_jaxpr(step)(params, batch))
+    with pipelining(autopar.Pipeline(), _mesh({"stage": 4, "data": 2})) as context:
+        inside = str(jax.make_jaxpr(step)(params, batch))
+    assert "shard_map" in inside and context.calls == 1
+    (choice,) = context.chosen
+    assert choice.schedule.value == "1f1b" and choice.microbatches == 4
+    assert choice.layer_ranges == ((0, 1), (1, 2), (2, 3), (3, 4))
+    assert choice.ticks == 10 and choice.bubble_fraction == pytest.approx(3 / 7)
+
+
+def test_pipeline_is_frozen_and_exported():
+    settings = autopar.Pipeline(schedule="gpipe", microbatches=4)
+    with pytest.raises(AttributeError):
+        settings.microbatches = 8
+    assert autopar.PipelineError is PipelineError and issubclass(PipelineError, ArgumentError)
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+@pytest.mark.parametrize("axes", [{"stage": 4, "data": 2}, {"stage": 2, "data": 2, "model": 2}])
+@pytest.mark.parametrize("schedule, microbatches", [("gpipe", 4), ("1f1b", None)])
+def test_pipelined_train_step_matches_one_device(gpt_case, axes, schedule, microbatches):
+    loss_fn, tx, args, expected = gpt_case
+    step = _step(autopar.value_and_grad, loss_fn, tx)
+    settings = autopar.Pipeline(schedule=schedule, microbatches=microbatches)
+    got = _pipelined(step, settings, _mesh(axes), schedule)(*args)(*args)
+    _close(got, expected)
+
+
+# ----------------------------------------------------------------------------- compiled
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+    comps, current = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            current = comps.setdefault(head.group(1), [])
+        elif current is not None:
+            current.append(line)
+    return comps
+
+
+def _loops_with_permutes(hlo: str) -> list[int]:
+    """Trip counts of the while loops whose body holds a collective-permute."""
+    comps = _computations(hlo)
+    found = []
+    for line in hlo.splitlines():
+        loop = re.search(r"while\(.*body=%?([\w.\-]+)", line)
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+        if loop and trips and any("collective-permute" in x for x in comps[loop.group(1)]):
+            found.append(int(trips.group(1)))
+    return found
+
+
+ACTIVATIONS = gpt.Config(scan_layers=True, layers=4, seq=64, hidden=32, heads=2, batch=32,
+                         vocab=64)
+
+
+@functools.cache
+def _compiled(schedule):
+    """The value-and-grad of ACTIVATIONS's loss at 8 microbatches on (stage=4, data=2)."""
+    _, (params, _, batch) = gpt.make_train_step(ACTIVATIONS)
+    step = autopar.value_and_grad(gpt._loss_fn(ACTIVATIONS))
+    settings = autopar.Pipeline(schedule=schedule, microbatches=8)
+    return _pipelined(step, settings, _mesh({"stage": 4, "data": 2}))(params, batch)
+
+
+@pytest.mark.parametrize("schedule, loops", [("gpipe", [11, 11]), ("1f1b", [14])])
+def test_compiled_loop_runs_the_schedule_s_ticks(schedule, loops):
+    hlo = _compiled(schedule).as_text()
+    assert sorted(_loops_with_permutes(hlo)) == loops  # GPipe: forward and backward loops
+
+
+def test_1f1b_holds_less_than_gpipe_at_eight_microbatches():
+    temp = {s: _compiled(s).memory_analysis().temp_size_in_bytes
+            for s in ("gpipe", "1f1b")}
+    assert temp["1f1b"] < temp["gpipe"] / 2, temp
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _trace(config, settings, axes=None, loss_fn=None, has_aux=False):
+    _, (params, _, batch) = gpt.make_train_step(config)
+    loss_fn = loss_fn or gpt._loss_fn(config)
+    with pipelining(settings, _mesh(axes or {"stage": 4, "data": 2})):
+        jax.jit(lambda p, b: autopar.value_and_grad(loss_fn, has_aux=has_aux)(p, b)).lower(
+            params, batch)
+
+
+@pytest.mark.parametrize("config, settings, axes, match", [
+    (CONFIG, autopar.Pipeline(microbatches=3), None, "microbatches=3.*does not divide"),
+    (gpt.TINY_SCAN, autopar.Pipeline(), None, "2 layers.*4 stages"),
+    (CONFIG, autopar.Pipeline(axis="pipe"), None, "axis the mesh lacks"),
+    (CONFIG, autopar.Pipeline(stages=2), None, "stages=2"),
+    (gpt.TINY, autopar.Pipeline(), None, "nn.scan"),
+    (CONFIG, autopar.Pipeline(schedule="zb-h1"), None, "not emitted yet"),
+])
+def test_bad_pipelines_raise(config, settings, axes, match):
+    with pytest.raises(PipelineError, match=match):
+        _trace(config, settings, axes)
+
+
+def _weighted_loss(config):
+    """Cross entropy normalized by a count computed from the batch."""
+    model = gpt.GPT(config)
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["tokens"])
+        weights = (batch["targets"] > 3).astype(jnp.float32)
+        return common.cross_entropy(logits, batch["targets"], weights)
+
+    return loss_fn
+
+
+def test_a_loss_normalized_by_a_batch_count_is_refused_by_1f1b():
+    with pytest.raises(PipelineError, match="`max` mixes examples"):
+        _trace(CONFIG, autopar.Pipeline(schedule="1f1b"), loss_fn=_weighted_loss(CONFIG))
+
+
+def test_has_aux_is_refused_by_1f1b():
+    loss_fn = gpt._loss_fn(CONFIG)
+    with pytest.raises(PipelineError, match="has_aux"):
+        _trace(CONFIG, autopar.Pipeline(schedule="1f1b"), has_aux=True,
+               loss_fn=lambda p, b: (loss_fn(p, b), None))
+
+
+def test_a_loss_normalized_by_a_batch_count_is_exact_under_the_chosen_schedule():
+    """Left to autopar, the schedule falls back to GPipe (loss on the whole batch)."""
+    loss_fn = _weighted_loss(CONFIG)
+    tx = common.make_optimizer()
+    _, args = gpt.make_train_step(CONFIG, tx=tx)
+    expected = jax.jit(_step(jax.value_and_grad, loss_fn, tx))(*args)
+    step = _step(autopar.value_and_grad, loss_fn, tx)
+    got = _pipelined(step, autopar.Pipeline(), _mesh({"stage": 4, "data": 2}), "gpipe")(*args)(*args)
+    _close(got, expected)
+
+
+def _toy_loss(params, batch):
+    """A plain-jax stack: embedding, 8 scanned layers sharing one matrix (a scan constant),
+    and a float per-example target read after the stack."""
+    def layer(h, w):
+        return h + jnp.tanh(h @ w["kernel"] + w["bias"][None]) @ params["shared"], None
+
+    h, _ = jax.lax.scan(layer, batch["x"] @ params["embed"], params["layers"])
+    return jnp.mean((h @ params["head"] - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_plain_jax_stack_with_a_shared_weight(schedule):
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32) / 4  # noqa: E731
+    params = {"embed": normal(6, 16), "shared": normal(16, 16), "head": normal(16, 3),
+              "layers": {"kernel": normal(8, 16, 16), "bias": normal(8, 16)}}
+    batch = {"x": normal(16, 6), "y": normal(16, 3)}
+    expected = jax.value_and_grad(_toy_loss)(params, batch)
+    step = autopar.value_and_grad(_toy_loss)
+    settings = autopar.Pipeline(schedule=schedule, microbatches=8)
+    compiled = _pipelined(step, settings, _mesh({"stage": 4, "data": 2}), schedule)(params, batch)
+    _close(compiled(params, batch), expected)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_bfloat16_compute_pipelines(schedule):
+    """bf16 activations cross the region's all-reduces (summed in float32: a bf16 all-reduce
+    in a partly manual shard_map crashes XLA:CPU); results agree to bf16 accuracy."""
+    config = gpt.Config(scan_layers=True, layers=4, dtype=jnp.bfloat16)
+    _, (params, _, batch) = gpt.make_train_step(config)
+    loss_fn = gpt._loss_fn(config)
+    want_loss, want = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+    settings = autopar.Pipeline(schedule=schedule, microbatches=4)
+    compiled = _pipelined(autopar.value_and_grad(loss_fn), settings,
+                          _mesh({"stage": 4, "data": 2}), schedule)(params, batch)
+    loss, got = compiled(params, batch)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-3)
+    norm = lambda t: float(optax.global_norm(t))  # noqa: E731
+    assert norm(jax.tree.map(jnp.subtract, got, want)) < 0.02 * norm(want)

@@ -1,0 +1,137 @@
+"""The pipeline-stage pass: schedule figures, the layer-stack split, and the batch-axis
+analysis that proves microbatching exact (or names the op that breaks it)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from autopar.errors import PipelineError
+from autopar.passes.stages import batch_axes, split
+from autopar.passes.stages.batch_axes import BatchSum, Mode
+from autopar.passes.stages.schedules import (Schedule, bubble_fraction, in_flight, stash_slots,
+                                             ticks)
+
+G, F, I, Z = Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZB_H1
+
+
+@pytest.mark.parametrize("schedule, s, m, v, n_ticks, bubble", [
+    (G, 4, 8, 1, 11, 3 / 11),
+    (G, 1, 8, 1, 8, 0.0),
+    (F, 4, 8, 1, 14, 3 / 11),
+    (F, 2, 4, 1, 6, 1 / 5),
+    (I, 4, 8, 2, 19, 3 / 19),
+    (Z, 4, 8, 1, None, 3 / 24),
+])
+def test_schedule_table(schedule, s, m, v, n_ticks, bubble):
+    assert ticks(schedule, s, m, v) == n_ticks
+    assert bubble_fraction(schedule, s, m, v) == pytest.approx(bubble)
+
+
+@pytest.mark.parametrize("schedule, expected", [
+    (G, [8, 8, 8, 8]), (F, [4, 3, 2, 1]), (Z, [4, 3, 2, 1]), (I, [8, 8, 8, 8])])
+def test_in_flight_per_stage(schedule, expected):
+    assert [in_flight(schedule, 4, 8, s) for s in range(4)] == expected
+    assert stash_slots(4) == 7
+
+
+def _body_with(op):
+    """A per-layer function of an activation [B, D] using ``op``."""
+    def body(x):
+        return op(x)
+    return jax.make_jaxpr(body)(jnp.ones((8, 4)))
+
+
+@pytest.mark.parametrize("op", [
+    lambda x: jnp.tanh(x) * 2.0 + x.T.T,
+    lambda x: x @ jnp.ones((4, 4)),
+    lambda x: x - x.mean(axis=1, keepdims=True),
+    lambda x: jnp.cumsum(x, axis=1),
+    lambda x: jax.nn.gelu(x).reshape(8, 2, 2).reshape(8, 4),
+])
+def test_per_example_bodies_pass(op):
+    result = batch_axes.analyze(_body_with(op), [0], Mode.BODY, "the layers")
+    assert result.outputs == [0]
+
+
+@pytest.mark.parametrize("op, name", [
+    (lambda x: x - x.mean(axis=0, keepdims=True), "reduce_sum"),       # batch norm statistics
+    (lambda x: jnp.cumsum(x, axis=0), "cumsum"),
+    (lambda x: x @ (x.T @ x), "dot_general"),
+    (lambda x: x[::-1], "rev"),
+    (lambda x: x.reshape(4, 8).reshape(8, 4), "reshape"),
+])
+def test_mixing_bodies_name_the_op(op, name):
+    with pytest.raises(PipelineError, match=f"`{name}` mixes examples"):
+        batch_axes.analyze(_body_with(op), [0], Mode.BODY, "the layers")
+
+
+def _loss_states(loss):
+    jaxpr = jax.make_jaxpr(loss)(jnp.ones((8, 4)), jnp.ones((8, 4)))
+    return batch_axes.analyze(jaxpr, [0, 0], Mode.LOSS, "the loss").outputs[0]
+
+
+def test_mean_loss_is_one_batch_sum_scaled_by_the_count():
+    state = _loss_states(lambda y, t: jnp.mean((y - t) ** 2))
+    assert isinstance(state, BatchSum) and len(state.scales) == 1
+    assert state.scales[0][1] == pytest.approx(1 / 32)
+
+
+@pytest.mark.parametrize("loss", [
+    lambda y, t: jnp.sum(y * t) / jnp.sum(t),               # normalized by a batch count
+    lambda y, t: jnp.log(jnp.sum(y ** 2)),                  # not linear in the sum
+    lambda y, t: jnp.mean(y) + 1.0,                         # a batch-independent term
+    lambda y, t: jnp.mean((y - y.mean(axis=0, keepdims=True)) ** 2),       # batch statistics
+])
+def test_losses_that_are_not_sums_over_examples_raise(loss):
+    with pytest.raises(PipelineError, match="mixes examples"):
+        _loss_states(loss)
+
+
+def test_pre_mode_lets_examples_mix():
+    jaxpr = jax.make_jaxpr(lambda x: x - x.mean(axis=0, keepdims=True))(jnp.ones((8, 4)))
+    assert batch_axes.analyze(jaxpr, [0], Mode.PRE, "pre").outputs == [0]
+
+
+def _stacked_loss(w, x):
+    def layer(h, wi):
+        return jnp.tanh(h @ wi), None
+
+    h, _ = jax.lax.scan(layer, x @ w["embed"], w["layers"])
+    return jnp.mean(h ** 2)
+
+
+def test_split_finds_the_scan_over_parameters_and_replays_it():
+    w = {"embed": jnp.full((4, 6), 0.1), "layers": jnp.full((4, 6, 6), 0.05)}
+    x = jnp.arange(48.0).reshape(8, 6)[:, :4] / 10
+    flat, tree = jax.tree.flatten((w, x))
+    fun = lambda *leaves: [_stacked_loss(*jax.tree.unflatten(tree, leaves))]  # noqa: E731
+    closed = jax.make_jaxpr(fun)(*flat)
+    stack = split.find_stack(closed, [True, True, False])
+    assert stack.layers == 4 and stack.carry_shape == (8, 6)
+    ops = split.pre_fn(stack)(*flat)
+    out = split.stage_fn(stack)([], [ops[0]], ops[1:])
+    assert jnp.allclose(split.post_fn(stack)(flat, out)[0], _stacked_loss(w, x))
+
+
+def test_split_without_a_stack_says_to_scan_layers():
+    closed = jax.make_jaxpr(lambda w, x: [jnp.sum(x @ w)])(jnp.ones((4, 4)), jnp.ones((8, 4)))
+    with pytest.raises(PipelineError, match="nn.scan"):
+        split.find_stack(closed, [True, False])
+
+
+@pytest.mark.parametrize("op", [
+    lambda x: jax.lax.dynamic_update_slice(x, jnp.zeros((1, 4)), (2, 0)),   # overwrites example 2
+    lambda x: jax.lax.dynamic_slice(x, (1, 0), (8, 4)) * 0 + jax.lax.dynamic_slice(
+        x, (0, 0), (1, 4)),                                                  # reads example 0
+    lambda x: x.at[3].add(1.0),
+])
+def test_indexing_along_the_batch_axis_mixes(op):
+    with pytest.raises(PipelineError, match="mixes examples"):
+        batch_axes.analyze(_body_with(op), [0], Mode.BODY, "the layers")
+
+
+def test_indexing_other_axes_keeps_examples_apart():
+    def op(x):
+        x = jax.lax.dynamic_update_slice(x, jnp.zeros((8, 1)), (0, 2))
+        return jax.lax.dynamic_slice(x, (0, 1), (8, 3)).sum(axis=1, keepdims=True) + x
+    assert batch_axes.analyze(_body_with(op), [0], Mode.BODY, "the layers").outputs == [0]
