@@ -17,6 +17,7 @@ from autopar._check_memory import check_compiled_memory
 from autopar._gc import with_gc_paused
 from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar._multiprocess import process_0_plan
+from autopar import _pipeline
 from autopar._plan import Plan, in_sharding
 from autopar._sizes import parse_bytes
 from autopar.baselines import baseline_kinds, baseline_kwargs, baseline_shardings
@@ -133,7 +134,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
          time_limit_s: float = 60.0, tie_state: bool = True, axis_level_overrides=None,
          baseline_seeds: bool = True, remat: bool | str = True,
          check_memory: bool | None = None, verbose: bool | None = None,
-         _choice=None, _remat=None) -> Plan:
+         pipeline=None, _choice=None, _remat=None) -> Plan:
     """Plan how to run ``fn`` on ``mesh``.
 
     Args:
@@ -194,6 +195,11 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         ``memory_budget`` checks against the default budget.
       verbose: print progress to stderr: True always, False never, None (the default) once
         planning has taken 10 s.
+      pipeline: ``autopar.Pipeline(axis="stage", ...)`` cuts the step's scanned layers into
+        stages over that mesh axis (the step must compute its gradients with
+        ``autopar.value_and_grad`` or ``autopar.grad``); ``plan.pipeline`` says what was
+        chosen. None or "auto": no pipeline (the stage search that makes "auto" choose is not
+        built yet).
 
     Returns:
       A :class:`Plan`. In a multi-process run (``jax.distributed``) every process must call
@@ -218,7 +224,8 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                "out_shardings": out_shardings, "search": search,
                "logical_axis_rules": logical_axis_rules, "time_limit_s": time_limit_s,
                "tie_state": tie_state, "axis_level_overrides": axis_level_overrides,
-               "baseline_seeds": baseline_seeds, "remat": remat, "_choice": _choice,
+               "baseline_seeds": baseline_seeds, "remat": remat, "pipeline": pipeline,
+               "_choice": _choice,
                "_remat": _remat}
     progress = _progress(verbose)
     planned, failure = None, None
@@ -247,14 +254,15 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
 @with_gc_paused
 def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, mesh, hardware,
                in_shardings, out_shardings, search, logical_axis_rules, time_limit_s,
-               tie_state, axis_level_overrides, baseline_seeds, remat, progress, _choice,
-               _remat) -> Plan:
+               tie_state, axis_level_overrides, baseline_seeds, remat, pipeline, progress,
+               _choice, _remat) -> Plan:
     """:func:`plan` without the compiled memory check; ``target_bytes``: the budget to plan
     under when it is not ``memory_budget`` itself (lowered after a check)."""
     if target_bytes is None:
         target_bytes = memory_budget
     forced = _remat if _remat is not None else _remat_option(remat)
     jax_mesh = as_auto_mesh(mesh)
+    stages = _pipeline.requested(pipeline, jax_mesh)
     sizes = axis_sizes(jax_mesh)
     profile = get_profile(hardware)
     levels = axis_levels(jax_mesh, profile, axis_level_overrides)
@@ -291,7 +299,9 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
         memory_budget_bytes=(target_bytes if target_bytes is not None
                              else default_memory_budget_bytes(profile)),
         strict_budget=memory_budget is not None, remat=remat is True, progress=progress)
-    result = run_pipeline(traced_fn, example_args, options)
+    with _pipeline.planning(stages, jax_mesh) as context:
+        result = run_pipeline(traced_fn, example_args, options)
+    pipeline_record = _pipeline.record(context)
     graph, strats, choice = result.graph, result.strats, result.solution.choice
     comms = plan_collectives(graph, strats, choice, mesh_ctx)
     est = estimate(graph, strats, choice, mesh_ctx, comms)
@@ -322,7 +332,8 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
                 _paths(traced.in_tree), _paths(traced.out_tree), result.fallbacks, stats,
                 result.flat_fn, traced.in_tree, traced.out_tree, traced.in_avals,
                 (graph, strats, choice, comms),
-                compiler_options=compiler_options(graph, jax_mesh.devices.flat[0].platform))
+                compiler_options=compiler_options(graph, jax_mesh.devices.flat[0].platform),
+                pipeline=pipeline_record)
 
 
 class Parallelized:

@@ -10,6 +10,7 @@ _PRIVATE_PRIMITIVES = {
     "random_wrap_p": ("jax._src.prng", "jax._src.random.prng"),
     "random_unwrap_p": ("jax._src.prng", "jax._src.random.prng"),
     "custom_vjp_call_jaxpr_p": ("jax._src.custom_derivatives",),
+    "shard_map_p": ("jax._src.shard_map", "jax.experimental.shard_map"),
 }
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import jax
 
 from autopar._compat import trace_context_state
-from autopar.errors import ArgumentError
+from autopar.errors import ArgumentError, PipelineError
 from autopar.passes.stages.prepare import StageChoice, StageRequest
 from autopar.passes.stages.schedules import Schedule
 
@@ -114,3 +114,43 @@ def pipelining(settings: Pipeline, mesh: jax.sharding.Mesh) -> Iterator[Pipeline
 def active() -> PipelineContext | None:
     """The innermost active pipelining context, or None."""
     return _ACTIVE.get()
+
+
+def requested(pipeline, mesh: jax.sharding.Mesh) -> Pipeline | None:
+    """The pipeline ``plan(pipeline=...)`` asks for: None for ``None`` and ``"auto"`` (the stage
+    search that would choose one is not built yet, so "auto" does not pipeline), the
+    settings for an :class:`Pipeline` whose axis is on ``mesh``."""
+    if pipeline is None or pipeline == "auto":
+        return None
+    if not isinstance(pipeline, Pipeline):
+        raise ArgumentError(f"`pipeline` must be None, \"auto\" or an `autopar.Pipeline(...)`, "
+                            f"not {pipeline!r}")
+    if pipeline.axis not in mesh.axis_names:
+        raise PipelineError(f"`Pipeline(axis={pipeline.axis!r})`: the mesh has no such axis "
+                            f"(it has {', '.join(mesh.axis_names)}); name one of them, or add "
+                            f"a `{pipeline.axis}` axis to the mesh.")
+    return pipeline
+
+
+def planning(settings: Pipeline | None, mesh: jax.sharding.Mesh):
+    """The context ``plan()`` traces the step in: :func:`pipelining`, or nothing."""
+    return contextlib.nullcontext() if settings is None else pipelining(settings, mesh)
+
+
+def record(context: PipelineContext | None) -> dict | None:
+    """``plan.pipeline``: what the step's pipelined loss runs (None when it does not).
+    PipelineError when a pipeline was asked and the step never marked its loss."""
+    if context is None:
+        return None
+    if context.calls == 0:
+        raise PipelineError(
+            "`pipeline=` needs the loss marked: the step never called "
+            "`autopar.value_and_grad` or `autopar.grad`. Change `jax.value_and_grad(loss_fn)` "
+            "to `autopar.value_and_grad(loss_fn)` in the step (nothing else changes), or plan "
+            "with `pipeline=None`.")
+    chosen = context.chosen[0]
+    return {"axis": chosen.axis, "stages": chosen.stages,
+            "layer_ranges": [tuple(r) for r in chosen.layer_ranges],
+            "microbatches": chosen.microbatches, "schedule": chosen.schedule.value,
+            "virtual_stages": context.settings.virtual_stages or 1, "ticks": chosen.ticks,
+            "bubble_fraction": chosen.bubble_fraction}

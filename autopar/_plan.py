@@ -24,6 +24,14 @@ def _spec_to_json(pspec: PartitionSpec) -> list:
     return [list(e) if isinstance(e, tuple) else e for e in pspec]
 
 
+def _pipeline_from_json(record) -> dict | None:
+    if record is None:
+        return None
+    if not isinstance(record, dict):
+        raise TypeError(f"`pipeline` must be an object or null, not {type(record).__name__}")
+    return {**record, "layer_ranges": [tuple(r) for r in record.get("layer_ranges", ())]}
+
+
 def _spec_from_json(entries) -> PartitionSpec:
     return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in entries])
 
@@ -42,6 +50,9 @@ class Plan:
         estimate counts them.
       compiler_options: XLA options :meth:`jit` compiles the program with (on XLA:CPU, a
         rematerialized plan keeps its optimization barriers: ``passes.emit.compiler_options``).
+      pipeline: None when the plan does not pipeline; else what it runs: ``axis``,
+        ``stages``, ``layer_ranges`` ([first, last) layer per stage), ``microbatches``,
+        ``schedule``, ``virtual_stages``, ``ticks`` and the predicted ``bubble_fraction``.
       stats: planner statistics; ``stats["remat"]`` names the rematerialized layers and the
         policy when the plan needed rematerialization to fit its memory budget, else None;
         ``stats["source"]`` says where the plan came from ("ilp", "propagated" or "cached"),
@@ -63,6 +74,7 @@ class Plan:
     _details: Any = None   # (graph, strategies, choice, comms) for the report
     donate_argnums: tuple[int, ...] = ()
     compiler_options: dict = field(default_factory=dict)  # XLA options the program needs
+    pipeline: dict | None = None
 
     # ----- running
     def _require_program(self):
@@ -155,6 +167,7 @@ class Plan:
             "donate_argnums": list(self.donate_argnums),
             "fallbacks": self.fallbacks,
             "stats": self.stats,
+            "pipeline": self.pipeline,
         }, indent=1)
 
     @classmethod
@@ -172,7 +185,8 @@ class Plan:
                        [e["path"] for e in d["in_shardings"]],
                        [e["path"] for e in d["out_shardings"]],
                        d.get("fallbacks", {}), d.get("stats", {}),
-                       donate_argnums=tuple(d.get("donate_argnums", ())))
+                       donate_argnums=tuple(d.get("donate_argnums", ())),
+                       pipeline=_pipeline_from_json(d.get("pipeline")))
         except PlanFormatError:
             raise
         except (ValueError, KeyError, TypeError) as e:

@@ -39,6 +39,7 @@ def render_text(plan, baselines: dict | None = None) -> str:
         lines.append(f"  donated      argument(s) {', '.join(map(str, plan.donate_argnums))}: "
                      "their buffers are reused for the results")
     lines += _remat_lines(plan.stats.get("remat"))
+    lines += _pipeline_lines(plan.pipeline)
     checks = plan.stats.get("memory_checks")
     if checks:
         lines.append(f"  compiled     peak memory {_fmt_bytes(checks[-1]['compiled_bytes'])} "
@@ -83,6 +84,17 @@ def render_text(plan, baselines: dict | None = None) -> str:
                       f"constraints; solver {st.get('solver_status')}; times "
                       + ", ".join(f"{k} {v:.2f}s" for k, v in st.get("timings_s", {}).items())]
     return "\n".join(lines)
+
+
+def _pipeline_lines(pipeline: dict | None) -> list[str]:
+    if not pipeline:
+        return []
+    stages = ", ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}"
+                       for a, b in pipeline["layer_ranges"])
+    return ["", f"Pipeline over `{pipeline['axis']}`: {pipeline['stages']} stages (layers "
+                f"{stages}), {pipeline['schedule']}, {pipeline['microbatches']} microbatches, "
+                f"{pipeline['ticks']} ticks, predicted bubble {pipeline['bubble_fraction']:.1%}",
+            "  (the stages' compute is not in the step time above yet)"]
 
 
 def _remat_lines(remat: dict | None) -> list[str]:

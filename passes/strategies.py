@@ -221,6 +221,9 @@ def node_strategies(node: Node, graph: Graph, mesh: MeshContext) -> tuple[list[S
     in_shapes = tuple(shape for shape, _ in node.in_avals)
     out_shapes = tuple(graph.values[v].shape for v in node.outs)
     ctx = RuleContext(in_shapes, out_shapes)
+    info = op_info(node)
+    if info.manual_region:
+        return [_manual_region_strategy(node, graph)], False
     if node.kind is NodeKind.CONST:
         maps, fallback = [], False
     else:
@@ -231,7 +234,6 @@ def node_strategies(node: Node, graph: Graph, mesh: MeshContext) -> tuple[list[S
     dtype = graph.values[node.outs[0]].dtype if node.outs else None
     moved = sum(math.prod(s) * itemsize(d) for s, d in node.in_avals) + sum(
         graph.values[v].nbytes for v in node.outs)
-    info = op_info(node)
     combined = is_combined_reduction(node, graph)
     out = []
     for in_specs, out_specs, partial, finishes, split, pre in expand(maps, ctx, mesh):
@@ -250,6 +252,18 @@ def node_strategies(node: Node, graph: Graph, mesh: MeshContext) -> tuple[list[S
                             sum(s.time_s(mesh.levels) for s in steps), steps))
     assert out, f"no strategy for {node.prim}: replicate is always possible"
     return out, fallback
+
+
+def _manual_region_strategy(node: Node, graph: Graph) -> Strategy:
+    """The one strategy of a `jax.shard_map` region: operands and results in the specs its
+    ``in_specs``/``out_specs`` give over its manual axes, replicated over the others. Its
+    compute is not priced (the estimate leaves the region out)."""
+    ins = tuple(None if vid is None else Spec.from_partition_spec(pspec, len(shape))
+                for vid, pspec, (shape, _) in zip(node.ins, node.params["in_specs"],
+                                                  node.in_avals))
+    outs = tuple(Spec.from_partition_spec(pspec, graph.values[v].rank)
+                 for v, pspec in zip(node.outs, node.params["out_specs"]))
+    return Strategy(ins, outs, 0.0, 0.0, 0.0, ())
 
 
 def build_strategies(graph: Graph, mesh: MeshContext, keys: list[tuple] | None = None

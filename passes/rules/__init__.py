@@ -87,6 +87,8 @@ class OpInfo:
     contraction: bool = False         # a dot or convolution: runs at matmul efficiency
     gather_scatter: bool = False      # XLA partitions it by its operand's sharding
     pin_param: str | None = None      # the parameter holding the sharding it pins its result to
+    manual_region: bool = False       # a shard_map: its operands and results take the specs its
+                                      # in_specs/out_specs name, replicated over the other axes
     # (local operand shapes, **params) -> (M, N, K) of one device's matmul, for dots
     matmul_dims: Callable[..., tuple[int, int, int]] | None = None
 

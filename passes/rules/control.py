@@ -6,6 +6,7 @@ dimension whole. They cost nothing, and all but an input (which has no operand) 
 tensor in one layout.
 """
 
+from autopar._compat import primitive
 from autopar.passes.ir import NodeKind
 from autopar.passes.rules import DimMap, RuleContext, register
 
@@ -33,3 +34,10 @@ def scan_in(ctx: RuleContext, **_):
 @register(NodeKind.SCAN_OUT, free=True, same_tensor=True)
 def scan_out(ctx: RuleContext, **_):
     return [DimMap((d,), (d + 1,)) for d in range(len(ctx.in_shapes[0]))]
+
+
+@register(primitive("shard_map_p"), manual_region=True)
+def manual_region(ctx: RuleContext, **_):
+    """A `jax.shard_map` region (a pipeline's stages): one strategy, from its own specs
+    (``passes.strategies``), so no one-axis maps."""
+    return []

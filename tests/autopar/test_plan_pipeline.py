@@ -1,0 +1,80 @@
+"""`autopar.plan(..., pipeline=autopar.Pipeline(...))`: a train step that marks its loss with
+`autopar.value_and_grad` is planned with its scanned layers cut into stages, and the planned
+program computes what the single-device step computes."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import autopar
+from autopar.errors import ArgumentError, PipelineError
+from autopar.models import common, gpt
+
+CONFIG = gpt.Config(scan_layers=True, layers=4)
+
+
+def _step(value_and_grad, loss_fn, tx):
+    def train_step(params, opt_state, batch):
+        loss, grads = value_and_grad(loss_fn)(params, batch)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_opt_state, loss
+    return train_step
+
+
+@pytest.fixture(scope="module")
+def case():
+    tx = common.make_optimizer()
+    _, args = gpt.make_train_step(CONFIG, tx=tx)
+    loss_fn = gpt._loss_fn(CONFIG)
+    expected = jax.jit(_step(jax.value_and_grad, loss_fn, tx))(*args)
+    return _step(autopar.value_and_grad, loss_fn, tx), args, expected
+
+
+@pytest.mark.parametrize("mesh", [{"stage": 4, "data": 2}, {"stage": 2, "data": 2, "model": 2}],
+                         ids=["4x2", "2x2x2"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipelined_plan_computes_the_single_device_step(case, mesh, schedule):
+    step, args, expected = case
+    plan = autopar.plan(step, *args, mesh=mesh, hardware="h100",
+                        pipeline=autopar.Pipeline(axis="stage", schedule=schedule))
+    stages = mesh["stage"]
+    assert plan.pipeline["schedule"] == schedule and plan.pipeline["stages"] == stages
+    assert plan.pipeline["layer_ranges"] == [(s * 4 // stages, (s + 1) * 4 // stages)
+                                             for s in range(stages)]
+    got = plan.jit()(*args)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y),
+                                                         rtol=2e-3, atol=2e-5), got, expected)
+    # The stacked layer parameters live on their stage.
+    kernel = plan.in_shardings[0]["blocks"]["qkv"]["kernel"]
+    assert kernel.spec[0] == "stage"
+    # Saved with the plan, and shown in the report.
+    loaded = autopar.Plan.from_json(plan.to_json())
+    assert loaded.pipeline == plan.pipeline
+    assert f"Pipeline over `stage`: {stages} stages" in plan.report()
+
+
+def test_without_a_pipeline_the_marked_step_plans_as_before(case):
+    step, args, _ = case
+    for pipeline in (None, "auto"):
+        plan = autopar.plan(step, *args, mesh={"data": 8}, hardware="h100", pipeline=pipeline)
+        assert plan.pipeline is None
+        assert "Pipeline over" not in plan.report()
+
+
+def test_a_pipeline_of_an_unmarked_step_says_which_line_to_change(case):
+    _, args, _ = case
+    tx = common.make_optimizer()
+    step = _step(jax.value_and_grad, gpt._loss_fn(CONFIG), tx)
+    with pytest.raises(PipelineError, match=r"autopar\.value_and_grad"):
+        autopar.plan(step, *args, mesh={"stage": 4, "data": 2}, hardware="h100",
+                     pipeline=autopar.Pipeline(axis="stage"))
+
+
+def test_bad_pipeline_arguments_are_named(case):
+    step, args, _ = case
+    with pytest.raises(PipelineError, match="no such axis"):
+        autopar.plan(step, *args, mesh={"data": 8}, hardware="h100",
+                     pipeline=autopar.Pipeline(axis="stage"))
+    with pytest.raises(ArgumentError, match="`pipeline` must be"):
+        autopar.plan(step, *args, mesh={"data": 8}, hardware="h100", pipeline="gpipe")
