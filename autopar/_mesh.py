@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
+from autopar._compat import backends_initialized
 from autopar._meshspec import parse_mesh_spec
 from autopar.errors import MeshError
 
@@ -60,3 +62,20 @@ def on_explicit_axes(x) -> bool:
 
 def axis_sizes(mesh: Mesh) -> dict[str, int]:
     return dict(zip(mesh.axis_names, mesh.devices.shape))
+
+
+SIMULATE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def simulate_cpu_devices(n: int) -> bool:
+    """Ask XLA for ``n`` host (CPU) devices, to plan and run a mesh on one machine. Takes
+    effect only before jax creates its devices (the first ``jax.devices()`` or computation);
+    only the CPU platform is affected. Returns whether it took effect (False also when
+    ``XLA_FLAGS`` already sets a count, which is kept)."""
+    if n <= 0 or backends_initialized():
+        return False
+    flags = os.environ.get("XLA_FLAGS", "")
+    if SIMULATE_FLAG in flags:
+        return False
+    os.environ["XLA_FLAGS"] = f"{flags} {SIMULATE_FLAG}={n}".strip()
+    return True

@@ -10,19 +10,10 @@ import os
 import sys
 
 from autopar._compat import backends_initialized
+from autopar._mesh import simulate_cpu_devices
 from autopar._sizes import parse_bytes
 from autopar.errors import AutoparError, CLIError
 
-_SIMULATE_FLAG = "--xla_force_host_platform_device_count"
-
-
-def _simulate_devices(n: int) -> None:
-    """Ask XLA for n host (CPU) devices. Takes effect only before jax creates its devices."""
-    if backends_initialized():
-        return
-    flags = os.environ.get("XLA_FLAGS", "")
-    if _SIMULATE_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {_SIMULATE_FLAG}={n}".strip()
 
 
 def _say(msg: str) -> None:
@@ -50,7 +41,7 @@ def _real_hardware_hint(hardware: str) -> str:
 
 
 def cmd_demo(args) -> int:
-    _simulate_devices(8)
+    simulate_cpu_devices(8)
     import jax
     if not backends_initialized():  # simulated CPU devices, even on a GPU host
         jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
@@ -172,9 +163,9 @@ def cmd_report(args) -> int:
     from autopar._meshspec import parse_mesh_spec
     mesh = parse_mesh_spec(args.mesh)
     if args.simulate_devices:
-        _simulate_devices(args.simulate_devices)
+        simulate_cpu_devices(args.simulate_devices)
     elif "JAX_PLATFORMS" in os.environ and os.environ["JAX_PLATFORMS"] == "cpu":
-        _simulate_devices(math.prod(mesh.values()))
+        simulate_cpu_devices(math.prod(mesh.values()))
     import autopar
     from autopar.cost_model.hardware import get_profile
     get_profile(args.hardware)  # fail early on an unknown name
@@ -214,9 +205,9 @@ def cmd_profile(args) -> int:
     from autopar._meshspec import parse_mesh_spec
     mesh = parse_mesh_spec(args.mesh)
     if args.simulate_devices:
-        _simulate_devices(args.simulate_devices)
+        simulate_cpu_devices(args.simulate_devices)
     elif os.environ.get("JAX_PLATFORMS") == "cpu":
-        _simulate_devices(math.prod(mesh.values()))
+        simulate_cpu_devices(math.prod(mesh.values()))
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise CLIError(f"cannot write `{args.out}`: folder `{out_dir}` does not exist")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -48,13 +47,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 
 def simulate_devices(n: int) -> None:
-    """Ask XLA for ``n`` host (CPU) devices. Only the CPU platform is affected: on a TPU or
-    GPU host jax still runs on the accelerator. Must run before jax is imported."""
-    if n <= 0 or "jax" in sys.modules:
-        return
-    flags = os.environ.get("XLA_FLAGS", "")
-    if _SIMULATE_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {_SIMULATE_FLAG}={n}".strip()
+    """Ask XLA for ``n`` host (CPU) devices (``autopar.simulate_cpu_devices``). Only the CPU
+    platform is affected: on a TPU or GPU host jax still runs on the accelerator."""
+    import autopar
+    autopar.simulate_cpu_devices(n)
 
 
 def _fmt_s(t: float) -> str:

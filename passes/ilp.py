@@ -49,11 +49,11 @@ from autopar.passes.strategies import MeshContext, Strategy
 
 _US = 1e6
 # An edge whose two sides have more distinct spec pairs than this is priced axis by axis.
-MAX_EXACT_EDGE_PAIRS = 1024
+MAX_EXACT_EDGE_PAIRS = 625
 # A value read by several groups is priced once per target spec through indicator variables
 # of each reader's spec pair; a reader with more pairs than this is priced alone (more would
 # make the LP relaxation fractional and the solve many times slower).
-MAX_SHARED_VALUE_PAIRS = 144
+MAX_SHARED_VALUE_PAIRS = 64
 
 
 class IlpBuilder:
@@ -147,13 +147,20 @@ class IlpBuilder:
                             steps.setdefault(key, step)
                             xs_of.setdefault(key, {}).setdefault(g, set()).add(
                                 self.offset[g] + i)
+        # Keys made by the same variables (the reductions of copies of a layer, at other
+        # depths) share one y carrying their latencies together: the ILP's size does not
+        # grow with depth.
+        cost_of: dict[tuple, float] = {}
         for key, by_group in xs_of.items():
+            rows = tuple(sorted((g, tuple(sorted(xs))) for g, xs in by_group.items()))
+            cost_of[rows] = (cost_of.get(rows, 0.0)
+                             + combined_latency_s(steps[key], self.mesh.levels) * key[4] * _US)
+        for rows, cost in cost_of.items():
             y = self.new_vars(1, False)
-            self.latencies.append((y, sorted(set().union(*by_group.values()))))
-            self.cost[y] = combined_latency_s(steps[key], self.mesh.levels) * key[4] * _US
+            self.latencies.append((y, sorted({x for _, xs in rows for x in xs})))
+            self.cost[y] = cost
             # A group takes one strategy: y >= the sum of its variables that make the step.
-            self.rows += [({y: 1.0, **{x: -1.0 for x in sorted(xs)}}, 0.0, np.inf)
-                          for _, xs in sorted(by_group.items())]
+            self.rows += [({y: 1.0, **{x: -1.0 for x in xs}}, 0.0, np.inf) for _, xs in rows]
 
     def _edge_matrix(self, u, k, w, pos):
         """Classes of group(u) by u's out spec k, of group(w) by w's in spec pos, and R [us]."""

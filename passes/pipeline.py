@@ -345,7 +345,10 @@ def _ilp(state: _State) -> Solution:
                      memory_budget_bytes=o.memory_budget_bytes, warm=state.candidates.plans,
                      progress=o.progress)
     stats.update(ilp_edges_before=solution.edges_before, ilp_edges=solution.edges_after,
-                 memory_rows=solution.memory_rows, memory_budget_bytes=o.memory_budget_bytes)
+                 memory_rows=solution.memory_rows, memory_budget_bytes=o.memory_budget_bytes,
+                 # The ILP's own plan and its objective (with memory rows, penalties included):
+                 # candidates_step_s[ilp_plan] is the estimate's step time of the same plan.
+                 ilp_plan=solution.name, ilp_objective_s=solution.objective_us / 1e6)
     o.progress(f"ILP: {solution.num_variables} variables, {solution.num_constraints} "
                f"constraints, {solution.edges_after} edge classes "
                f"({solution.edges_before} edges); {solution.status.value} in "
