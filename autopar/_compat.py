@@ -61,3 +61,12 @@ def trace_context_state(name: str, doc: str):
         return make(name, None, doc, include_in_trace_context=True)
     except TypeError:  # the keyword changed
         return lambda value: contextlib.nullcontext()
+
+
+def scan_counts(params) -> tuple[int, int]:
+    """(constants, carries) among a scan equation's operands (the rest are the scanned-over
+    inputs): jax 0.10 names the counts, 0.12 lists each group's leaves (``ft_in``)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carries, _ = params["ft_in"].unpack()   # a jax flat tree of three groups
+    return len(consts), len(carries)

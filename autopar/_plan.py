@@ -33,6 +33,8 @@ def _pipeline_from_json(record) -> dict | None:
 
 
 def _spec_from_json(entries) -> PartitionSpec:
+    if not isinstance(entries, list):
+        raise TypeError(f"a spec must be a list of mesh axis entries, not {entries!r}")
     return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in entries])
 
 
@@ -175,6 +177,8 @@ class Plan:
         """A plan read back from :meth:`to_json`: shardings and estimates, no program."""
         try:
             d = json.loads(text)
+            if not isinstance(d, dict):
+                raise TypeError(f"the JSON holds a {type(d).__name__}, not an object")
             if d.get("format_version") != FORMAT_VERSION:
                 raise PlanFormatError(f"plan format version {d.get('format_version')!r} is not "
                                       f"{FORMAT_VERSION}: re-plan and save again")
@@ -189,7 +193,7 @@ class Plan:
                        pipeline=_pipeline_from_json(d.get("pipeline")))
         except PlanFormatError:
             raise
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise PlanFormatError(f"not a valid autopar plan JSON ({type(e).__name__}: {e}); "
                                   "write it with plan.save(path)") from None
 
@@ -200,10 +204,14 @@ class Plan:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
         try:
-            with open(path) as f:
-                return cls.from_json(f.read())
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
         except FileNotFoundError:
             raise PlanFormatError(f"no plan file at `{path}`") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanFormatError(f"cannot read a plan from `{path}` ({type(e).__name__}: {e}); "
+                                  "give the path of a file written by plan.save(path)") from None
+        return cls.from_json(text)
 
 
 def _placed(x, sharding):

@@ -93,6 +93,10 @@ def _measure_row(model, shape, hardware, dtype, plan_kwargs) -> dict:
     best = best_baseline(programs)
     ratio = (programs["autopar"]["step_time_s"] / programs[best]["step_time_s"]
              if best else None)
-    return {"planning_s": planning_s, "solver_status": plan.stats.get("solver_status"),
+    stats = plan.stats
+    ilp_plan_s = stats.get("candidates_step_s", {}).get(stats.get("ilp_plan"))
+    return {"planning_s": planning_s, "solver_status": stats.get("solver_status"),
+            "source": stats.get("source"), "ilp_objective_s": stats.get("ilp_objective_s"),
+            "ilp_plan_step_s": ilp_plan_s,
             "predicted_step_time_s": plan.estimate.step_time_s, "programs": programs,
             "best_baseline": best, "ratio": ratio, "devices": jax.device_count()}

@@ -15,12 +15,13 @@ def _ms(seconds: float) -> str:
 def summary_table(rows: list[dict]) -> str:
     """One line per (model, mesh): autopar beside the best baseline that fits in memory."""
     lines = [("| model | mesh | autopar ms | best baseline | its ms | ratio | autopar wire MiB "
-              "| autopar TFLOP/dev | autopar peak GiB | planning s | solver |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| autopar TFLOP/dev | autopar peak GiB | planning s | solver | plan from "
+              "| ILP objective / estimate |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['mesh']} | error: {r['error'][:80]} "
-                         "| | | | | | | | |")
+                         "| | | | | | | | | | |")
             continue
         ours = r["programs"]["autopar"]
         best = r["best_baseline"]
@@ -30,8 +31,17 @@ def summary_table(rows: list[dict]) -> str:
             f"| {r['model']} | {r['mesh']} | {_ms(ours['step_time_s'])} | {best or 'none fits'} "
             f"| {best_ms} | {ratio} | {ours['wire_bytes'] / MIB:.0f} "
             f"| {ours['flops'] / 1e12:.3f} | {ours['peak_memory_bytes'] / GIB:.2f} "
-            f"| {r['planning_s']:.1f} | {r['solver_status']} |")
+            f"| {r['planning_s']:.1f} | {r['solver_status']} | {r.get('source', '-')} "
+            f"| {_objective_ratio(r)} |")
     return "\n".join(lines)
+
+
+def _objective_ratio(row: dict) -> str:
+    """The ILP's objective over the estimate's step time of the ILP's own plan."""
+    objective, estimated = row.get("ilp_objective_s"), row.get("ilp_plan_step_s")
+    if not objective or not estimated:
+        return "-"
+    return f"{objective / estimated:.3f}"
 
 
 def detail_table(rows: list[dict]) -> str:
@@ -52,6 +62,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"program's compiled HLO (wire bytes of every collective, per-device flops); peak "
             f"memory as XLA compiled it for {meta['devices']} simulated CPU devices. "
             f"ratio = autopar / best baseline that fits in memory (lower is better). "
+            f"plan from: the ILP's own plan (ilp) or a propagated seed's (propagated); ILP "
+            f"objective / estimate: the ILP's objective over the estimate's step time of the "
+            f"ILP's own plan (1.000: the solver optimizes what the estimate predicts). "
             f"Ran {meta['duration_s']:.0f} s ({meta.get('rows_cpu_s', 0):.0f} CPU s) with "
             f"{meta['jobs']} worker(s) on {meta['cpus']} CPU core(s), jax {meta['jax']}, "
             f"{meta['date']}.\n\n")

@@ -21,6 +21,7 @@ from jax.extend import core as jcore
 from jax.extend.core import primitives as P
 from jax.sharding import NamedSharding
 
+from autopar._compat import scan_counts
 from autopar.cost_model.collectives import plan_redistribute
 from autopar.passes.ir import Graph
 from autopar.cost_model.spec import Spec
@@ -129,7 +130,7 @@ class Emitter:
     # ----- regions
     def emit_scan(self, eqn, invals, scope, i):
         p = eqn.params
-        body, nc, ncar = p["jaxpr"], p["num_consts"], p["num_carry"]
+        body, (nc, ncar) = p["jaxpr"], scan_counts(p)
         nodes = self.graph.region_nodes[scope + (i,)]
         body_scope = scope + (i,)
         consts = invals[:nc]

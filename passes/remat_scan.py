@@ -31,6 +31,8 @@ from jax.extend.core import primitives as P
 from jax.extend import source_info_util
 from jax.interpreters import partial_eval as pe
 
+from autopar._compat import scan_counts
+
 
 @dataclass(frozen=True)
 class ScanPair:
@@ -65,9 +67,9 @@ def scan_pairs(jaxpr, owner: dict, start: int) -> list[ScanPair]:
         if eqn.primitive is not P.scan_p:
             continue
         p = eqn.params
-        xs = eqn.invars[p["num_consts"] + p["num_carry"]:]
+        xs = eqn.invars[scan_counts(p)[0] + scan_counts(p)[1]:]
         layers = [owner[a] for a in xs if _is_var(a) and a in owner]
-        ys = eqn.outvars[p["num_carry"]:]
+        ys = eqn.outvars[scan_counts(p)[1]:]
         readers = {j for v in ys if _is_var(v) for j in uses.get(v, ()) if j >= start
                    and jaxpr.eqns[j].primitive is P.scan_p}
         if not layers or len(readers) != 1 or p["jaxpr"].jaxpr.effects:
@@ -75,8 +77,8 @@ def scan_pairs(jaxpr, owner: dict, start: int) -> list[ScanPair]:
         back = readers.pop()
         b = jaxpr.eqns[back].params
         b_ins = jaxpr.eqns[back].invars
-        b_xs = set(b_ins[b["num_consts"] + b["num_carry"]:])
-        b_rest = set(b_ins[:b["num_consts"] + b["num_carry"]])
+        b_xs = set(b_ins[scan_counts(b)[0] + scan_counts(b)[1]:])
+        b_rest = set(b_ins[:scan_counts(b)[0] + scan_counts(b)[1]])
         residuals = tuple(k for k, v in enumerate(ys)
                           if _is_var(v) and v in b_xs and v not in b_rest
                           and uses[v] == {back} and v not in results)
@@ -99,7 +101,7 @@ class _Recompute:
 def _recompute(jaxpr, pair: ScanPair, keep_dots: bool) -> _Recompute:
     eqn = jaxpr.eqns[pair.forward]
     body = eqn.params["jaxpr"]
-    inner, ncar = body.jaxpr, eqn.params["num_carry"]
+    inner, ncar = body.jaxpr, scan_counts(eqn.params)[1]
     wanted = [inner.outvars[ncar + k] for k in pair.residuals]
     eqns, dots = inner.eqns, []
     if keep_dots:  # the dots' results come from the forward scan instead of being recomputed
@@ -118,8 +120,8 @@ def saved_bytes(jaxpr, pair: ScanPair, keep_dots: bool) -> int:
     carries and dot results it keeps instead."""
     eqn = jaxpr.eqns[pair.forward]
     p = eqn.params
-    ys = eqn.outvars[p["num_carry"]:]
-    carries = eqn.invars[p["num_consts"]:p["num_consts"] + p["num_carry"]]
+    ys = eqn.outvars[scan_counts(p)[1]:]
+    carries = eqn.invars[scan_counts(p)[0]:scan_counts(p)[0] + scan_counts(p)[1]]
     kept = [a.aval for a in carries] + [v.aval for v in _recompute(jaxpr, pair, keep_dots).saved]
     return (sum(_nbytes(ys[k].aval) for k in pair.residuals)
             - p["length"] * sum(_nbytes(a) for a in kept))
@@ -176,7 +178,7 @@ def _forward(eqn, ins, pair: ScanPair, plan: _Recompute):
     returns its carries and the saved dot results stacked instead of the residuals, which
     come back as None (only the backward scan read them, and it no longer does)."""
     p = eqn.params
-    nc, ncar = p["num_consts"], p["num_carry"]
+    nc, ncar = scan_counts(p)[0], scan_counts(p)[1]
     consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
     n_ys = len(eqn.outvars) - ncar
     gone = set(pair.residuals)
@@ -198,9 +200,9 @@ def _backward(eqn, ins, f_eqn, pair: ScanPair, plan: _Recompute, kept: tuple):
     and its stacked carries, inputs and saved dot results) layer by layer."""
     f_consts, carries, f_xs, dots = kept
     p = eqn.params
-    nc, ncar = p["num_consts"], p["num_carry"]
+    nc, ncar = scan_counts(p)[0], scan_counts(p)[1]
     consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
-    f_ys = f_eqn.outvars[f_eqn.params["num_carry"]:]
+    f_ys = f_eqn.outvars[scan_counts(f_eqn.params)[1]:]
     # the backward scan's xs that are residuals: position -> index among the recomputed ones
     slot = {pos: r for pos, atom in enumerate(eqn.invars[nc + ncar:])
             for r, k in enumerate(pair.residuals) if atom is f_ys[k]}

@@ -19,7 +19,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.extend.core import primitives as P
 
-from autopar._compat import primitives
+from autopar._compat import primitives, scan_counts
 from autopar._mesh import on_explicit_axes
 from autopar.errors import ArgumentError
 from autopar.passes.ir import Graph, NodeKind
@@ -226,7 +226,7 @@ class _Tracer:
 
     def scan(self, eqn, scope, i, trip) -> None:
         p = eqn.params
-        body, n_consts, n_carry, length = p["jaxpr"], p["num_consts"], p["num_carry"], p["length"]
+        body, n_consts, n_carry, length = p["jaxpr"], scan_counts(p)[0], scan_counts(p)[1], p["length"]
         body_scope, body_trip = scope + (i,), trip * int(length)
         consts = eqn.invars[:n_consts]
         inits = eqn.invars[n_consts:n_consts + n_carry]

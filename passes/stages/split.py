@@ -21,6 +21,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
+from autopar._compat import scan_counts
 from autopar.errors import PipelineError
 
 MSG_NO_STACK = (
@@ -44,11 +45,11 @@ class Stack:
 
     @property
     def num_consts(self) -> int:
-        return self.eqn.params["num_consts"]
+        return scan_counts(self.eqn.params)[0]
 
     @property
     def num_carry(self) -> int:
-        return self.eqn.params["num_carry"]
+        return scan_counts(self.eqn.params)[1]
 
     @property
     def layers(self) -> int:
@@ -70,7 +71,7 @@ def find_stack(closed: jcore.ClosedJaxpr, is_param: list[bool]) -> Stack:
             from_params.update(eqn.outvars)
         if eqn.primitive.name != "scan":
             continue
-        first_x = eqn.params["num_consts"] + eqn.params["num_carry"]
+        first_x = scan_counts(eqn.params)[0] + scan_counts(eqn.params)[1]
         xs = [v for v in eqn.invars[first_x:] if not isinstance(v, jcore.Literal)]
         if not any(v in from_params for v in xs) or eqn.params["reverse"]:
             continue

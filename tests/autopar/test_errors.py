@@ -1,5 +1,7 @@
 """Bad input gets a clear AutoparError subclass that names the problem and the fix."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -123,3 +125,21 @@ def test_bad_plan_json():
         autopar.Plan.from_json('{"format_version": 99}')
     with pytest.raises(PlanFormatError, match="no plan file"):
         autopar.Plan.load("/nonexistent/plan.json")
+
+
+@pytest.mark.parametrize("text", ["null", "[]", "3", '"plan"'])
+def test_plan_json_that_is_no_object_is_a_plan_format_error(text):
+    with pytest.raises(PlanFormatError, match="not a valid autopar plan"):
+        autopar.Plan.from_json(text)
+
+
+def test_plan_file_that_is_not_text_or_a_spec_that_is_a_string(tmp_path):
+    binary = tmp_path / "plan.bin"
+    binary.write_bytes(b"\xff\xfe\x00\x81")
+    with pytest.raises(PlanFormatError, match="cannot read a plan"):
+        autopar.Plan.load(binary)
+    plan = autopar.plan(lambda x: x * 2, jnp.ones((8, 8)), mesh={"data": 8}, hardware="cpu")
+    record = json.loads(plan.to_json())
+    record["in_shardings"][0]["spec"] = "data"
+    with pytest.raises(PlanFormatError, match="a spec must be a list"):
+        autopar.Plan.from_json(json.dumps(record))

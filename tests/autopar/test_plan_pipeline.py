@@ -4,22 +4,12 @@ program computes what the single-device step computes."""
 
 import jax
 import numpy as np
-import optax
 import pytest
 
 import autopar
 from autopar.errors import ArgumentError, PipelineError
 from autopar.models import common, gpt
-
-CONFIG = gpt.Config(scan_layers=True, layers=4)
-
-
-def _step(value_and_grad, loss_fn, tx):
-    def train_step(params, opt_state, batch):
-        loss, grads = value_and_grad(loss_fn)(params, batch)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), new_opt_state, loss
-    return train_step
+from tests.autopar.test_pipeline import CONFIG, _step
 
 
 @pytest.fixture(scope="module")

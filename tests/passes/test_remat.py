@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.extend import core as jcore
 
+from autopar._compat import scan_counts
 from autopar.cost_model.hlo import analyze
 from autopar.passes.liveness import consumers, last_uses, materialized, memory_timeline
 from autopar.models import gpt, llama_nnx
@@ -110,7 +111,7 @@ def _scans(traced):
 def _stacks_read_backward(traced) -> int:
     """Bytes of the forward scan's stacked results that the backward scan reads."""
     forward, backward = _scans(traced)
-    ys = set(forward.outvars[forward.params["num_carry"]:])
+    ys = set(forward.outvars[scan_counts(forward.params)[1]:])
     return sum(a.aval.size * a.aval.dtype.itemsize for a in set(backward.invars) & ys)
 
 
