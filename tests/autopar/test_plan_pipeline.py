@@ -9,15 +9,12 @@ import pytest
 import autopar
 from autopar.errors import ArgumentError, PipelineError
 from autopar.models import common, gpt
-from tests.autopar.test_pipeline import CONFIG, _step
+from tests.autopar.test_pipeline import CONFIG, _step, gpt_case  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
-def case():
-    tx = common.make_optimizer()
-    _, args = gpt.make_train_step(CONFIG, tx=tx)
-    loss_fn = gpt._loss_fn(CONFIG)
-    expected = jax.jit(_step(jax.value_and_grad, loss_fn, tx))(*args)
+def case(gpt_case):
+    loss_fn, tx, args, expected = gpt_case
     return _step(autopar.value_and_grad, loss_fn, tx), args, expected
 
 
