@@ -177,32 +177,17 @@ class IlpBuilder:
             self._edge_cache[key] = self.mesh.reshard_time_s(a, b, value) * _US
         return self._edge_cache[key] * trip
 
-    def edges(self):
-        """[((u, k, w, pos), count)]: one edge per class of structurally identical edges
-        (between the same two groups, from and to nodes of the same colors)."""
-        group_of, color = self.groups.group_of, self.groups.color
-        out: dict = {}
-        for w_node in self.g.nodes:
-            for pos, vid in enumerate(w_node.ins):
-                if vid is None:
-                    continue
-                u, k = self.g.producer[vid]
-                w = w_node.id
-                key = ((u, w) if color is None else
-                       (group_of[u], group_of[w], color[u], color[w]), k, pos)
-                rep, count = out.get(key, ((u, k, w, pos), 0))
-                out[key] = (rep, count + 1)
-        return list(out.values())
-
     def edge_counts(self) -> tuple[int, int]:
-        """(graph edges, edge classes priced)."""
-        return sum(c for _, c in self.edge_classes), len(self.edge_classes)
+        """(graph edges, edges priced: each class of values' distinct readers)."""
+        return self._edge_counts
 
     def add_edges(self) -> None:
         """Resharding costs, one value at a time: a value moved into one spec for several
         consumers is charged once (XLA computes the move once), as the estimate charges it."""
-        self.edge_classes = self.edges()
-        for (u, k), readers, count in self.value_classes():
+        classes = self.value_classes()
+        self._edge_counts = (sum(len(w.ins) - w.ins.count(None) for w in self.g.nodes),
+                             sum(len(readers) for _, readers, _ in classes))
+        for (u, k), readers, count in classes:
             if len(readers) == 1:
                 self._add_edge(u, k, *readers[0], count)
             else:
@@ -290,13 +275,13 @@ class IlpBuilder:
                 out.setdefault(pair, {})[self.offset[gu] + i] = 1.0
             return out
         src_classes, dst_classes = list(dict.fromkeys(src)), list(dict.fromkeys(dst))
-        if len(src_classes) == 1 or len(dst_classes) == 1:
+        if len(src_classes) == 1:  # the pair follows w's choice alone
+            for j, b in enumerate(dst):
+                out.setdefault((src[0], b), {})[self.offset[gw] + j] = 1.0
+            return out
+        if len(dst_classes) == 1:  # ... or u's alone
             for i, a in enumerate(src):
-                for j, b in enumerate(dst):
-                    if len(src_classes) == 1:
-                        out.setdefault((a, b), {})[self.offset[gw] + j] = 1.0
-                    elif j == 0:
-                        out.setdefault((a, b), {})[self.offset[gu] + i] = 1.0
+                out.setdefault((a, dst[0]), {})[self.offset[gu] + i] = 1.0
             return out
         if len(src_classes) * len(dst_classes) > MAX_SHARED_VALUE_PAIRS:
             return None
