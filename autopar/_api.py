@@ -17,11 +17,11 @@ from autopar._check_memory import check_compiled_memory
 from autopar._gc import with_gc_paused
 from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar._multiprocess import process_0_plan
-from autopar import _pipeline
+from autopar import _pipeline, _stage_plan
 from autopar._plan import Plan, in_sharding
 from autopar._sizes import parse_bytes
 from autopar.baselines import baseline_kinds, baseline_kwargs, baseline_shardings
-from autopar.errors import ArgumentError, InfeasiblePlanError
+from autopar.errors import ArgumentError, InfeasiblePlanError, PipelineError
 from autopar.passes.estimate import estimate, plan_collectives
 from autopar.cost_model.hardware import axis_levels, get_profile
 from autopar.passes.annotate import flatten_hints, to_spec
@@ -260,6 +260,14 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
     under when it is not ``memory_budget`` itself (lowered after a check)."""
     if target_bytes is None:
         target_bytes = memory_budget
+    if pipeline == "auto" and _choice is None:
+        return _plan_auto(fn, example_args, memory_budget, target_bytes, progress=progress,
+                          mesh=mesh, hardware=hardware, in_shardings=in_shardings,
+                          out_shardings=out_shardings, search=search,
+                          logical_axis_rules=logical_axis_rules, time_limit_s=time_limit_s,
+                          tie_state=tie_state, axis_level_overrides=axis_level_overrides,
+                          baseline_seeds=baseline_seeds, remat=remat, _choice=_choice,
+                          _remat=_remat)
     forced = _remat if _remat is not None else _remat_option(remat)
     jax_mesh = as_auto_mesh(mesh)
     stages = _pipeline.requested(pipeline, jax_mesh)
@@ -299,12 +307,16 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
         memory_budget_bytes=(target_bytes if target_bytes is not None
                              else default_memory_budget_bytes(profile)),
         strict_budget=memory_budget is not None, remat=remat is True, progress=progress)
-    with _pipeline.planning(stages, jax_mesh) as context:
+    plan_layer = None if stages in (None, _pipeline.MARK) else _stage_plan.layer_planner(
+        jax_mesh, stages.axis, profile, axis_level_overrides, plan)
+    with _pipeline.planning(stages, jax_mesh, plan_layer,
+                            _activation_budget(example_args, jax_mesh, options)) as context:
         result = run_pipeline(traced_fn, example_args, options)
-    pipeline_record = _pipeline.record(context)
     graph, strats, choice = result.graph, result.strats, result.solution.choice
     comms = plan_collectives(graph, strats, choice, mesh_ctx)
-    est = estimate(graph, strats, choice, mesh_ctx, comms)
+    est = _pipeline.with_stages(estimate(graph, strats, choice, mesh_ctx, comms), context)
+    pipeline_record = _pipeline.record(context, est)
+    marked = _pipeline.marked(context)
     if not search and target_bytes is not None and est.peak_memory_bytes > target_bytes:
         raise InfeasiblePlanError(
             f"with search=False the propagated plan peaks at {est.peak_memory_bytes / 2**20:.1f} "
@@ -326,7 +338,8 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
              "ilp_variables": sol.num_variables, "ilp_constraints": sol.num_constraints,
              "solver_status": sol.name, "source": sol.source.value,
              "timings_s": result.timings_s, **result.ilp_stats,
-             "remat": result.remat.to_dict() if result.remat else None}
+             "remat": result.remat.to_dict() if result.remat else None,
+             "loss_marked": marked}
     return Plan(jax_mesh, shardings(graph.input_nodes, traced.in_tree, "in"),
                 shardings(graph.output_nodes, traced.out_tree, "out"), est, profile.name,
                 _paths(traced.in_tree), _paths(traced.out_tree), result.fallbacks, stats,
@@ -334,6 +347,45 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
                 (graph, strats, choice, comms),
                 compiler_options=compiler_options(graph, jax_mesh.devices.flat[0].platform),
                 pipeline=pipeline_record)
+
+
+def _plan_auto(fn, example_args, memory_budget, target_bytes, *, progress, **options) -> Plan:
+    """``pipeline="auto"``: the plan that does not pipeline and, when the step marks its loss
+    (``autopar.value_and_grad``), a pipelined plan over each candidate axis
+    (``_pipeline.candidate_axes``: the slow ones, or all when nothing else fits); the fastest
+    that fits the memory budget is kept. ``plan.stats["pipeline_search"]`` gives each
+    candidate's predicted step time, or why it cannot pipeline."""
+    def planned(pipeline):
+        return _plan_once(fn, example_args, memory_budget, target_bytes, progress=progress,
+                          pipeline=pipeline, **options)
+
+    base = planned(_pipeline.MARK)
+    if not base.stats["loss_marked"]:
+        return base
+    jax_mesh = as_auto_mesh(options["mesh"])
+    profile = get_profile(options["hardware"])
+    budget = target_bytes if target_bytes is not None else default_memory_budget_bytes(profile)
+    levels = axis_levels(jax_mesh, profile, options["axis_level_overrides"])
+    fits = lambda p: p.estimate.peak_memory_bytes <= budget  # noqa: E731
+    tried, plans = {"none": base.estimate.step_time_s}, [base]
+    for axis in _pipeline.candidate_axes(jax_mesh, levels, fits(base)):
+        progress(f"pipeline search: stages over {axis!r}")
+        try:
+            plans.append(planned(_pipeline.Pipeline(axis=axis)))
+            tried[axis] = plans[-1].estimate.step_time_s
+        except PipelineError as e:
+            tried[axis] = f"{type(e).__name__}: {e}"
+    best = min(plans, key=lambda p: (not fits(p), p.estimate.step_time_s))
+    best.stats["pipeline_search"] = tried
+    return best
+
+
+def _activation_budget(example_args, mesh, options: PlanOptions) -> float:
+    """Per-device bytes a pipeline's activations may take: the memory budget less the step's
+    arguments and as much again for their new values, spread over the mesh."""
+    held = sum(int(np.prod(np.shape(a))) * np.dtype(a.dtype).itemsize
+               for a in jax.tree.leaves(example_args) if hasattr(a, "dtype"))
+    return max(options.memory_budget_bytes - 2 * held / mesh.devices.size, 0.0)
 
 
 class Parallelized:

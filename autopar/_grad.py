@@ -45,6 +45,8 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
         if context is None:
             return plain(*args, **kwargs)
         context.calls += 1
+        if context.settings is None:   # only marking: plan() asks whether the step can pipeline
+            return plain(*args, **kwargs)
         if holomorphic or allow_int:
             raise ArgumentError("`holomorphic` and `allow_int` are not supported by a pipelined "
                                 "`autopar.value_and_grad`; leave them False.")
@@ -82,8 +84,8 @@ def _pipelined(fun: Callable, args: tuple, argnums, has_aux: bool, context) -> C
         out_tree[:] = [treedef]
         return out_leaves
 
-    prep = prepare.prepare(flat_fun, flat, is_param, context.settings.request(), context.mesh,
-                           has_aux)
+    prep = prepare.prepare(flat_fun, flat, is_param, context.request(), context.mesh, has_aux,
+                           context.plan_layer)
     context.chosen.append(prep.choice())
     run = emit.pipelined(prep, context.mesh)
 

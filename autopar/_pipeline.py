@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import jax
 
 from autopar._compat import trace_context_state
 from autopar.errors import ArgumentError, PipelineError
+from autopar.passes.estimate import Estimate
 from autopar.passes.stages.prepare import StageChoice, StageRequest
 from autopar.passes.stages.schedules import Schedule
 
@@ -78,10 +80,17 @@ class PipelineContext:
     ``autopar.value_and_grad`` / ``autopar.grad`` ran inside it (``calls``), and what each
     pipelined call chose (``chosen``)."""
 
-    settings: Pipeline
+    settings: Pipeline | None                 # None: only count the marked calls
     mesh: jax.sharding.Mesh
+    plan_layer: Callable | None = None         # the stage search's layer planner
+    activation_budget_bytes: float | None = None
     calls: int = 0
     chosen: list[StageChoice] = field(default_factory=list)
+
+    def request(self) -> StageRequest:
+        """What the stage pass is asked."""
+        return dataclasses.replace(self.settings.request(),
+                                   activation_budget_bytes=self.activation_budget_bytes)
 
 
 _ACTIVE: contextvars.ContextVar[PipelineContext | None] = contextvars.ContextVar(
@@ -96,13 +105,19 @@ _TRACE_KEY = trace_context_state(
 
 
 @contextlib.contextmanager
-def pipelining(settings: Pipeline, mesh: jax.sharding.Mesh) -> Iterator[PipelineContext]:
+def pipelining(settings: Pipeline, mesh: jax.sharding.Mesh, plan_layer: Callable | None = None,
+               activation_budget_bytes: float | None = None) -> Iterator[PipelineContext]:
     """Within this block, ``autopar.value_and_grad`` and ``autopar.grad`` pipeline their loss
-    over ``mesh`` as ``settings`` ask. Yields the :class:`PipelineContext` (read ``calls``)."""
-    if not isinstance(settings, Pipeline):
+    over ``mesh`` as ``settings`` ask. Yields the :class:`PipelineContext` (read ``calls``).
+    ``plan_layer`` (``autopar._stage_plan.layer_planner``): plan and price each stage over the
+    other mesh axes and let the stage search choose what ``settings`` leave open; without
+    it, stages run replicated over the other axes."""
+    if not isinstance(settings, Pipeline) and settings is not MARK:
         raise ArgumentError(f"`pipelining(settings=...)` takes an `autopar.Pipeline`, not "
                             f"{type(settings).__name__}.")
-    context = PipelineContext(settings=settings, mesh=mesh)
+    context = PipelineContext(settings=None if settings is MARK else settings, mesh=mesh,
+                              plan_layer=plan_layer,
+                              activation_budget_bytes=activation_budget_bytes)
     token = _ACTIVE.set(context)
     try:
         with _TRACE_KEY(context):
@@ -116,12 +131,19 @@ def active() -> PipelineContext | None:
     return _ACTIVE.get()
 
 
-def requested(pipeline, mesh: jax.sharding.Mesh) -> Pipeline | None:
-    """The pipeline ``plan(pipeline=...)`` asks for: None for ``None`` and ``"auto"`` (the stage
-    search that would choose one is not built yet, so "auto" does not pipeline), the
-    settings for an :class:`Pipeline` whose axis is on ``mesh``."""
+#: ``plan(pipeline=MARK)`` (internal): trace without pipelining, counting the calls of
+#: ``autopar.value_and_grad`` (does the step mark its loss?).
+MARK = "mark"
+
+
+def requested(pipeline, mesh: jax.sharding.Mesh):
+    """The pipeline ``plan(pipeline=...)`` asks for: None for ``None`` and ``"auto"`` (which
+    ``plan`` resolves by planning each candidate), :data:`MARK`, or the settings of an
+    :class:`Pipeline` whose axis is on ``mesh``."""
     if pipeline is None or pipeline == "auto":
         return None
+    if pipeline == MARK:
+        return MARK
     if not isinstance(pipeline, Pipeline):
         raise ArgumentError(f"`pipeline` must be None, \"auto\" or an `autopar.Pipeline(...)`, "
                             f"not {pipeline!r}")
@@ -132,15 +154,49 @@ def requested(pipeline, mesh: jax.sharding.Mesh) -> Pipeline | None:
     return pipeline
 
 
-def planning(settings: Pipeline | None, mesh: jax.sharding.Mesh):
+def planning(settings: Pipeline | None, mesh: jax.sharding.Mesh, plan_layer=None,
+             activation_budget_bytes=None):
     """The context ``plan()`` traces the step in: :func:`pipelining`, or nothing."""
-    return contextlib.nullcontext() if settings is None else pipelining(settings, mesh)
+    if settings is None:
+        return contextlib.nullcontext()
+    return pipelining(settings, mesh, plan_layer, activation_budget_bytes)
 
 
-def record(context: PipelineContext | None) -> dict | None:
-    """``plan.pipeline``: what the step's pipelined loss runs (None when it does not).
-    PipelineError when a pipeline was asked and the step never marked its loss."""
+def marked(context: PipelineContext | None) -> bool:
+    """Whether the step traced in ``context`` called ``autopar.value_and_grad``/``grad``."""
+    return context is not None and context.calls > 0
+
+
+def candidate_axes(mesh: jax.sharding.Mesh, levels: dict, fits: bool) -> list[str]:
+    """The mesh axes ``pipeline="auto"`` tries to pipeline over: those on a slower link than
+    the mesh's fastest (across nodes or slices); every axis of two or more devices when the
+    plan that does not pipeline does not ``fit``."""
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    axes = [a for a in mesh.axis_names if sizes[a] > 1]
+    if not fits:
+        return axes
+    fastest = max(levels[a].bandwidth_bytes_per_s for a in axes) if axes else 0.0
+    return [a for a in axes if levels[a].bandwidth_bytes_per_s < fastest]
+
+
+def with_stages(est: Estimate, context: PipelineContext | None) -> Estimate:
+    """``est`` (which prices each pipeline region as free) with the pipelined stacks' priced
+    time in its compute time and their activations in its peak."""
     if context is None:
+        return est
+    priced = [c for c in context.chosen if c.predicted_time_s is not None]
+    time_s = sum(c.predicted_time_s for c in priced)
+    held = sum(c.activation_bytes for c in priced)
+    return dataclasses.replace(est, step_time_s=est.step_time_s + time_s,
+                               compute_time_s=est.compute_time_s + time_s,
+                               peak_memory_bytes=est.peak_memory_bytes + held)
+
+
+def record(context: PipelineContext | None, est: Estimate) -> dict | None:
+    """``plan.pipeline``: what the step's pipelined loss runs (None when it does not), with
+    the per-stage peak ``est`` predicts. PipelineError when a pipeline was asked and the step
+    never marked its loss."""
+    if context is None or context.settings is None:
         return None
     if context.calls == 0:
         raise PipelineError(
@@ -153,4 +209,14 @@ def record(context: PipelineContext | None) -> dict | None:
             "layer_ranges": [tuple(r) for r in chosen.layer_ranges],
             "microbatches": chosen.microbatches, "schedule": chosen.schedule.value,
             "virtual_stages": context.settings.virtual_stages or 1, "ticks": chosen.ticks,
-            "bubble_fraction": chosen.bubble_fraction}
+            "bubble_fraction": chosen.bubble_fraction,
+            "predicted_time_s": chosen.predicted_time_s,
+            "stage_peak_bytes": [est.peak_memory_bytes] * chosen.stages,
+            "inner": None if chosen.inner is None else _inner_record(chosen.inner)}
+
+
+def _inner_record(inner) -> dict:
+    def text(spec):
+        return None if spec is None else str(tuple(spec))
+    return {"consts": [text(s) for s in inner.consts], "carry": text(inner.carry),
+            "layer": [text(s) for s in inner.xs]}

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
+from jax.extend import core as jcore
 
 from autopar.errors import ShardingHintError
 from autopar.cost_model.collectives import CommStep, plan_redistribute, reduce_step, ring_steps
@@ -256,14 +257,44 @@ def node_strategies(node: Node, graph: Graph, mesh: MeshContext) -> tuple[list[S
 
 def _manual_region_strategy(node: Node, graph: Graph) -> Strategy:
     """The one strategy of a `jax.shard_map` region: operands and results in the specs its
-    ``in_specs``/``out_specs`` give over its manual axes, replicated over the others. Its
-    compute is not priced (the estimate leaves the region out)."""
-    ins = tuple(None if vid is None else Spec.from_partition_spec(pspec, len(shape))
-                for vid, pspec, (shape, _) in zip(node.ins, node.params["in_specs"],
-                                                  node.in_avals))
-    outs = tuple(Spec.from_partition_spec(pspec, graph.values[v].rank)
-                 for v, pspec in zip(node.outs, node.params["out_specs"]))
+    ``in_specs``/``out_specs`` give over its manual axes and, over the others, in the spec
+    its body holds them in on entry or exit (a sharding constraint applied to the operand
+    itself, or producing the result: what a pipeline stage's plan asks), else replicated.
+    Its compute is not priced here (a pipeline's is added to the estimate by its caller)."""
+    entry, exit_ = _body_constraints(node.params["jaxpr"])
+    ins = tuple(None if vid is None else _merged(pspec, entry.get(i), len(shape))
+                for i, (vid, pspec, (shape, _)) in enumerate(zip(node.ins, node.params["in_specs"],
+                                                                node.in_avals)))
+    outs = tuple(_merged(pspec, exit_.get(i), graph.values[v].rank)
+                 for i, (v, pspec) in enumerate(zip(node.outs, node.params["out_specs"])))
     return Strategy(ins, outs, 0.0, 0.0, 0.0, ())
+
+
+def _body_constraints(body) -> tuple[dict[int, object], dict[int, object]]:
+    """(operand index -> the PartitionSpec a sharding constraint on it gives, result index ->
+    the one of the constraint producing it) in a region's body."""
+    jaxpr = getattr(body, "jaxpr", body)
+    ins = {v: i for i, v in enumerate(jaxpr.invars)}
+    outs = {v: i for i, v in enumerate(jaxpr.outvars) if not isinstance(v, jcore.Literal)}
+    entry, exit_ = {}, {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name != "sharding_constraint":
+            continue
+        spec = getattr(eqn.params["sharding"], "spec", None)
+        if eqn.invars[0] in ins:
+            entry.setdefault(ins[eqn.invars[0]], spec)
+        if eqn.outvars[0] in outs:
+            exit_[outs[eqn.outvars[0]]] = spec
+    return entry, exit_
+
+
+def _merged(manual, auto, rank: int) -> Spec:
+    """The spec of manual ``PartitionSpec`` ``manual`` with ``auto``'s axes after it per dim."""
+    a = Spec.from_partition_spec(manual, rank)
+    if auto is None:
+        return a
+    b = Spec.from_partition_spec(auto, rank)
+    return Spec(tuple(x + y for x, y in zip(a.dims, b.dims, strict=True)))
 
 
 def build_strategies(graph: Graph, mesh: MeshContext, keys: list[tuple] | None = None

@@ -65,9 +65,37 @@ def _varying_as(tree, dtypes, axis):
     return jax.tree.map(lambda a, d: lax.pcast(a, axis, to="varying").astype(d), tree, dtypes)
 
 
+def _constrain(a, spec):
+    """``a`` held in ``spec``, a ``PartitionSpec`` over the automatic mesh axes (None: left to
+    propagation)."""
+    return a if spec is None else lax.with_sharding_constraint(a, spec)
+
+
+def _lead(spec):
+    """``spec`` behind one unsharded leading axis (microbatches, or a stage's layers)."""
+    return None if spec is None else P(None, *spec)
+
+
+def _inner(prep: Prepared):
+    """``(consts, mbs, xs) -> same``, held in the stage plan's specs (identity without one)."""
+    inner = prep.inner
+    if inner is None:
+        return lambda consts, mbs, xs: (consts, mbs, xs)
+    return lambda consts, mbs, xs: (
+        [_constrain(c, sp) for c, sp in zip(consts, inner.consts, strict=True)],
+        _constrain(mbs, _lead(inner.carry)),
+        [_constrain(x, _lead(sp)) for x, sp in zip(xs, inner.xs, strict=True)])
+
+
 def _stage(prep: Prepared) -> Callable:
     stage = split.stage_fn(prep.micro)
-    return lambda consts, x, xs: stage(consts, [x], xs)[0]
+    carry = None if prep.inner is None else prep.inner.carry
+
+    def run(consts, x, xs):
+        y = stage(consts, [_constrain(x, carry)], xs)[0]
+        return _constrain(y, carry)
+
+    return run
 
 
 def _operands(prep: Prepared, ops):
@@ -89,8 +117,11 @@ def _gpipe_stack(prep: Prepared, mesh, consts, carry, xs):
 
     dtypes = ([c.dtype for c in consts], carry.dtype)
 
+    held = _inner(prep)
+
     def body(consts, mbs, xs):
         s = lax.axis_index(axis)
+        consts, mbs, xs = held(consts, mbs, xs)
         consts, mbs = _varying_as((consts, mbs), dtypes, axis)
 
         def tick(state, t):
@@ -171,7 +202,10 @@ def _one_f_one_b_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
     other_ins = [a for a, k in zip(flat, kinds, strict=True) if k == "other"]
     tick = _one_f_one_b_tick(prep, kinds, rows)
 
+    held = _inner(prep)
+
     def body(consts, mbs, xs, float_ins, other_ins):
+        consts, mbs, xs = held(consts, mbs, xs)
         consts, float_ins = _varying((consts, float_ins), axis)
         act = _varying(jnp.zeros(mbs.shape[1:], mbs.dtype), axis)
         zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # noqa: E731
@@ -186,8 +220,9 @@ def _one_f_one_b_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
         end, _ = lax.scan(lambda c, t: (tick(fixed, c, t), None), start, jnp.arange(n_ticks))
         w = prep.loss_weight
         total = lambda t: _psum(t, axis)  # noqa: E731
+        d_consts, d_mbs, d_xs = held(total(end["d_consts"]), total(end["d_mbs"]), end["d_xs"])
         return (total(end["loss"]) * w, jax.tree.map(lambda a: a * w, total(end["d_post"])),
-                total(end["d_consts"]), total(end["d_mbs"]), end["d_xs"])
+                d_consts, d_mbs, d_xs)
 
     mbs = carry.reshape(n_micro, rows, *carry.shape[1:])
     out = jax.shard_map(

@@ -16,9 +16,12 @@ import jax
 import numpy as np
 
 from autopar.errors import PipelineError
-from autopar.passes.stages import batch_axes, split
+from autopar.passes.stages import batch_axes, search, split
 from autopar.passes.stages.batch_axes import BatchSum, Mode
 from autopar.passes.stages.schedules import EMITTED, Schedule, bubble_fraction, ticks
+
+#: How many microbatch counts the stage search prices (each plans one layer).
+MAX_MICROBATCH_OPTIONS = 4
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,18 @@ class StageRequest:
     stages: int | None = None
     microbatches: int | None = None
     schedule: Schedule | None = None
+    activation_budget_bytes: float | None = None  # per device, for the search's activations
+
+
+@dataclass(frozen=True)
+class Inner:
+    """How a stage's work is split over the mesh axes other than the stage axis: a
+    ``PartitionSpec`` (over those axes only) for each of the stack's constant operands, for one
+    microbatch's carried activation, and for one layer's slice of each stacked operand."""
+
+    consts: tuple
+    carry: object
+    xs: tuple
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,9 @@ class StageChoice:
     schedule: Schedule
     ticks: int
     bubble_fraction: float
+    predicted_time_s: float | None = None      # the pipelined stack (None: not priced)
+    activation_bytes: int | None = None        # kept per device at the fullest stage
+    inner: Inner | None = None
 
 
 @dataclass(frozen=True)
@@ -56,20 +74,34 @@ class Prepared:
     microbatches: int
     schedule: Schedule
     loss_weight: float           # loss = weight * sum of the microbatch traces' losses
+    priced: search.Priced | None = None  # None: chosen without pricing (no layer planner)
+
+    @property
+    def inner(self) -> Inner | None:
+        """The stage's specs over the other mesh axes (None: replicated over them)."""
+        return None if self.priced is None else self.priced.layer.inner
 
     def choice(self) -> StageChoice:
         per = self.full.layers // self.stages
+        priced = self.priced
         return StageChoice(
             axis=self.axis, stages=self.stages,
             layer_ranges=tuple((s * per, (s + 1) * per) for s in range(self.stages)),
             microbatches=self.microbatches, schedule=self.schedule,
             ticks=ticks(self.schedule, self.stages, self.microbatches),
-            bubble_fraction=bubble_fraction(self.schedule, self.stages, self.microbatches))
+            bubble_fraction=bubble_fraction(self.schedule, self.stages, self.microbatches),
+            predicted_time_s=None if priced is None else priced.time_s,
+            activation_bytes=None if priced is None else priced.activation_bytes,
+            inner=self.inner)
 
 
 def prepare(fun: Callable, flat_args, is_param: list[bool], request: StageRequest, mesh,
-            has_aux: bool) -> Prepared:
-    """Check ``fun`` (a function of ``flat_args``) and the request against ``mesh``."""
+            has_aux: bool,
+            plan_layer: Callable[[split.Stack], search.LayerPlan] | None = None) -> Prepared:
+    """Check ``fun`` (a function of ``flat_args``) and the request against ``mesh``, and
+    settle what the request left open: with ``plan_layer`` (one layer traced on one
+    microbatch -> its plan over the other mesh axes), by the stage search (:mod:`.search`);
+    without, the default microbatch count and 1f1b where it is exact."""
     if request.axis not in mesh.shape:
         raise PipelineError(
             f"`Pipeline(axis={request.axis!r})` names an axis the mesh lacks (its axes: "
@@ -89,11 +121,27 @@ def prepare(fun: Callable, flat_args, is_param: list[bool], request: StageReques
         raise PipelineError(
             f"the layer stack has {full.layers} layers, which {stages} stages (mesh axis "
             f"{request.axis!r}) do not divide; use a stage count that divides {full.layers}.")
-    micro_n = _microbatches(request.microbatches, batch, stages)
-    micro = _trace_micro(fun, flat_args, per_example, batch // micro_n, is_param, full)
-    schedule, weight = _schedule(request.schedule, full, micro, per_example, has_aux)
+    counts = ([_microbatches(request.microbatches, batch, stages)]
+              if request.microbatches is not None or plan_layer is None
+              else _microbatch_options(batch, stages))
+    options = []
+    for micro_n in counts:
+        micro = _trace_micro(fun, flat_args, per_example, batch // micro_n, is_param, full)
+        feasible = _feasible(request.schedule, full, micro, per_example, has_aux)
+        if plan_layer is None:   # no pricing: 1f1b where it is exact (it holds the least)
+            schedule, weight = feasible[-1]
+            return Prepared(full=full, micro=micro, per_example=per_example, axis=request.axis,
+                            stages=stages, microbatches=micro_n, schedule=schedule,
+                            loss_weight=weight)
+        layer = plan_layer(micro)
+        for schedule, weight in feasible:
+            priced = search.price(schedule, stages, micro_n, full.layers // stages, layer)
+            options.append((priced, micro, weight))
+    chosen = search.best([o[0] for o in options], request.activation_budget_bytes)
+    _, micro, weight = next(o for o in options if o[0] is chosen)
     return Prepared(full=full, micro=micro, per_example=per_example, axis=request.axis,
-                    stages=stages, microbatches=micro_n, schedule=schedule, loss_weight=weight)
+                    stages=stages, microbatches=chosen.microbatches, schedule=chosen.schedule,
+                    loss_weight=weight, priced=chosen)
 
 
 def _batch_size(stack: split.Stack) -> int:
@@ -144,6 +192,20 @@ def _default_microbatches(batch: int, stages: int) -> int:
     return next((d for d in fits if d >= 2 * stages), fits[-1])
 
 
+def _microbatch_options(batch: int, stages: int) -> list[int]:
+    """Microbatch counts the search prices: divisors of ``batch`` from ``stages`` up (fewer
+    leave stages idle) that leave at least two examples each, at most
+    :data:`MAX_MICROBATCH_OPTIONS` of them spread from the smallest to the largest."""
+    counts = [d for d in range(stages, batch + 1) if batch % d == 0 and batch // d >= 2]
+    if not counts:
+        return [_default_microbatches(batch, stages)]
+    if len(counts) <= MAX_MICROBATCH_OPTIONS:
+        return counts
+    picks = {counts[round(i * (len(counts) - 1) / (MAX_MICROBATCH_OPTIONS - 1))]
+             for i in range(MAX_MICROBATCH_OPTIONS)}
+    return sorted(picks)
+
+
 def _trace_micro(fun, flat_args, per_example, rows: int, is_param, full) -> split.Stack:
     specs = [jax.ShapeDtypeStruct((rows, *np.shape(a)[1:]) if p else np.shape(a), a.dtype)
              for a, p in zip(flat_args, per_example, strict=True)]
@@ -171,14 +233,15 @@ def _body_states(stack: split.Stack) -> list:
     return [None] * stack.num_consts + [0] + [None] * n_xs
 
 
-def _schedule(asked, full, micro, per_example, has_aux) -> tuple[Schedule, float]:
-    """The schedule and, for one that computes the loss per microbatch, the loss weight."""
+def _feasible(asked, full, micro, per_example, has_aux) -> list[tuple[Schedule, float]]:
+    """The schedules that can run this loss exactly (the one asked, else gpipe and, where
+    exact, 1f1b), each with the loss weight it runs under."""
     if asked is not None and asked not in EMITTED:
         raise PipelineError(
             f"`Pipeline(schedule={asked.value!r})` is not emitted yet; use "
             f"{' or '.join(repr(s.value) for s in sorted(EMITTED, key=lambda s: s.value))}.")
     if asked is Schedule.GPIPE:
-        return asked, 1.0
+        return [(asked, 1.0)]
     try:
         ops = full.eqn.invars[: full.num_consts] + full.eqn.invars[full.num_consts + 1:]
         if not all(jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact) for v in ops):
@@ -191,11 +254,12 @@ def _schedule(asked, full, micro, per_example, has_aux) -> tuple[Schedule, float
                 "`has_aux=True` with a schedule that computes the loss per microbatch (1f1b): "
                 "the auxiliary outputs cannot be combined across microbatches; use "
                 "`Pipeline(schedule=\"gpipe\")` or drop `has_aux`.")
-        return Schedule.ONE_F_ONE_B, _loss_weight(full, micro, per_example)
+        one_f_one_b = [(Schedule.ONE_F_ONE_B, _loss_weight(full, micro, per_example))]
     except PipelineError:
         if asked is None:
-            return Schedule.GPIPE, 1.0
+            return [(Schedule.GPIPE, 1.0)]
         raise
+    return one_f_one_b if asked is not None else [(Schedule.GPIPE, 1.0)] + one_f_one_b
 
 
 def _loss_weight(full, micro, per_example) -> float:

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from autopar.errors import PipelineError
-from autopar.passes.stages import batch_axes, split
+from autopar.passes.stages import batch_axes, search, split
 from autopar.passes.stages.batch_axes import BatchSum, Mode
 from autopar.passes.stages.schedules import (Schedule, bubble_fraction, in_flight, stash_slots,
                                              ticks)
@@ -135,3 +135,30 @@ def test_indexing_other_axes_keeps_examples_apart():
         x = jax.lax.dynamic_update_slice(x, jnp.zeros((8, 1)), (0, 2))
         return jax.lax.dynamic_slice(x, (0, 1), (8, 3)).sum(axis=1, keepdims=True) + x
     assert batch_axes.analyze(_body_with(op), [0], Mode.BODY, "the layers").outputs == [0]
+
+
+# ----------------------------------------------------------------------------- the search
+
+LAYER = search.LayerPlan(inner=None, time_s=1.0, kept_bytes=100, carry_bytes=10, hop_s=0.5)
+
+
+@pytest.mark.parametrize("schedule, s, m, l, time_s, held", [
+    # gpipe: (M + S - 1) ticks of (l t + 2 h); M l a held
+    (G, 4, 8, 2, 11 * (2 + 1), 8 * 2 * 100),
+    # 1f1b: (M + 2(S-1)) ticks of (l t (1 + 1/3) + 2 h); (2S - 1) c + l a held
+    (F, 4, 8, 2, 14 * (2 * 4 / 3 + 1), 7 * 10 + 2 * 100),
+    (F, 2, 4, 1, 6 * (4 / 3 + 1), 3 * 10 + 100),
+])
+def test_search_prices_each_schedule_by_its_emitted_loop(schedule, s, m, l, time_s, held):
+    priced = search.price(schedule, s, m, l, LAYER)
+    assert priced.time_s == pytest.approx(time_s)
+    assert priced.activation_bytes == held
+
+
+def test_search_keeps_the_fastest_that_fits_else_the_smallest():
+    options = [search.price(G, 4, 8, 2, LAYER), search.price(F, 4, 8, 2, LAYER)]
+    assert search.best(options, None).schedule is G           # gpipe is faster
+    assert search.best(options, 500).schedule is F            # only 1f1b fits
+    assert search.best(options, 10).schedule is F             # none fits: the smallest
+    with pytest.raises(ValueError, match="not emitted"):
+        search.price(Schedule.ZB_H1, 4, 8, 2, LAYER)

@@ -1,0 +1,80 @@
+"""The stage search: price each schedule and microbatch count from one layer's plan, and keep
+the fastest whose activations fit.
+
+Stages hold equal shares of a scanned stack of identical layers (the stack is sharded over
+the stage axis on its layer axis), so the boundaries are fixed by the stage count and the
+search runs over schedules and microbatch counts. Each microbatch count is priced from one
+layer planned over the other mesh axes (:class:`LayerPlan`, made by the caller): its forward
+and backward time, the bytes it keeps for its backward, and one hop of a microbatch's
+activation to the next stage. Times follow the emitted loops (:mod:`.emit`):
+
+==============  ==========================================  ================================
+schedule        time                                        activations held, per device
+==============  ==========================================  ================================
+gpipe           (M + S - 1) (l t + 2 h)                     M l a
+1f1b            (M + 2(S - 1)) (l t (1 + f) + 2 h)          (2S - 1) c + l a
+==============  ==========================================  ================================
+
+with l layers per stage, t one layer's forward and backward on a microbatch, h one hop, a
+its kept activations, c one microbatch's stage input, and f = 1/3 the forward the lockstep
+1F1B recomputes (its backward slot re-runs the stage from the stashed input).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.passes.stages.schedules import Schedule, stash_slots, ticks
+
+#: The share of a layer's forward-and-backward time its forward takes (a matmul's backward is
+#: two matmuls of the forward's size).
+FORWARD_SHARE = 1 / 3
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer on one microbatch, planned over the mesh axes other than the stage axis."""
+
+    inner: object            # prepare.Inner: the specs it chose (None: replicated)
+    time_s: float            # forward and backward
+    kept_bytes: int          # activations kept for the backward, per device
+    carry_bytes: int         # the microbatch's activation entering a stage, per device
+    hop_s: float             # one ppermute of that activation over the stage axis
+
+
+@dataclass(frozen=True)
+class Priced:
+    """One schedule at one microbatch count, priced."""
+
+    schedule: Schedule
+    microbatches: int
+    layer: LayerPlan
+    time_s: float
+    activation_bytes: int    # per device, at the stage holding the most
+
+
+def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: int,
+          layer: LayerPlan) -> Priced:
+    """``schedule`` with ``stages`` stages of ``layers_per_stage`` layers, priced."""
+    n = ticks(schedule, stages, microbatches)
+    stage_s = layers_per_stage * layer.time_s
+    if schedule is Schedule.GPIPE:
+        time_s = n * (stage_s + 2 * layer.hop_s)
+        held = microbatches * layers_per_stage * layer.kept_bytes
+    elif schedule is Schedule.ONE_F_ONE_B:
+        time_s = n * (stage_s * (1 + FORWARD_SHARE) + 2 * layer.hop_s)
+        held = stash_slots(stages) * layer.carry_bytes + layers_per_stage * layer.kept_bytes
+    else:
+        raise ValueError(f"{schedule} is not emitted")
+    return Priced(schedule=schedule, microbatches=microbatches, layer=layer, time_s=time_s,
+                  activation_bytes=int(held))
+
+
+def best(options: list[Priced], budget_bytes: float | None) -> Priced:
+    """The fastest option whose activations fit ``budget_bytes`` (None: no limit); the one
+    holding least when none fits."""
+    assert options, "no pipeline option to choose from"
+    fits = [o for o in options if budget_bytes is None or o.activation_bytes <= budget_bytes]
+    if not fits:
+        return min(options, key=lambda o: (o.activation_bytes, o.time_s))
+    return min(fits, key=lambda o: (o.time_s, o.activation_bytes))
