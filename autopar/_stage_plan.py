@@ -43,24 +43,37 @@ def _abstract(avals) -> list[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in avals]
 
 
-def _layer_step(micro: split.Stack) -> tuple[Callable, list, int]:
-    """``step(consts, x, xs, ct) -> (d_consts, dx, d_xs)``: one layer's forward and backward
-    on one microbatch (``xs``: one layer's slice), its abstract arguments, and the count of
-    consts."""
+def _layer(micro: split.Stack) -> tuple[Callable, list, int]:
+    """``layer(consts, x, xs) -> y``: one layer on one microbatch (``xs``: one layer's slice),
+    its abstract arguments, and the count of consts."""
     stage = split.stage_fn(micro)
     n = micro.num_consts
     avals = [v.aval for v in micro.eqn.invars]
     consts, carry, xs = avals[:n], avals[n], avals[n + 1:]
     layer_xs = [jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype) for a in xs]
 
+    def layer(c, x, xs):
+        return stage(c, [x], [a[None] for a in xs])[0]
+
+    return layer, [_abstract(consts), _abstract([carry])[0], layer_xs], n
+
+
+def _step(layer: Callable) -> Callable:
+    """``step(consts, x, xs, ct) -> (d_consts, dx, d_xs)``: the layer's forward and backward."""
     def step(consts, x, xs, ct):
-        def layer(c, x, xs):
-            return stage(c, [x], [a[None] for a in xs])[0]
         _, pull = jax.vjp(layer, consts, x, xs)
         return pull(ct)
+    return step
 
-    carry_struct = _abstract([carry])[0]
-    return step, [_abstract(consts), carry_struct, layer_xs, carry_struct], n
+
+def _kept_bytes(layer: Callable, args: list) -> int:
+    """Bytes of what the layer's forward keeps for its backward (its vjp's residuals), less its
+    own arguments (held anyway), over all devices."""
+    residuals = jax.eval_shape(lambda *a: jax.vjp(layer, *a)[1], *args)
+    total = sum(math.prod(r.shape) * np.dtype(r.dtype).itemsize
+                for r in jax.tree.leaves(residuals))
+    own = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(args))
+    return max(total - own, 0)
 
 
 def _per_device_bytes(struct, spec, sizes: dict[str, int]) -> int:
@@ -81,23 +94,21 @@ def layer_planner(mesh: Mesh, axis: str, profile, axis_level_overrides, plan: Ca
     sizes = dict(zip(inner_mesh.axis_names, inner_mesh.devices.shape, strict=True))
 
     def plan_layer(micro: split.Stack) -> LayerPlan:
-        step, args, n = _layer_step(micro)
-        planned = plan(step, *args, mesh=inner_mesh, hardware=profile,
+        layer, args, n = _layer(micro)
+        planned = plan(_step(layer), *args, args[1], mesh=inner_mesh, hardware=profile,
                             axis_level_overrides=overrides or None, pipeline=None,
                             remat=False, check_memory=False, verbose=False,
                             time_limit_s=LAYER_TIME_LIMIT_S)
         specs = [s.spec for s in jax.tree.leaves(planned.in_shardings)]
-        flat_args = jax.tree.leaves(args)
         inner = Inner(consts=tuple(specs[:n]), carry=specs[n],
                       xs=tuple(specs[n + 1:n + 1 + len(args[2])]))
         carry = _per_device_bytes(args[1], inner.carry, sizes)
-        held = sum(_per_device_bytes(a, s, sizes) for a, s in zip(flat_args, specs, strict=True))
-        # what the layer keeps for its backward: its peak less its arguments and their
-        # gradients (about as large)
-        kept = max(planned.estimate.peak_memory_bytes - 2 * held, carry)
+        # the kept activations split as the layer's work does: over every other device
+        kept = max(_kept_bytes(layer, args) // inner_mesh.devices.size, carry)
         return LayerPlan(inner=inner if inner_mesh.devices.size > 1 else None,
                          time_s=planned.estimate.step_time_s, kept_bytes=int(kept),
                          carry_bytes=carry,
-                         hop_s=level.latency_s + carry / level.bandwidth_bytes_per_s)
+                         hop_s=level.latency_s + carry / level.bandwidth_bytes_per_s,
+                         devices=inner_mesh.devices.size)
 
     return plan_layer

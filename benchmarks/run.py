@@ -3,6 +3,7 @@
     python -m benchmarks.run                                  # the sharding suite, every row
     python -m benchmarks.run --models gpt,moe --meshes 2x4 --hardware tpu-v5e
     python -m benchmarks.run --suite planning [its options]  # planning-time scaling
+    python -m benchmarks.run --suite pipeline [--cases two-node,one-node]
 
 The sharding suite compiles, for each example model at realistic widths and each mesh, autopar's
 plan and the hand-written baselines (data parallel, FSDP, Megatron TP+DP with and without a
@@ -32,9 +33,12 @@ _PLANNING_MODULE = "benchmarks.planning_time"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
-    p.add_argument("--suite", choices=("sharding", "planning"), default="sharding",
+    p.add_argument("--suite", choices=("sharding", "planning", "pipeline"), default="sharding",
                    help="sharding: autopar vs baselines from compiled HLO (default); planning: "
-                        "planning-time scaling (benchmarks/planning_time.py)")
+                        "planning-time scaling (benchmarks/planning_time.py); pipeline: a 26B "
+                        "GPT over two nodes and one (benchmarks/pipeline.py)")
+    p.add_argument("--cases", default="two-node,one-node",
+                   help="the pipeline suite's cases (default: two-node,one-node)")
     p.add_argument("--models", default=",".join(MODELS),
                    help=f"comma-separated subset of {','.join(MODELS)}")
     p.add_argument("--meshes", default=",".join(MESHES),
@@ -62,6 +66,27 @@ def _simulate(n: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if _SIMULATE_FLAG not in flags and "jax" not in sys.modules:
         os.environ["XLA_FLAGS"] = f"{flags} {_SIMULATE_FLAG}={n}".strip()
+
+
+def run_pipeline_suite(cases: list[str], hardware: str, out: str) -> int:
+    """The pipeline suite (``benchmarks/pipeline.py``): its table, written to
+    ``out/pipeline.md`` with every measure in ``out/pipeline.json``."""
+    import json
+    _simulate(16)
+    from benchmarks import pipeline
+    rows = []
+    for case in cases:
+        start = time.perf_counter()
+        rows.append(pipeline.run_case(case, hardware))
+        print(f"{case}: {time.perf_counter() - start:.0f} s", flush=True)
+    text = pipeline.table(rows)
+    print("\n" + text)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "pipeline.md"), "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+    with open(os.path.join(out, "pipeline.json"), "w", encoding="utf-8") as f:
+        json.dump(rows, f, indent=1, default=str)
+    return 0
 
 
 def run_planning_suite(rest: list[str]) -> int:
@@ -112,6 +137,12 @@ def main(argv=None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.suite == "planning":
         return run_planning_suite(rest)
+    if args.suite == "pipeline":
+        cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+        from benchmarks.pipeline import CASES
+        if rest or not set(cases) <= set(CASES):
+            parser.error(f"--suite pipeline takes --cases from {','.join(CASES)} and --hardware")
+        return run_pipeline_suite(cases, args.hardware, args.out)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     models = [m.strip() for m in args.models.split(",") if m.strip()]

@@ -11,13 +11,16 @@ activation to the next stage. Times follow the emitted loops (:mod:`.emit`):
 ==============  ==========================================  ================================
 schedule        time                                        activations held, per device
 ==============  ==========================================  ================================
-gpipe           (M + S - 1) (l t + 2 h)                     M l a
+gpipe           (M + S - 1) (l t + 2 h)                     M l a n
 1f1b            (M + 2(S - 1)) (l t (1 + f) + 2 h)          (2S - 1) c + l a
 ==============  ==========================================  ================================
 
 with l layers per stage, t one layer's forward and backward on a microbatch, h one hop, a
-its kept activations, c one microbatch's stage input, and f = 1/3 the forward the lockstep
-1F1B recomputes (its backward slot re-runs the stage from the stashed input).
+its kept activations, c one microbatch's stage input, f = 1/3 the forward the lockstep
+1F1B recomputes (its backward slot re-runs the stage from the stashed input), and n the
+devices of a stage: GPipe's backward is jax's autodiff through the region, whose residuals
+leave it replicated over the other mesh axes (the compiled 26B GPT of the pipeline benchmark
+holds 275 GiB of them per device at M = 4), so GPipe fits only where activations are small.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class LayerPlan:
     kept_bytes: int          # activations kept for the backward, per device
     carry_bytes: int         # the microbatch's activation entering a stage, per device
     hop_s: float             # one ppermute of that activation over the stage axis
+    devices: int = 1         # the devices of one stage (the other mesh axes)
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: 
     stage_s = layers_per_stage * layer.time_s
     if schedule is Schedule.GPIPE:
         time_s = n * (stage_s + 2 * layer.hop_s)
-        held = microbatches * layers_per_stage * layer.kept_bytes
+        held = microbatches * layers_per_stage * layer.kept_bytes * layer.devices
     elif schedule is Schedule.ONE_F_ONE_B:
         time_s = n * (stage_s * (1 + FORWARD_SHARE) + 2 * layer.hop_s)
         held = stash_slots(stages) * layer.carry_bytes + layers_per_stage * layer.kept_bytes

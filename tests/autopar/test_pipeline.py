@@ -10,11 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import autopar
 from autopar._pipeline import pipelining
 from autopar.errors import ArgumentError, PipelineError
 from autopar.models import common, gpt
+from autopar.passes.stages import search
+from autopar.passes.stages.prepare import Inner
 
 CONFIG = gpt.Config(scan_layers=True, layers=4)   # gpt.TINY_SCAN with one layer per stage
 
@@ -123,6 +126,34 @@ def test_pipelined_train_step_matches_one_device(gpt_case, axes, schedule, micro
     settings = autopar.Pipeline(schedule=schedule, microbatches=microbatches)
     got = _pipelined(step, settings, _mesh(axes), schedule)(*args)(*args)
     _close(got, expected)
+
+
+def _sharded_layer(micro):
+    """A stage plan (as ``autopar._stage_plan`` makes them) with every layer matrix split on
+    its last dim over ``model`` and the microbatch's rows over ``data``."""
+    n = micro.num_consts
+    xs = [v.aval.shape[1:] for v in micro.eqn.invars[n + 1:]]
+    inner = Inner(consts=(None,) * n, carry=P("data"),
+                  xs=tuple(P(*[None] * (len(s) - 1), "model") if len(s) >= 2 else None
+                           for s in xs))
+    return search.LayerPlan(inner=inner, time_s=1.0, kept_bytes=1, carry_bytes=1, hop_s=0.0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_stages_split_over_the_other_axes_as_their_layer_plan_says(gpt_case, schedule):
+    loss_fn, tx, args, expected = gpt_case
+    step = _step(autopar.value_and_grad, loss_fn, tx)
+    mesh = _mesh({"stage": 2, "data": 2, "model": 2})
+    settings = autopar.Pipeline(schedule=schedule, microbatches=4)
+    with pipelining(settings, mesh, plan_layer=_sharded_layer) as context:
+        compiled = jax.jit(step).lower(*args).compile()
+    assert context.chosen[0].inner.carry == P("data")
+    _close(compiled(*args), expected)
+    # the stage's matmuls run on a quarter of the work: rows over data, columns over model
+    hidden, rows = CONFIG.hidden, CONFIG.batch // 4 * CONFIG.seq
+    local = [m.groups() for m in re.finditer(r"= \w+\[(\d+),(\d+)\]\{[^}]*\} dot\(",
+                                             compiled.as_text())]
+    assert (str(rows // 2), str(3 * hidden // 2)) in local   # the qkv matmul
 
 
 # ----------------------------------------------------------------------------- compiled

@@ -1,0 +1,158 @@
+"""The pipeline suite: does ``pipeline="auto"`` pipeline where it pays, and beat the
+hand-written plans that do not?
+
+A scanned GPT of about 26B parameters (hidden 8192, 32 layers, bf16 compute) with a global
+batch of eight sequences of 1024 tokens, compiled from ``ShapeDtypeStruct`` arguments on
+simulated CPU devices, in two cases:
+
+* ``two-node``: ``{"node": 2, "gpu": 8}`` on the ``h100`` profile with ``node`` on InfiniBand
+  (16 devices);
+* ``one-node``: ``{"data": 2, "model": 4}`` (8 devices, all NVLink).
+
+Each case plans with ``pipeline="auto"`` and compiles that plan, the best plan that does not
+pipeline (``pipeline=None``) and the hand-written baselines (:func:`baseline_specs`). Every
+program is priced from its compiled HLO (``autopar._compare.measure``: flops at the matmul
+rate plus each collective on the link level its device groups cross). A pipelined row also
+gives the predicted bubble beside the schedule's formula and the predicted per-stage peak.
+
+    python -m benchmarks.run --suite pipeline [--cases two-node,one-node]
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import autopar
+from autopar import baselines
+from autopar._compare import measure
+from autopar.cost_model.hardware import get_profile
+from autopar.models import common, gpt
+from autopar.passes.stages.schedules import Schedule, bubble_fraction
+
+#: The model: about 26B parameters.
+CONFIG = gpt.Config(vocab=32768, seq=1024, hidden=8192, heads=64, layers=32, batch=8,
+                    dtype=jnp.bfloat16, scan_layers=True)
+
+#: name -> (mesh axes, axis_level_overrides)
+CASES = {
+    "two-node": ({"node": 2, "gpu": 8}, {"node": "infiniband"}),
+    "one-node": ({"data": 2, "model": 4}, None),
+}
+DEVICES = 16   # the suite's process simulates this many (the largest case)
+
+
+def train_step_and_args(config: gpt.Config = CONFIG):
+    """(train_step, abstract (params, opt_state, batch)); the step marks its loss with
+    ``autopar.value_and_grad``."""
+    tx = common.make_optimizer()
+    _, args = gpt.make_train_step(config, abstract=True, tx=tx)
+    loss_fn = gpt._loss_fn(config)
+
+    def train_step(params, opt_state, batch):
+        loss, grads = autopar.value_and_grad(loss_fn)(params, batch)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_opt_state, loss
+
+    return train_step, args
+
+
+def make_mesh(axes: dict[str, int]) -> Mesh:
+    n = int(np.prod(list(axes.values())))
+    return Mesh(np.array(jax.devices()[:n]).reshape(tuple(axes.values())), tuple(axes),
+                axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+
+
+def baseline_specs(args, mesh: Mesh) -> dict[str, tuple]:
+    """Hand-written plans that do not pipeline, as input PartitionSpecs: on a mesh with a
+    ``node`` axis, data parallel over nodes with FSDP or Megatron over ``gpu`` inside, and FSDP
+    over all devices; else :func:`autopar.baselines.baseline_kinds`' own."""
+    names = mesh.axis_names
+    if "node" not in names:
+        return {kind: baselines.baseline_shardings(kind, args, mesh,
+                                                   **baselines.baseline_kwargs(mesh, kind))
+                for kind in baselines.baseline_kinds(mesh, args)}
+    # eight sequences do not split 16 ways: the FSDP plans split the batch over nodes and
+    # each sequence's tokens over the GPUs of a node
+    tokens = jax.tree.map(lambda _: P("node", "gpu"), args[-1])
+    inside = baselines.baseline_shardings("fsdp", args, mesh, batch_axes=("gpu",))
+    every = baselines.baseline_shardings("fsdp", args, mesh, batch_axes=tuple(names))
+    return {
+        "dp(node)+fsdp(gpu)": (*inside[:-1], tokens),
+        "dp(node)+megatron(gpu)": baselines.baseline_shardings(
+            "megatron", args, mesh, batch_axes=("node",), model_axis="gpu"),
+        "fsdp(all)": (*every[:-1], tokens),
+    }
+
+
+def _compile_specs(fn, args, mesh, specs):
+    named = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                         is_leaf=lambda s: isinstance(s, P))
+    outs = (named[0], named[1], NamedSharding(mesh, P()))
+    return jax.jit(fn, in_shardings=named, out_shardings=outs).lower(*args).compile()
+
+
+def _row(name, compiled, profile) -> dict:
+    m = measure(name, compiled, profile, jnp.bfloat16)
+    return {"step_time_s": m.step_time_s, "wire_bytes": m.wire_bytes, "flops": m.flops,
+            "peak_memory_bytes": m.peak_memory_bytes, "fits": m.fits(profile)}
+
+
+def run_case(case: str, hardware: str = "h100", time_limit_s: float = 60.0) -> dict:
+    """Plan, compile and price one case (see the module docstring)."""
+    axes, overrides = CASES[case]
+    fn, args = train_step_and_args()
+    mesh = make_mesh(axes)
+    profile = get_profile(hardware)
+    kw = dict(mesh=mesh, hardware=profile, axis_level_overrides=overrides,
+              time_limit_s=time_limit_s, verbose=False)
+    start = time.perf_counter()
+    auto = autopar.plan(fn, *args, pipeline="auto", **kw)
+    planning_s = time.perf_counter() - start
+    programs = {"autopar": _row("autopar", auto.jit().lower(*args).compile(), profile)}
+    if auto.pipeline is not None:
+        flat = autopar.plan(fn, *args, pipeline=None, **kw)
+        programs["autopar (no pipeline)"] = _row("flat", flat.jit().lower(*args).compile(),
+                                                 profile)
+    for name, specs in baseline_specs(args, mesh).items():
+        programs[name] = _row(name, _compile_specs(fn, args, mesh, specs), profile)
+    row = {"case": case, "mesh": axes, "overrides": overrides, "planning_s": planning_s,
+           "predicted_step_s": auto.estimate.step_time_s, "pipeline": auto.pipeline,
+           "pipeline_search": auto.stats.get("pipeline_search"), "programs": programs}
+    if auto.pipeline is not None:
+        p = auto.pipeline
+        row["bubble_formula"] = bubble_fraction(Schedule(p["schedule"]), p["stages"],
+                                                p["microbatches"])
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    """A markdown table: each program's compiled step time and its ratio to autopar's."""
+    lines = ["| case | program | step (ms) | autopar / program | peak (GiB) | fits |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        mine = row["programs"]["autopar"]["step_time_s"]
+        for name, m in row["programs"].items():
+            lines.append(f"| {row['case']} | {name} | {m['step_time_s'] * 1e3:.1f} | "
+                         f"{mine / m['step_time_s']:.3f} | {m['peak_memory_bytes'] / 2**30:.1f} "
+                         f"| {'yes' if m['fits'] else 'no'} |")
+    lines.append("")
+    for row in rows:
+        p = row["pipeline"]
+        if p is None:
+            lines.append(f"- {row['case']}: no pipeline (candidates: {row['pipeline_search']});"
+                         f" planned in {row['planning_s']:.1f} s")
+            continue
+        lines.append(
+            f"- {row['case']}: pipeline over `{p['axis']}`: {p['stages']} stages, "
+            f"{p['microbatches']} microbatches, {p['schedule']}; predicted bubble "
+            f"{p['bubble_fraction']:.3f} (formula {row['bubble_formula']:.3f}); per-stage peak "
+            f"{', '.join(f'{b / 2**30:.1f}' for b in p['stage_peak_bytes'])} GiB predicted; "
+            f"planned in {row['planning_s']:.1f} s; search {row['pipeline_search']}")
+    return "\n".join(lines)
