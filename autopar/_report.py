@@ -91,10 +91,20 @@ def _pipeline_lines(pipeline: dict | None) -> list[str]:
         return []
     stages = ", ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}"
                        for a, b in pipeline["layer_ranges"])
-    return ["", f"Pipeline over `{pipeline['axis']}`: {pipeline['stages']} stages (layers "
-                f"{stages}), {pipeline['schedule']}, {pipeline['microbatches']} microbatches, "
-                f"{pipeline['ticks']} ticks, predicted bubble {pipeline['bubble_fraction']:.1%}",
-            "  (the stages' compute is not in the step time above yet)"]
+    lines = ["", f"Pipeline over `{pipeline['axis']}`: {pipeline['stages']} stages (layers "
+                 f"{stages}), {pipeline['schedule']}, {pipeline['microbatches']} microbatches, "
+                 f"{pipeline['ticks']} ticks, predicted bubble {pipeline['bubble_fraction']:.1%}"]
+    if pipeline.get("predicted_time_s") is not None:
+        peaks = ", ".join(f"{b / 2**30:.2f}" for b in pipeline["stage_peak_bytes"])
+        lines.append(f"  the pipelined layers take {pipeline['predicted_time_s'] * 1e3:.3f} ms of "
+                     f"the step; per-stage peak {peaks} GiB")
+    inner = pipeline.get("inner")
+    if inner is not None:
+        split = [s for s in inner["layer"] if s not in (None, "()")]
+        lines.append(f"  each stage splits {len(split)} of its {len(inner['layer'])} layer "
+                     f"parameters over the other axes; a microbatch's activation is "
+                     f"{inner['carry'] if inner['carry'] not in (None, '()') else 'replicated'}")
+    return lines
 
 
 def _remat_lines(remat: dict | None) -> list[str]:
