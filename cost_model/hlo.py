@@ -34,12 +34,13 @@ Reading the HLO text:
   returns its outputs; every other ``*-start`` returns a tuple whose second element is the
   output (``(in, out)``, ``((ins), out, ...)`` or ``(in, out, u32[], u32[])``). A generic
   ``async-start(...), calls=%c`` is counted through the plain collective inside ``%c``.
-* Replica groups: ``{{0,1},{2,3}}`` (size of a listed group), iota ``[2,4]<=[8]`` (second
+* Replica groups (read by ``cost_model.replica_groups``, which also lists each group's
+  partition ids): ``{{0,1},{2,3}}`` (size of a listed group), iota ``[2,4]<=[8]`` (second
   number), mesh axes ``mesh['a'=2,'b'=4] {'b'}`` (product of the named axis sizes; a
   sub-axis ``'b':(1)2`` counts its own size), and ``{}`` or none at all (every device:
   ``replica_count`` × ``num_partitions`` from the ``HloModule`` line). A collective-permute
   has ``source_target_pairs`` instead; its group size is the number of devices named there
-  and is not used for bytes.
+  and is not used for bytes; each pair is one of its groups.
 * Trip counts: a computation used as a ``while`` body runs ``known_trip_count`` times per
   execution of its caller (its condition one time more), nested loops multiply, and
   computations reached several ways add up. A loop without ``known_trip_count`` counts as 1
@@ -57,6 +58,8 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from autopar.cost_model.replica_groups import Groups, device_groups, group_size
 
 
 class CollectiveKind(enum.Enum):
@@ -93,6 +96,8 @@ class Collective:
     computation: str
     text: str  # the instruction line, for reports
     trip_count_known: bool = True  # False when an enclosing loop has no known trip count
+    # The groups of partition ids it runs within (cost_model.replica_groups); None: unknown.
+    groups: Groups | None = None
 
     @property
     def wire_bytes(self) -> float:
@@ -146,15 +151,8 @@ _CALLED = re.compile(
     r"|branch_computations|called_computations)=(?P<value>\{[^}]*\}|%?[\w.\-]+)"
 )
 _NAME = re.compile(r"%?([\w.\-]+)")
-_INTEGER = re.compile(r"\d+")
 _BITS_IN_DTYPE = re.compile(r"[fsu](?P<bits>\d+)")  # f32 -> 32, s8 -> 8, f8e4m3fn -> 8
 _KNOWN_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_GROUPS_LIST = re.compile(r"replica_groups=\{(?:\{(?P<first>[\d,\s]*)\})?")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[\d+,(?P<size>\d+)\]<=")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\][^{]*\{(?P<used>[^}]*)\}")
-_MESH_AXIS = re.compile(r"'?(?P<name>[\w.\-]+)'?=(?P<size>\d+)")
-_USED_AXIS = re.compile(r"'?(?P<name>[\w.\-]+)'?(?::\(\d+\)(?P<sub>\d+))?")
-_PAIRS = re.compile(r"source_target_pairs=\{(?P<pairs>[\d,{}\s]*)\}")
 _REPLICA_COUNT = re.compile(r"^HloModule .*\breplica_count=(\d+)", re.MULTILINE)
 _NUM_PARTITIONS = re.compile(r"^HloModule .*\bnum_partitions=(\d+)", re.MULTILINE)
 
@@ -241,22 +239,6 @@ def _output_type(opcode: str, result_type: str) -> str:
     return result_type
 
 
-def _group_size(line: str, num_devices: int) -> int:
-    """Devices per replica group of a collective instruction line."""
-    if pairs := _PAIRS.search(line):
-        return len(set(_INTEGER.findall(pairs["pairs"])))
-    if mesh := _GROUPS_MESH.search(line):
-        sizes = {m["name"]: int(m["size"]) for m in _MESH_AXIS.finditer(mesh["axes"])}
-        used = _USED_AXIS.finditer(mesh["used"])
-        return math.prod(int(u["sub"]) if u["sub"] else sizes[u["name"]] for u in used)
-    if iota := _GROUPS_IOTA.search(line):
-        return int(iota["size"])
-    listed = _GROUPS_LIST.search(line)
-    if listed and listed["first"] is not None:
-        return len(_INTEGER.findall(listed["first"]))
-    return num_devices
-
-
 def _calls(instruction: _Instruction):
     """(callee, executions per execution of the caller, known) for each computation called."""
     if instruction.opcode in ("async-done", "async-update"):
@@ -303,17 +285,17 @@ def parse_collectives(hlo_text: str, num_devices: int) -> tuple[Collective, ...]
         kind = _KINDS.get(instruction.opcode.removesuffix("-start"))
         if kind is None:
             continue
-        n = _group_size(instruction.line, num_devices)
+        n = group_size(instruction.line, num_devices)
         out_bytes = shape_bytes(_output_type(instruction.opcode, instruction.result_type))
         in_bytes = {
             CollectiveKind.ALL_GATHER: out_bytes // n,
             CollectiveKind.REDUCE_SCATTER: out_bytes * n,
         }.get(kind, out_bytes)
         trips, known = trip_count(instruction.computation)
-        collectives.append(
-            Collective(kind, in_bytes, out_bytes, n, trips, instruction.computation,
-                       instruction.line, known)
-        )
+        collectives.append(Collective(
+            kind=kind, in_bytes=in_bytes, out_bytes=out_bytes, group_size=n, trip_count=trips,
+            computation=instruction.computation, text=instruction.line, trip_count_known=known,
+            groups=device_groups(instruction.line, num_devices)))
     return tuple(collectives)
 
 
