@@ -299,7 +299,7 @@ def parse_collectives(hlo_text: str, num_devices: int) -> tuple[Collective, ...]
     return tuple(collectives)
 
 
-def _num_devices(hlo_text: str) -> int:
+def num_devices(hlo_text: str) -> int:
     """Devices the module runs on: replica_count × num_partitions from its header."""
     replicas = _REPLICA_COUNT.search(hlo_text)
     partitions = _NUM_PARTITIONS.search(hlo_text)
@@ -352,7 +352,7 @@ def analyze(compiled) -> HloSummary:
     costs = _per_device_costs(compiled.cost_analysis())
     memory = compiled.memory_analysis()  # None where the backend reports none: sizes read 0
     return HloSummary(
-        collectives=parse_collectives(hlo_text, _num_devices(hlo_text)),
+        collectives=parse_collectives(hlo_text, num_devices(hlo_text)),
         flops=float(costs.get("flops", 0.0)),
         bytes_accessed=float(costs.get("bytes accessed", 0.0)),
         peak_memory_bytes=compiled_peak_bytes(memory, _platform(compiled)),
