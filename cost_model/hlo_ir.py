@@ -5,7 +5,7 @@ into a :class:`Module`: each computation's instructions in printed order (the sc
 module printed with ``is_scheduled=true``), each with its name, result type, opcode, operand
 names and the attribute text after its operands. The compiled text prints operands by name
 only, so an operand's type is the result type of the instruction of that name in the same
-computation (:meth:`Module.type_of`).
+computation (:meth:`Module.type_of`). :func:`shape_bytes` sizes a type.
 """
 
 from __future__ import annotations
@@ -14,17 +14,19 @@ import math
 import re
 from dataclasses import dataclass
 
-from autopar.cost_model.hlo import shape_bytes
-
 _INSTRUCTION = re.compile(
     r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
 _COMPUTATION = re.compile(
     r"^\s*(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
 _OPCODE = re.compile(r"\s*(?P<opcode>[\w\-]+)\(")
-_ARRAY = re.compile(r"^(?P<dtype>[a-z]\w*)\[(?P<dims>[<=\d,]*)\]")
+_ARRAYS = re.compile(r"(?P<dtype>[a-z]\w*)\[(?P<dims>[<=\d,]*)\]")
+_BITS_IN_DTYPE = re.compile(r"[fsu](?P<bits>\d+)")  # f32 -> 32, s8 -> 8, f8e4m3fn -> 8
 _CALLED = re.compile(r"(?:^|[\s,])(?P<attr>[a-z_]+)=(?P<value>\{[^}]*\}|%?[\w.\-]+)")
 _NAME = re.compile(r"%?([\w.\-]+)")
 _DIMS_ATTR = r"(?:^|[\s,]){}=\{{(?P<dims>[\d,]*)\}}"
+
+# Bits per element where the dtype name does not start with them as f32, s8 and f8e4m3fn do.
+_SPECIAL_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128, "token": 0}
 
 
 @dataclass(frozen=True)
@@ -129,19 +131,21 @@ def parse_module(hlo_text: str) -> Module:
                          for name, found in computations.items()})
 
 
+def _dims(text: str) -> tuple[int, ...]:
+    return tuple(int(d.removeprefix("<=")) for d in text.split(",") if d)  # "<=8": its bound
+
+
 def array_dims(type_str: str) -> tuple[str, tuple[int, ...]] | None:
     """(element type, dims) of an array type ``f32[8,128]{1,0}``; None for a tuple."""
-    found = _ARRAY.match(type_str)
-    if not found:
-        return None
-    return found["dtype"], tuple(int(d.removeprefix("<=")) for d in found["dims"].split(",") if d)
+    found = _ARRAYS.match(type_str)
+    return (found["dtype"], _dims(found["dims"])) if found else None
 
 
-def tuple_element(type_str: str, index: int) -> str:
-    """Element ``index`` of a tuple type (a non-tuple type is its own element 0)."""
+def tuple_elements(type_str: str) -> list[str]:
+    """Top-level elements of a tuple type; a non-tuple type is its own single element."""
     if not type_str.startswith("("):
-        return type_str
-    depth, start, found = 0, 1, []
+        return [type_str]
+    found, depth, start = [], 0, 1
     for i, char in enumerate(type_str):
         if char in "([{":
             depth += 1
@@ -150,7 +154,22 @@ def tuple_element(type_str: str, index: int) -> str:
         if (char == "," and depth == 1) or depth == 0:
             found.append(type_str[start:i].strip())
             start = i + 1
-    return found[index]
+    return found
+
+
+def _element_bits(dtype: str) -> int:
+    if dtype in _SPECIAL_BITS:
+        return _SPECIAL_BITS[dtype]
+    bits = _BITS_IN_DTYPE.match(dtype)
+    if not bits:
+        raise ValueError(f"unknown HLO element type {dtype!r}")
+    return int(bits["bits"])
+
+
+def shape_bytes(type_str: str) -> int:
+    """Bytes of an HLO type: an array like ``f32[8,128]{1,0}`` or a tuple of them."""
+    return sum(_element_bits(a["dtype"]) * math.prod(_dims(a["dims"]))
+               for a in _ARRAYS.finditer(type_str)) // 8
 
 
 def elements(type_str: str | None) -> int:
@@ -160,4 +179,5 @@ def elements(type_str: str | None) -> int:
 
 
 def type_bytes(type_str: str | None) -> int:
+    """:func:`shape_bytes`, 0 for None (an operand of unknown type)."""
     return shape_bytes(type_str) if type_str else 0

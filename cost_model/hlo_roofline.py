@@ -26,7 +26,7 @@ from autopar.cost_model.hlo_ir import (
     Module,
     array_dims,
     elements,
-    tuple_element,
+    tuple_elements,
     type_bytes,
 )
 
@@ -98,7 +98,7 @@ def matmuls(module: Module, computation: str, instruction: Instruction) -> list[
         found = _convolution(module, computation, instruction)
         return [found] if found else []
     if op == "custom-call" and _GEMM_TARGET.search(instruction.attributes):
-        out = tuple_element(instruction.result_type, 0)  # (result, workspace)
+        out = tuple_elements(instruction.result_type)[0]  # (result, workspace)
         found = _contraction(out, lhs, _json_dims(instruction.attributes,
                                                   "lhs_contracting_dimensions"),
                              _json_dims(instruction.attributes, "lhs_batch_dimensions"))

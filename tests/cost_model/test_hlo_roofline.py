@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from autopar.cost_model.hlo_ir import parse_module, tuple_element
+from autopar.cost_model.hlo_ir import parse_module, tuple_elements
 from autopar.cost_model.hlo_roofline import bytes_moved, kernel_time_s, matmuls
 
 from .test_timeline import ROUND
@@ -77,7 +77,7 @@ def test_instructions_with_operands_types_and_attributes(module):
     assert module.type_of("fused_slice", "p1") == "s32[]"
     out = _get(module, "out")
     assert out.root and out.operands == ("up", "sl")
-    assert tuple_element(out.result_type, 1) == "f32[1,1024]{1,0}"
+    assert tuple_elements(out.result_type)[1] == "f32[1,1024]{1,0}"
 
 
 def test_matmul_flops_from_shapes(module):
