@@ -12,10 +12,15 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from autopar.cost_model.hardware import HardwareProfile, LevelKind, LinkLevel, get_profile
+from autopar.cost_model.hardware import HardwareProfile, LevelKind, LinkLevel
 from autopar.cost_model.hlo import parse_collectives
-from autopar.cost_model.reference import collective_time_s
+from autopar.cost_model.reference import (
+    collective_time_s,
+    reference_comm_time_s,
+    reference_compute_time_s,
+)
 from autopar.cost_model.timeline import FULL_TRIPS, simulate, simulate_compiled
+from tests.cost_model.compiled_cases import H100, autopar_case
 
 ROUND = HardwareProfile(
     name="round", peak_flops_per_s={"float32": 1e12, "bfloat16": 1e12},
@@ -301,9 +306,25 @@ def test_compiled_scan_runs_its_psum_every_trip(mesh_2d):
 
 
 def test_collectives_across_nodes_run_on_the_infiniband_stream(sixteen_device_hlo):
-    h100 = get_profile("h100")
-    node = simulate(sixteen_device_hlo["psum_node"], h100)
-    gpu = simulate(sixteen_device_hlo["psum_gpu"], h100)
+    node = simulate(sixteen_device_hlo["psum_node"], H100)
+    gpu = simulate(sixteen_device_hlo["psum_gpu"], H100)
     assert set(node.comm_busy_s) == {IB} and set(gpu.comm_busy_s) == {NVLINK}
     (collective,) = parse_collectives(sixteen_device_hlo["psum_node"], 16)
-    assert node.comm_busy_s[IB] == pytest.approx(collective_time_s(h100, collective))
+    assert node.comm_busy_s[IB] == pytest.approx(collective_time_s(H100, collective))
+
+
+@pytest.mark.parametrize("model", ["gpt", "moe"])
+def test_realistic_plans_compiled_on_cpu_expose_all_their_communication(model):
+    # XLA:CPU runs every collective synchronously: the timeline's communication is the
+    # reference's, all of it exposed, and the step is compute plus communication
+    case = autopar_case(model, "2d")
+    timeline = simulate(case.hlo_text, H100, jnp.bfloat16)
+    comm_s = reference_comm_time_s(case.truth, H100)
+    assert comm_s > 0
+    assert sum(timeline.comm_busy_s.values()) == pytest.approx(comm_s)
+    assert timeline.exposed_comm_s == pytest.approx(comm_s)
+    assert timeline.step_time_s == pytest.approx(timeline.compute_busy_s + comm_s)
+    # every kernel takes at least its matmul flops at peak: the compute is no less than the
+    # reference's flops-only compute time
+    assert timeline.compute_busy_s >= reference_compute_time_s(case.truth, H100, jnp.bfloat16)
+    assert timeline.trip_counts_known
