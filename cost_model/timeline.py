@@ -174,8 +174,8 @@ class _Simulator:
         clock.streams_s[level] = end
         clock.stream_busy_s[level] = clock.stream_busy_s.get(level, 0.0) + duration
         clock.events.append(Event(instruction.name, level, start, end))
-        asynchronous = (instruction.opcode.endswith("-start")
-                        and not _IS_SYNC.search(instruction.attributes))
+        sync = _IS_SYNC.search(instruction.attributes) or _IS_SYNC.search(collective.text)
+        asynchronous = instruction.opcode.endswith("-start") and not sync
         if not asynchronous:
             clock.compute_s = end
         return end

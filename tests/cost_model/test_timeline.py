@@ -138,6 +138,31 @@ def test_a_consumer_waits_for_its_operand_from_a_collective():
     assert timeline.step_time_s == pytest.approx(slice_s + gather_s + DOT_S)
 
 
+WRAPPED = """
+%wrapped_all_to_all (w: f32[1024,1024]) -> f32[1024,1024] {
+  %w = f32[1024,1024]{1,0} parameter(0)
+  ROOT %a2a = f32[1024,1024]{1,0} all-to-all(%w), channel_id=9, GROUPS, dimensions={0}
+}
+""".replace("GROUPS", GPU8)
+
+
+@pytest.mark.parametrize("sync_on", [None, "start", "wrapped"])
+def test_generic_async_start_of_a_wrapped_collective(sync_on):
+    # "is_sync":true on the async-start or on the collective it wraps makes the pair sync
+    config = ', backend_config={"collective_backend_config":{"is_sync":true}}'
+    text = _module(
+        f"%aas = ((f32[1024,1024]{{1,0}}), f32[1024,1024]{{1,0}}, s32[]) async-start(%g), "
+        f"calls=%wrapped_all_to_all{config if sync_on == 'start' else ''}",
+        DOT,
+        "ROOT %aad = f32[1024,1024]{1,0} async-done(%aas), calls=%wrapped_all_to_all",
+    ).replace("\nENTRY", WRAPPED.replace("dimensions={0}", "dimensions={0}"
+                                         + (config if sync_on == "wrapped" else "")) + "\nENTRY")
+    a2a_s = 7 / 8 * 4 * 2**20 / 1e10  # 0.37 ms, under the 2.1 ms dot unless sync
+    timeline = simulate(text, ROUND)
+    assert timeline.comm_busy_s == {NVLINK: pytest.approx(a2a_s)}
+    assert timeline.step_time_s == pytest.approx(DOT_S + a2a_s if sync_on else DOT_S)
+
+
 def test_each_level_has_its_own_stream():
     both = [_all_reduce("nv", GPU8, start="-start", extra=", " + ASYNC),
             _all_reduce("ib", PAIRS, start="-start", extra=", " + ASYNC),
