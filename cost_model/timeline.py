@@ -21,7 +21,8 @@ Step time is when the last stream finishes; the time the compute stream is not b
 time spent waiting for communication, reported as ``exposed_comm_s``. A loop of more than
 ``FULL_TRIPS`` trips is simulated for ``FULL_TRIPS`` trips; each further trip is taken to
 repeat the last one (every stream and loop value shifts by what that trip added), and its
-events are not listed.
+events are not listed. Not modeled: a collective slowing the kernels it overlaps (shared
+memory bandwidth and SMs), and kernels running side by side on several compute streams.
 """
 
 from __future__ import annotations
