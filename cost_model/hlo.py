@@ -47,19 +47,26 @@ Reading the HLO text:
   and marks the collectives under it ``trip_count_known=False``. Conditional branches count
   as 1 each (an upper bound: only one runs).
 
-Instructions are read one per line, as ``Compiled.as_text()`` prints them.
+Instructions are read one per line, as ``Compiled.as_text()`` prints them (``cost_model.hlo_ir``).
 """
 
 from __future__ import annotations
 
 import enum
 import functools
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from autopar.cost_model.hlo_ir import (
+    Instruction,
+    Module,
+    parse_module,
+    shape_bytes,
+    tuple_elements,
+)
 from autopar.cost_model.replica_groups import Groups, device_groups, group_size
+
 
 
 class CollectiveKind(enum.Enum):
@@ -142,104 +149,25 @@ _KINDS = {
     "collective-permute": CollectiveKind.COLLECTIVE_PERMUTE,
 }
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<rest>.*)$")
-_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
-_OPCODE = re.compile(r"\s*(?P<opcode>[\w\-]+)\(")
-_ARRAY = re.compile(r"(?P<dtype>[a-z]\w*)\[(?P<dims>[<=\d,]*)\]")
 _CALLED = re.compile(
     r"[\s,](?P<attr>body|condition|calls|to_apply|true_computation|false_computation"
     r"|branch_computations|called_computations)=(?P<value>\{[^}]*\}|%?[\w.\-]+)"
 )
 _NAME = re.compile(r"%?([\w.\-]+)")
-_BITS_IN_DTYPE = re.compile(r"[fsu](?P<bits>\d+)")  # f32 -> 32, s8 -> 8, f8e4m3fn -> 8
 _KNOWN_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _REPLICA_COUNT = re.compile(r"^HloModule .*\breplica_count=(\d+)", re.MULTILINE)
 _NUM_PARTITIONS = re.compile(r"^HloModule .*\bnum_partitions=(\d+)", re.MULTILINE)
 
-# Bits per element where the dtype name does not start with them as f32, s8 and f8e4m3fn do.
-_SPECIAL_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128, "token": 0}
-
-
-@dataclass(frozen=True)
-class _Instruction:
-    computation: str
-    result_type: str
-    opcode: str
-    line: str
-
-
-def _split_type(rest: str) -> tuple[str, str]:
-    """Split ``(f32[2], s32[]) all-reduce(...)`` into the result type and what follows."""
-    if not rest.startswith("("):
-        result_type, _, after = rest.partition(" ")
-        return result_type, after
-    depth = 0
-    for i, char in enumerate(rest):
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if depth == 0:
-            return rest[: i + 1], rest[i + 1 :]
-    raise ValueError(f"unbalanced tuple type in HLO: {rest!r}")
-
-
-def _instructions(hlo_text: str) -> list[_Instruction]:
-    """Every instruction of the module, with the computation it belongs to."""
-    found, computation = [], ""
-    for line in hlo_text.splitlines():
-        instruction = _INSTRUCTION.match(line)
-        if instruction:
-            result_type, after = _split_type(instruction["rest"])
-            opcode = _OPCODE.match(after)
-            if opcode:
-                found.append(_Instruction(computation, result_type, opcode["opcode"], line.strip()))
-        elif header := _COMPUTATION.match(line):
-            computation = header["name"]
-    return found
-
-
-def _tuple_elements(type_str: str) -> list[str]:
-    """Top-level elements of a tuple type; a non-tuple type is its own single element."""
-    if not type_str.startswith("("):
-        return [type_str]
-    elements, depth, start = [], 0, 1
-    for i, char in enumerate(type_str):
-        if char in "([{":
-            depth += 1
-        elif char in ")]}":
-            depth -= 1
-        if (char == "," and depth == 1) or depth == 0:
-            elements.append(type_str[start:i].strip())
-            start = i + 1
-    return elements
-
-
-def _element_bits(dtype: str) -> int:
-    if dtype in _SPECIAL_BITS:
-        return _SPECIAL_BITS[dtype]
-    bits = _BITS_IN_DTYPE.match(dtype)
-    if not bits:
-        raise ValueError(f"unknown HLO element type {dtype!r}")
-    return int(bits["bits"])
-
-
-def shape_bytes(type_str: str) -> int:
-    """Bytes of an HLO type: an array like ``f32[8,128]{1,0}`` or a tuple of them."""
-    total_bits = 0
-    for array in _ARRAY.finditer(type_str):
-        dims = [int(d.removeprefix("<=")) for d in array["dims"].split(",") if d]
-        total_bits += _element_bits(array["dtype"]) * math.prod(dims)
-    return total_bits // 8
-
-
 def _output_type(opcode: str, result_type: str) -> str:
     """The output part of a collective's result (async starts also carry their inputs)."""
     if opcode.endswith("-start") and opcode != "all-reduce-start":
-        elements = _tuple_elements(result_type)
+        elements = tuple_elements(result_type)
         if len(elements) >= 2:
             return elements[1]
     return result_type
 
 
-def _calls(instruction: _Instruction):
+def _calls(instruction: Instruction):
     """(callee, executions per execution of the caller, known) for each computation called."""
     if instruction.opcode in ("async-done", "async-update"):
         return  # they name the computation their async-start already runs
@@ -255,12 +183,13 @@ def _calls(instruction: _Instruction):
                 yield callee, 1, True
 
 
-def _trip_counter(instructions: list[_Instruction]) -> Callable[[str], tuple[int, bool]]:
+def _trip_counter(module: Module) -> Callable[[str], tuple[int, bool]]:
     """computation -> (executions per program run, whether every loop count was known)."""
     callers: dict[str, list[tuple[str, int, bool]]] = {}
-    for instruction in instructions:
-        for callee, times, known in _calls(instruction):
-            callers.setdefault(callee, []).append((instruction.computation, times, known))
+    for computation, instructions in module.computations.items():
+        for instruction in instructions:
+            for callee, times, known in _calls(instruction):
+                callers.setdefault(callee, []).append((computation, times, known))
 
     @functools.cache
     def trip_count(computation: str) -> tuple[int, bool]:
@@ -276,30 +205,37 @@ def _trip_counter(instructions: list[_Instruction]) -> Callable[[str], tuple[int
     return trip_count
 
 
+def _collective(instruction: Instruction, computation: str, trip_count, num_devices: int,
+                ) -> Collective | None:
+    kind = _KINDS.get(instruction.opcode.removesuffix("-start"))
+    if kind is None:
+        return None
+    n = group_size(instruction.line, num_devices)
+    out_bytes = shape_bytes(_output_type(instruction.opcode, instruction.result_type))
+    in_bytes = {
+        CollectiveKind.ALL_GATHER: out_bytes // n,
+        CollectiveKind.REDUCE_SCATTER: out_bytes * n,
+    }.get(kind, out_bytes)
+    trips, known = trip_count(computation)
+    return Collective(
+        kind=kind, in_bytes=in_bytes, out_bytes=out_bytes, group_size=n, trip_count=trips,
+        computation=computation, text=instruction.line, trip_count_known=known,
+        groups=device_groups(instruction.line, num_devices))
+
+
 def parse_collectives(hlo_text: str, num_devices: int) -> tuple[Collective, ...]:
     """Every collective in HLO text; ``num_devices`` sizes ``replica_groups={}``."""
-    instructions = _instructions(hlo_text)
-    trip_count = _trip_counter(instructions)
+    module = parse_module(hlo_text)
+    trip_count = _trip_counter(module)
     collectives = []
-    for instruction in instructions:
-        kind = _KINDS.get(instruction.opcode.removesuffix("-start"))
-        if kind is None:
-            continue
-        n = group_size(instruction.line, num_devices)
-        out_bytes = shape_bytes(_output_type(instruction.opcode, instruction.result_type))
-        in_bytes = {
-            CollectiveKind.ALL_GATHER: out_bytes // n,
-            CollectiveKind.REDUCE_SCATTER: out_bytes * n,
-        }.get(kind, out_bytes)
-        trips, known = trip_count(instruction.computation)
-        collectives.append(Collective(
-            kind=kind, in_bytes=in_bytes, out_bytes=out_bytes, group_size=n, trip_count=trips,
-            computation=instruction.computation, text=instruction.line, trip_count_known=known,
-            groups=device_groups(instruction.line, num_devices)))
+    for computation, instructions in module.computations.items():
+        for instruction in instructions:
+            if collective := _collective(instruction, computation, trip_count, num_devices):
+                collectives.append(collective)
     return tuple(collectives)
 
 
-def _num_devices(hlo_text: str) -> int:
+def num_devices(hlo_text: str) -> int:
     """Devices the module runs on: replica_count × num_partitions from its header."""
     replicas = _REPLICA_COUNT.search(hlo_text)
     partitions = _NUM_PARTITIONS.search(hlo_text)
@@ -352,7 +288,7 @@ def analyze(compiled) -> HloSummary:
     costs = _per_device_costs(compiled.cost_analysis())
     memory = compiled.memory_analysis()  # None where the backend reports none: sizes read 0
     return HloSummary(
-        collectives=parse_collectives(hlo_text, _num_devices(hlo_text)),
+        collectives=parse_collectives(hlo_text, num_devices(hlo_text)),
         flops=float(costs.get("flops", 0.0)),
         bytes_accessed=float(costs.get("bytes accessed", 0.0)),
         peak_memory_bytes=compiled_peak_bytes(memory, _platform(compiled)),

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autopar.cost_model.collectives import ring_steps
-from autopar.cost_model.hlo import Collective, HloSummary
+from autopar.cost_model.hlo import Collective, HloSummary, wire_bytes
 
 
 def _level_for_size(profile, group_size: int):
@@ -44,15 +44,20 @@ def collective_level(profile, collective: Collective, device_ids: Sequence[int] 
     return profile.levels[-1]
 
 
+def collective_time_s(profile, collective: Collective,
+                      device_ids: Sequence[int] | None = None) -> float:
+    """Alpha-beta time of one execution of a collective on its level."""
+    level = collective_level(profile, collective, device_ids)
+    c = collective
+    return (ring_steps(c.kind, c.group_size) * level.latency_s
+            + wire_bytes(c.kind, c.in_bytes, c.out_bytes, c.group_size)
+            / level.bandwidth_bytes_per_s)
+
+
 def reference_comm_time_s(summary: HloSummary, profile,
                           device_ids: Sequence[int] | None = None) -> float:
-    total = 0.0
-    for c in summary.collectives:
-        level = collective_level(profile, c, device_ids)
-        one = c.wire_bytes / c.trip_count if c.trip_count else 0.0
-        total += c.trip_count * (ring_steps(c.kind, c.group_size) * level.latency_s
-                                 + one / level.bandwidth_bytes_per_s)
-    return total
+    return sum(c.trip_count * collective_time_s(profile, c, device_ids)
+               for c in summary.collectives)
 
 
 def reference_compute_time_s(summary: HloSummary, profile, dtype) -> float:

@@ -21,6 +21,7 @@ H100 = get_profile("h100")
 class Case:
     plan: autopar.Plan
     truth: HloSummary      # of the plan's own compiled program
+    hlo_text: str          # that program's compiled text
 
 
 @functools.cache
@@ -28,7 +29,7 @@ def autopar_case(model: str, mesh: str) -> Case:
     """autopar's plan for workload ``model`` on mesh ``mesh`` ("1d" or "2d"), compiled."""
     fn, args = abstract_train_step(model)
     plan = autopar.plan(fn, *args, mesh=as_auto_mesh(MESHES[mesh]), hardware=H100)
-    return Case(plan, analyze(plan.compile()))
+    return _case(plan, plan.compile())
 
 
 @functools.cache
@@ -41,6 +42,10 @@ def baseline_cases(model: str, mesh: str) -> dict[str, Case]:
     jax_mesh = as_auto_mesh(MESHES[mesh])
     plans = predict_baselines(fn, args, jax_mesh, hardware=H100,
                               kinds=baseline_kinds(jax_mesh, args))
-    return {kind: Case(p, analyze(compile_baseline(fn, args, jax_mesh, kind)))
+    return {kind: _case(p, compile_baseline(fn, args, jax_mesh, kind))
             for kind, p in plans.items()}
+
+
+def _case(plan: autopar.Plan, compiled) -> Case:
+    return Case(plan=plan, truth=analyze(compiled), hlo_text=compiled.as_text())
 

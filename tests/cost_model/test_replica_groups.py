@@ -54,7 +54,7 @@ def _groups(attribute: str, num_devices: int = 8):
 ])
 def test_replica_group_forms(attribute, groups):
     assert _groups(attribute) == groups
-    if groups is not None and "'c'" not in attribute:
+    if groups is not None:
         line = f"%ar = f32[64]{{0}} all-reduce(%p), {attribute}, to_apply=%add"
         assert group_size(line, 8) == len(groups[0])
 

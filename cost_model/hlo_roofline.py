@@ -1,0 +1,173 @@
+"""Roofline time of one kernel of a compiled HLO module, on one device of a hardware profile.
+
+A kernel (a fusion, a dot, a custom-call, any op that is not bookkeeping) takes
+``max(matmul time, bytes moved / HBM bandwidth, launch_overhead_s)``:
+
+* matmul time: each dot, convolution or cuBLAS gemm custom-call in it (through fused and
+  called computations) at the profile's peak for its operand type times the matmul
+  efficiency of its (M, N, K) (``cost_model.compute.matmul_efficiency``). Other flops are
+  not counted: elementwise work is bound by the bytes.
+* bytes moved: the operands read and the result written, each once (a fusion's intermediate
+  values stay on chip). Slicing ops read only what they return; a dynamic-update-slice or
+  scatter writes its update in place and does not read the buffer it updates (so does a
+  fusion whose root is one, and a fusion operand that is only sliced, or only updated in
+  place, is read that much).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from autopar.cost_model.compute import matmul_efficiency
+from autopar.cost_model.hlo_ir import (
+    Instruction,
+    Module,
+    array_dims,
+    elements,
+    tuple_elements,
+    type_bytes,
+)
+
+# Ops that launch no kernel: their value is another's, or a constant of the program.
+FREE_OPCODES = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
+    "replica-id", "after-all", "opt-barrier", "add-dependency", "domain", "copy-start",
+    "copy-done", "send", "send-done", "recv", "recv-done",
+})
+_SLICING = frozenset({"dynamic-slice", "slice", "gather"})
+# In-place ops -> the operand holding what they write into their operand 0.
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}
+_GEMM_TARGET = re.compile(r'custom_call_target="__cublas\$(?:lt\$)?(?:gemm|matmul)')
+_JSON_DIMS = r'"{}":\[(?P<dims>[^\]]*)\]'
+_DIM_LABELS = re.compile(r"dim_labels=[^_]+_(?P<kernel>[^-]+)->")
+# HLO element types -> the profile's dtype names (hardware.HardwareProfile.peak_flops).
+_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64",
+           "s8": "int8", "u8": "uint8"}
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """One contraction: its flops, operand element type and per-device (M, N, K)."""
+
+    flops: float
+    dtype: str  # profile dtype name
+    dims: tuple[int, int, int] | None
+
+
+def _dtype(hlo_type: str) -> str:
+    return "float8_e4m3fn" if hlo_type.startswith("f8") else _DTYPES.get(hlo_type, "float32")
+
+
+def _contraction(out_type: str, lhs_type: str | None, contracting, batch) -> Matmul | None:
+    out, lhs = array_dims(out_type), array_dims(lhs_type) if lhs_type else None
+    if out is None or lhs is None:
+        return None
+    k = math.prod(lhs[1][d] for d in contracting)
+    b = math.prod(lhs[1][d] for d in batch)
+    m = math.prod(s for d, s in enumerate(lhs[1]) if d not in contracting and d not in batch)
+    n = math.prod(out[1]) // max(b * m, 1)
+    return Matmul(flops=2.0 * math.prod(out[1]) * k, dtype=_dtype(lhs[0]), dims=(m, n, k))
+
+
+def _json_dims(attributes: str, key: str) -> tuple[int, ...]:
+    found = re.search(_JSON_DIMS.format(key), attributes)
+    return tuple(int(d) for d in re.findall(r"\d+", found["dims"])) if found else ()
+
+
+def _convolution(module: Module, computation: str, instruction: Instruction) -> Matmul | None:
+    kernel = array_dims(module.type_of(computation, instruction.operands[1]) or "")
+    labels = _DIM_LABELS.search(instruction.attributes)
+    if kernel is None or labels is None or "o" not in labels["kernel"]:
+        return None
+    per_output = math.prod(kernel[1]) // kernel[1][labels["kernel"].index("o")]
+    flops = 2.0 * elements(instruction.result_type) * per_output
+    return Matmul(flops=flops, dtype=_dtype(kernel[0]), dims=None)
+
+
+def matmuls(module: Module, computation: str, instruction: Instruction) -> list[Matmul]:
+    """The contractions an instruction runs, through the computations it calls."""
+    op = instruction.opcode
+    lhs = module.type_of(computation, instruction.operands[0]) if instruction.operands else None
+    if op == "dot":
+        found = _contraction(instruction.result_type, lhs, instruction.dims("lhs_contracting_dims"),
+                             instruction.dims("lhs_batch_dims"))
+        return [found] if found else []
+    if op == "convolution":
+        found = _convolution(module, computation, instruction)
+        return [found] if found else []
+    if op == "custom-call" and _GEMM_TARGET.search(instruction.attributes):
+        out = tuple_elements(instruction.result_type)[0]  # (result, workspace)
+        found = _contraction(out, lhs, _json_dims(instruction.attributes,
+                                                  "lhs_contracting_dimensions"),
+                             _json_dims(instruction.attributes, "lhs_batch_dimensions"))
+        return [found] if found else []
+    if op in ("fusion", "call"):
+        callee = (instruction.called("calls") or instruction.called("to_apply") or ("",))[0]
+        return [m for inner in module.computations.get(callee, ())
+                for m in matmuls(module, callee, inner)]
+    return []
+
+
+def _fused_reads(module: Module, fused: str, index: int, full_bytes: int) -> int:
+    """Bytes a fusion reads of its operand ``index`` (see the module docstring)."""
+    body = module.computations.get(fused, ())
+    param = next((i for i in body if i.opcode == "parameter" and i.operands == (str(index),)),
+                 None)
+    users = [i for i in body if param is not None and param.name in i.operands]
+    if users and all(u.opcode in _SLICING and u.operands[0] == param.name for u in users):
+        return sum(type_bytes(u.result_type) for u in users)
+    if users and all(u.opcode in _IN_PLACE and u.operands[0] == param.name for u in users):
+        return 0
+    return full_bytes
+
+
+def _written(module: Module, computation: str, instruction: Instruction) -> int:
+    """Bytes an instruction writes: its result, or the updates of an in-place root."""
+    if instruction.opcode in _IN_PLACE:
+        return _update_bytes(module, computation, instruction)
+    if instruction.opcode != "fusion":
+        return type_bytes(instruction.result_type)
+    fused = instruction.called("calls")[0]
+    body = {i.name: i for i in module.computations.get(fused, ())}
+    root = next((i for i in body.values() if i.root), None)
+    if root is None:
+        return type_bytes(instruction.result_type)
+    parts = [body.get(name) for name in root.operands] if root.opcode == "tuple" else [root]
+    if any(p is None for p in parts):
+        return type_bytes(instruction.result_type)
+    return sum(_update_bytes(module, fused, p) if p.opcode in _IN_PLACE
+               else type_bytes(p.result_type) for p in parts)
+
+
+def _update_bytes(module: Module, computation: str, instruction: Instruction) -> int:
+    update = instruction.operands[_IN_PLACE[instruction.opcode]]
+    return type_bytes(module.type_of(computation, update))
+
+
+def bytes_moved(module: Module, computation: str, instruction: Instruction) -> int:
+    """HBM bytes a kernel reads and writes (see the module docstring)."""
+    if instruction.opcode in _SLICING:
+        return 2 * type_bytes(instruction.result_type)
+    written = _written(module, computation, instruction)
+    read = 0
+    for index, operand in enumerate(instruction.operands):
+        full = type_bytes(module.type_of(computation, operand))
+        if instruction.opcode in _IN_PLACE and index == 0:
+            full = 0
+        elif instruction.opcode == "fusion":
+            full = _fused_reads(module, instruction.called("calls")[0], index, full)
+        read += full
+    return read + written
+
+
+def kernel_time_s(module: Module, computation: str, instruction: Instruction, profile,
+                  dtype=None) -> float:
+    """Roofline time of one kernel; ``dtype`` (a profile dtype name or jnp dtype) prices
+    every matmul at that rate instead of its operands' type."""
+    matmul_s = sum(m.flops / (profile.peak_flops(dtype if dtype is not None else m.dtype)
+                              * matmul_efficiency(profile, m.dims))
+                   for m in matmuls(module, computation, instruction))
+    memory_s = bytes_moved(module, computation, instruction) / profile.hbm_bandwidth_bytes_per_s
+    return max(matmul_s, memory_s, profile.launch_overhead_s)
