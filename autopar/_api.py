@@ -134,7 +134,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
          time_limit_s: float = 60.0, tie_state: bool = True, axis_level_overrides=None,
          baseline_seeds: bool = True, remat: bool | str = True,
          check_memory: bool | None = None, verbose: bool | None = None,
-         pipeline=None, _choice=None, _remat=None) -> Plan:
+         pipeline="auto", _choice=None, _remat=None) -> Plan:
     """Plan how to run ``fn`` on ``mesh``.
 
     Args:
@@ -197,9 +197,12 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         planning has taken 10 s.
       pipeline: ``autopar.Pipeline(axis="stage", ...)`` cuts the step's scanned layers into
         stages over that mesh axis (the step must compute its gradients with
-        ``autopar.value_and_grad`` or ``autopar.grad``); ``plan.pipeline`` says what was
-        chosen. None or "auto": no pipeline (the stage search that makes "auto" choose is not
-        built yet).
+        ``autopar.value_and_grad`` or ``autopar.grad``), choosing what it leaves None
+        (microbatches, schedule) by the stage search; ``plan.pipeline`` says what was chosen.
+        "auto" (the default): when the step marks its loss, also plan pipelined over each
+        axis on a slower link than the mesh's fastest (across nodes; every axis when nothing
+        else fits) and keep the fastest plan that fits (``plan.stats["pipeline_search"]``).
+        None: never pipeline.
 
     Returns:
       A :class:`Plan`. In a multi-process run (``jax.distributed``) every process must call

@@ -11,8 +11,11 @@ simulated CPU devices, in two cases:
 
 Each case plans with ``pipeline="auto"`` and compiles that plan, the best plan that does not
 pipeline (``pipeline=None``) and the hand-written baselines (:func:`baseline_specs`). Every
-program is priced from its compiled HLO (``autopar._compare.measure``: flops at the matmul
-rate plus each collective on the link level its device groups cross). A pipelined row also
+program is priced from its compiled HLO by the simulated timeline
+(``cost_model.timeline.simulate``: every kernel at its roofline, loops at their trip counts,
+each collective on the link level its device groups cross); ``reference_s`` is the sum of
+flops and collectives ``autopar.compare`` reports, which counts a loop body's flops once
+(XLA's cost analysis does). A pipelined row also
 gives the predicted bubble beside the schedule's formula and the predicted per-stage peak.
 
     python -m benchmarks.run --suite pipeline [--cases two-node,one-node]
@@ -33,6 +36,7 @@ import autopar
 from autopar import baselines
 from autopar._compare import measure
 from autopar.cost_model.hardware import get_profile
+from autopar.cost_model.timeline import simulate
 from autopar.models import common, gpt
 from autopar.passes.stages.schedules import Schedule, bubble_fraction
 
@@ -100,7 +104,9 @@ def _compile_specs(fn, args, mesh, specs):
 
 def _row(name, compiled, profile) -> dict:
     m = measure(name, compiled, profile, jnp.bfloat16)
-    return {"step_time_s": m.step_time_s, "wire_bytes": m.wire_bytes, "flops": m.flops,
+    timeline = simulate(compiled.as_text(), profile, jnp.bfloat16)
+    return {"step_time_s": timeline.step_time_s, "exposed_comm_s": timeline.exposed_comm_s,
+            "reference_s": m.step_time_s, "wire_bytes": m.wire_bytes,
             "peak_memory_bytes": m.peak_memory_bytes, "fits": m.fits(profile)}
 
 

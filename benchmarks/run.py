@@ -139,6 +139,7 @@ def main(argv=None) -> int:
         return run_planning_suite(rest)
     if args.suite == "pipeline":
         cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+        _simulate(16)   # before jax is imported
         from benchmarks.pipeline import CASES
         if rest or not set(cases) <= set(CASES):
             parser.error(f"--suite pipeline takes --cases from {','.join(CASES)} and --hardware")
