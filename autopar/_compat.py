@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import itertools
 
 # Primitives jax exports nowhere public, by attribute, with the modules that have held them.
 _PRIVATE_PRIMITIVES = {
@@ -70,3 +71,23 @@ def scan_counts(params) -> tuple[int, int]:
         return params["num_consts"], params["num_carry"]
     consts, carries, _ = params["ft_in"].unpack()   # a jax flat tree of three groups
     return len(consts), len(carries)
+
+
+def xla_cpu_dots_in_f32() -> bool:
+    """Whether XLA:CPU computes 16-bit float dots in float32, converting their operands to
+    float32 copies (jaxlib 0.10); jaxlib 0.12's XLA:CPU takes and returns bf16 in its dots."""
+    import jaxlib
+    return _release(jaxlib.__version__) < (0, 12)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"0.12.0.1"`` -> ``(0, 12, 0, 1)``; a suffix such as ``.dev20260101`` or ``rc1`` ends it."""
+    parts = []
+    for part in version.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        parts.append(int(digits))
+        if digits != part:
+            break
+    return tuple(parts)

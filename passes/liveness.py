@@ -26,11 +26,12 @@ XLA:CPU hands dots and reductions to library (YNNPACK) fusions (:func:`library_f
 which grow over the elementwise ops around them but never duplicate one: a value a library
 fusion reads while another consumer reads it too is kept, whatever made it (the layer norm's
 ``rsqrt * scale`` read by the forward pass and by a reduction of the backward pass). A dot's
-bias add and other single-reader epilogues join its fusion. XLA:CPU also computes 16-bit float
-dots in float32: an operand read by dots in different fusions gets one float32 copy, kept
-from the first of them to the last (a bf16 weight, an activation read by the forward dot and
-the backward one), beside any 16-bit value other readers keep. A 16-bit input a scan slices
-is converted to float32 whole, as soon as it is made, and the copy lives to the loop's end
+bias add and other single-reader epilogues join its fusion. Before jaxlib 0.12
+(:func:`autopar._compat.xla_cpu_dots_in_f32`), XLA:CPU also computes 16-bit float dots in
+float32: an operand read by dots in different fusions gets one float32 copy, kept from the
+first of them to the last (a bf16 weight, an activation read by the forward dot and the
+backward one), beside any 16-bit value other readers keep; and a 16-bit input a scan slices is
+converted to float32 whole, as soon as it is made, and the copy lives to the loop's end
 (:func:`_f32_stacked_copies`): a scanned model's stacked bf16 residuals double in size from
 the end of the forward loop to the end of the backward one.
 
@@ -81,6 +82,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 from jax import lax
 
+from autopar._compat import xla_cpu_dots_in_f32
 from autopar.passes.ir import Graph, NodeKind, recomputable
 from autopar.passes.rules import op_info
 from autopar.cost_model.spec import local_bytes
@@ -255,7 +257,7 @@ def _buffers(graph: Graph, cpu: bool) -> tuple[list[Buffer], list[Buffer]]:
                 if node.kind not in (NodeKind.INPUT, NodeKind.OUTPUT)}
         last = last_uses(graph, users, fusions, kept)
         copies, sliced = [], set()
-        if cpu:
+        if cpu and xla_cpu_dots_in_f32():
             copies, sliced = _f32_stacked_copies(graph, users)
             # the float32 copy is all the loop reads: the 16-bit input dies once it is made
             for b in copies:
