@@ -71,7 +71,7 @@ class Pipeline:
     def request(self) -> StageRequest:
         """The request the stage pass reads."""
         return StageRequest(axis=self.axis, stages=self.stages, microbatches=self.microbatches,
-                            schedule=self.schedule_kind)
+                            schedule=self.schedule_kind, virtual_stages=self.virtual_stages)
 
 
 @dataclass(eq=False)  # hashed by identity: it keys jax's trace caches (see _TRACE_KEY)
@@ -208,7 +208,7 @@ def record(context: PipelineContext | None, est: Estimate) -> dict | None:
     return {"axis": chosen.axis, "stages": chosen.stages,
             "layer_ranges": [tuple(r) for r in chosen.layer_ranges],
             "microbatches": chosen.microbatches, "schedule": chosen.schedule.value,
-            "virtual_stages": context.settings.virtual_stages or 1, "ticks": chosen.ticks,
+            "virtual_stages": chosen.virtual_stages, "ticks": chosen.ticks,
             "bubble_fraction": chosen.bubble_fraction,
             "predicted_time_s": chosen.predicted_time_s,
             "stage_peak_bytes": [est.peak_memory_bytes] * chosen.stages,

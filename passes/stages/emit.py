@@ -37,7 +37,9 @@ from autopar.passes.stages.schedules import Schedule, stash_slots, ticks
 def pipelined(prep: Prepared, mesh) -> Callable:
     """``f(*flat_args) -> list of flat outputs`` of the loss, its layer stack pipelined."""
     if prep.schedule is Schedule.GPIPE:
-        return lambda *flat: _gpipe(prep, mesh, flat)
+        return lambda *flat: _gpipe(prep, mesh, flat, _gpipe_stack)
+    if prep.schedule is Schedule.INTERLEAVED:
+        return lambda *flat: _gpipe(prep, mesh, flat, _circular_stack)
     return _one_f_one_b(prep, mesh)
 
 
@@ -71,20 +73,21 @@ def _constrain(a, spec):
     return a if spec is None else lax.with_sharding_constraint(a, spec)
 
 
-def _lead(spec):
-    """``spec`` behind one unsharded leading axis (microbatches, or a stage's layers)."""
-    return None if spec is None else P(None, *spec)
+def _lead(spec, n: int = 1):
+    """``spec`` behind ``n`` unsharded leading axes (microbatches, or a stage's layers)."""
+    return None if spec is None else P(*[None] * n, *spec)
 
 
-def _inner(prep: Prepared):
-    """``(consts, mbs, xs) -> same``, held in the stage plan's specs (identity without one)."""
+def _inner(prep: Prepared, layer_axes: int = 1):
+    """``(consts, mbs, xs) -> same``, held in the stage plan's specs (identity without one);
+    ``layer_axes``: the leading axes of a stage's block of each stacked operand."""
     inner = prep.inner
     if inner is None:
         return lambda consts, mbs, xs: (consts, mbs, xs)
     return lambda consts, mbs, xs: (
         [_constrain(c, sp) for c, sp in zip(consts, inner.consts, strict=True)],
         _constrain(mbs, _lead(inner.carry)),
-        [_constrain(x, _lead(sp)) for x, sp in zip(xs, inner.xs, strict=True)])
+        [_constrain(x, _lead(sp, layer_axes)) for x, sp in zip(xs, inner.xs, strict=True)])
 
 
 def _stage(prep: Prepared) -> Callable:
@@ -103,10 +106,10 @@ def _operands(prep: Prepared, ops):
     return list(ops[:n]), ops[n], list(ops[n + 1:])
 
 
-def _gpipe(prep: Prepared, mesh, flat):
+def _gpipe(prep: Prepared, mesh, flat, stack):
     consts, carry, xs = _operands(prep, split.pre_fn(prep.full)(*flat))
     n_ys = len(prep.full.eqn.outvars) - 1
-    out = _gpipe_stack(prep, mesh, consts, carry, xs)
+    out = stack(prep, mesh, consts, carry, xs)
     return split.post_fn(prep.full)(flat, [out] + [None] * n_ys)
 
 
@@ -138,6 +141,50 @@ def _gpipe_stack(prep: Prepared, mesh, consts, carry, xs):
     mbs = carry.reshape(n_micro, carry.shape[0] // n_micro, *carry.shape[1:])
     out = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis)), out_specs=P(),
                         axis_names={axis})(jax.tree.map(_up, consts), _up(mbs), xs)
+    return out.reshape(carry.shape)
+
+
+def _circular_stack(prep: Prepared, mesh, consts, carry, xs):
+    """The interleaved schedule (MaxText's circular pipeline): with v virtual stages the layers
+    form S*v chunks, chunk c = r*S + s on stage s; a microbatch goes round the ring v times
+    (stage S-1 wraps to 0), waiting at stage 0 in a buffer of M slots between rounds. Needs
+    M >= S. The backward is autodiff through the tick loop, as for GPipe."""
+    axis, n_stages, n_micro, v = prep.axis, prep.stages, prep.microbatches, prep.virtual_stages
+    stage = _stage(prep)
+    ring = [(j, (j + 1) % n_stages) for j in range(n_stages)]
+    dtypes = ([c.dtype for c in consts], carry.dtype)
+    held = _inner(prep, layer_axes=3)
+
+    def body(consts, mbs, xs):
+        s = lax.axis_index(axis)
+        consts, mbs, xs = held(consts, mbs, xs)
+        consts, mbs = _varying_as((consts, mbs), dtypes, axis)
+        chunks = [a[:, 0] for a in xs]                    # (v, layers per chunk, ...)
+
+        def tick(c, t):
+            state, circ, outs = c
+            k = t - s                                     # this stage's work item
+            i, r = k % n_micro, jnp.clip(k // n_micro, 0, v - 1)
+            x = jnp.where(s == 0, jnp.where(r == 0, mbs[i], circ[i]), state)
+            y = stage(consts, x, [lax.dynamic_index_in_dim(a, r, 0, keepdims=False)
+                                  for a in chunks])
+            done = (k >= 0) & (k < n_micro * v) & (s == n_stages - 1) & (r == v - 1)
+            outs = lax.dynamic_update_index_in_dim(outs, jnp.where(done, y, outs[i]), i, 0)
+            y_next = lax.ppermute(y, axis, ring)
+            circ = lax.dynamic_update_index_in_dim(circ, y_next, (t + 1 - n_stages) % n_micro, 0)
+            return (y_next, circ, outs), None
+
+        act = _varying(jnp.zeros(mbs.shape[1:], mbs.dtype), axis)
+        buf = _varying(jnp.zeros(mbs.shape, mbs.dtype), axis)
+        n_ticks = ticks(Schedule.INTERLEAVED, n_stages, n_micro, v)
+        (_, _, outs), _ = lax.scan(tick, (act, buf, buf), jnp.arange(n_ticks))
+        return _psum(jnp.where(s == n_stages - 1, outs, jnp.zeros_like(outs)), axis)
+
+    mbs = carry.reshape(n_micro, carry.shape[0] // n_micro, *carry.shape[1:])
+    per = prep.full.layers // (n_stages * v)
+    chunked = [a.reshape(v, n_stages, per, *a.shape[1:]) for a in xs]
+    out = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(None, axis)), out_specs=P(),
+                        axis_names={axis})(jax.tree.map(_up, consts), _up(mbs), chunked)
     return out.reshape(carry.shape)
 
 

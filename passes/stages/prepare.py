@@ -33,6 +33,7 @@ class StageRequest:
     microbatches: int | None = None
     schedule: Schedule | None = None
     activation_budget_bytes: float | None = None  # per device, for the search's activations
+    virtual_stages: int | None = None             # interleaved only
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class StageChoice:
     schedule: Schedule
     ticks: int
     bubble_fraction: float
+    virtual_stages: int = 1
     predicted_time_s: float | None = None      # the pipelined stack (None: not priced)
     activation_bytes: int | None = None        # kept per device at the fullest stage
     inner: Inner | None = None
@@ -74,6 +76,7 @@ class Prepared:
     microbatches: int
     schedule: Schedule
     loss_weight: float           # loss = weight * sum of the microbatch traces' losses
+    virtual_stages: int = 1      # layer chunks per stage (interleaved)
     priced: search.Priced | None = None  # None: chosen without pricing (no layer planner)
 
     @property
@@ -82,14 +85,19 @@ class Prepared:
         return None if self.priced is None else self.priced.layer.inner
 
     def choice(self) -> StageChoice:
-        per = self.full.layers // self.stages
+        """What runs: the layer ranges are stage s's, or with v virtual stages, chunk c's
+        (chunk c = r*S + s runs on stage s)."""
+        chunks = self.stages * self.virtual_stages
+        per = self.full.layers // chunks
         priced = self.priced
+        v = self.virtual_stages
         return StageChoice(
             axis=self.axis, stages=self.stages,
-            layer_ranges=tuple((s * per, (s + 1) * per) for s in range(self.stages)),
+            layer_ranges=tuple((c * per, (c + 1) * per) for c in range(chunks)),
             microbatches=self.microbatches, schedule=self.schedule,
-            ticks=ticks(self.schedule, self.stages, self.microbatches),
-            bubble_fraction=bubble_fraction(self.schedule, self.stages, self.microbatches),
+            ticks=ticks(self.schedule, self.stages, self.microbatches, v),
+            bubble_fraction=bubble_fraction(self.schedule, self.stages, self.microbatches, v),
+            virtual_stages=v,
             predicted_time_s=None if priced is None else priced.time_s,
             activation_bytes=None if priced is None else priced.activation_bytes,
             inner=self.inner)
@@ -121,6 +129,7 @@ def prepare(fun: Callable, flat_args, is_param: list[bool], request: StageReques
         raise PipelineError(
             f"the layer stack has {full.layers} layers, which {stages} stages (mesh axis "
             f"{request.axis!r}) do not divide; use a stage count that divides {full.layers}.")
+    virtual = _virtual_stages(request, full.layers, stages)
     counts = ([_microbatches(request.microbatches, batch, stages)]
               if request.microbatches is not None or plan_layer is None
               else _microbatch_options(batch, stages))
@@ -128,20 +137,25 @@ def prepare(fun: Callable, flat_args, is_param: list[bool], request: StageReques
     for micro_n in counts:
         micro = _trace_micro(fun, flat_args, per_example, batch // micro_n, is_param, full)
         feasible = _feasible(request.schedule, full, micro, per_example, has_aux)
+        if virtual > 1 and micro_n < stages:
+            raise PipelineError(
+                f"the interleaved schedule needs at least as many microbatches as stages "
+                f"({micro_n} < {stages}); set `Pipeline(microbatches=...)` to at least {stages}.")
         if plan_layer is None:   # no pricing: 1f1b where it is exact (it holds the least)
             schedule, weight = feasible[-1]
             return Prepared(full=full, micro=micro, per_example=per_example, axis=request.axis,
                             stages=stages, microbatches=micro_n, schedule=schedule,
-                            loss_weight=weight)
+                            loss_weight=weight, virtual_stages=virtual)
         layer = plan_layer(micro)
         for schedule, weight in feasible:
-            priced = search.price(schedule, stages, micro_n, full.layers // stages, layer)
+            priced = search.price(schedule, stages, micro_n, full.layers // stages, layer,
+                                  virtual)
             options.append((priced, micro, weight))
     chosen = search.best([o[0] for o in options], request.activation_budget_bytes)
     _, micro, weight = next(o for o in options if o[0] is chosen)
     return Prepared(full=full, micro=micro, per_example=per_example, axis=request.axis,
                     stages=stages, microbatches=chosen.microbatches, schedule=chosen.schedule,
-                    loss_weight=weight, priced=chosen)
+                    loss_weight=weight, virtual_stages=virtual, priced=chosen)
 
 
 def _batch_size(stack: split.Stack) -> int:
@@ -192,6 +206,19 @@ def _default_microbatches(batch: int, stages: int) -> int:
     return next((d for d in fits if d >= 2 * stages), fits[-1])
 
 
+def _virtual_stages(request: StageRequest, layers: int, stages: int) -> int:
+    """Layer chunks per stage: 1 unless the schedule is interleaved (default 2)."""
+    if request.schedule is not Schedule.INTERLEAVED:
+        return 1
+    v = request.virtual_stages or 2
+    if layers % (stages * v):
+        raise PipelineError(
+            f"the interleaved schedule cuts the {layers} layers into {stages} stages x {v} "
+            f"virtual stages = {stages * v} chunks, which does not divide them; choose "
+            f"`virtual_stages` so that {stages} x virtual_stages divides {layers}.")
+    return v
+
+
 def _microbatch_options(batch: int, stages: int) -> list[int]:
     """Microbatch counts the search prices: divisors of ``batch`` from ``stages`` up (fewer
     leave stages idle) that leave at least two examples each, at most
@@ -240,7 +267,7 @@ def _feasible(asked, full, micro, per_example, has_aux) -> list[tuple[Schedule, 
         raise PipelineError(
             f"`Pipeline(schedule={asked.value!r})` is not emitted yet; use "
             f"{' or '.join(repr(s.value) for s in sorted(EMITTED, key=lambda s: s.value))}.")
-    if asked is Schedule.GPIPE:
+    if asked in (Schedule.GPIPE, Schedule.INTERLEAVED):   # the loss runs on the whole batch
         return [(asked, 1.0)]
     try:
         ops = full.eqn.invars[: full.num_consts] + full.eqn.invars[full.num_consts + 1:]

@@ -35,7 +35,7 @@ class Schedule(enum.Enum):
 
 
 #: Schedules :mod:`autopar.passes.stages.emit` can emit today.
-EMITTED = frozenset({Schedule.GPIPE, Schedule.ONE_F_ONE_B})
+EMITTED = frozenset({Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED})
 
 
 def _check(stages: int, microbatches: int, virtual: int) -> None:

@@ -12,6 +12,7 @@ activation to the next stage. Times follow the emitted loops (:mod:`.emit`):
 schedule        time                                        activations held, per device
 ==============  ==========================================  ================================
 gpipe           (M + S - 1) (l t + 2 h)                     M l a n
+interleaved     (v M + S - 1) (l t / v + 2 h)               M l a n
 1f1b            (M + 2(S - 1)) (l t (1 + f) + 2 h)          (2S - 1) c + l a
 ==============  ==========================================  ================================
 
@@ -58,11 +59,12 @@ class Priced:
 
 
 def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: int,
-          layer: LayerPlan) -> Priced:
-    """``schedule`` with ``stages`` stages of ``layers_per_stage`` layers, priced."""
-    n = ticks(schedule, stages, microbatches)
-    stage_s = layers_per_stage * layer.time_s
-    if schedule is Schedule.GPIPE:
+          layer: LayerPlan, virtual: int = 1) -> Priced:
+    """``schedule`` with ``stages`` stages of ``layers_per_stage`` layers (in ``virtual``
+    chunks each, interleaved), priced."""
+    n = ticks(schedule, stages, microbatches, virtual)
+    stage_s = layers_per_stage * layer.time_s / virtual
+    if schedule in (Schedule.GPIPE, Schedule.INTERLEAVED):
         time_s = n * (stage_s + 2 * layer.hop_s)
         held = microbatches * layers_per_stage * layer.kept_bytes * layer.devices
     elif schedule is Schedule.ONE_F_ONE_B:

@@ -2,6 +2,7 @@
 context, the scanned GPT's train step pipelined with GPipe and 1F1B computes what the
 single-device step computes, runs the schedule's tick count, and 1F1B holds less memory."""
 
+import dataclasses
 import functools
 import re
 
@@ -128,6 +129,23 @@ def test_pipelined_train_step_matches_one_device(gpt_case, axes, schedule, micro
     _close(got, expected)
 
 
+@pytest.mark.parametrize("axes, virtual", [({"stage": 4, "data": 2}, 2),
+                                           ({"stage": 2, "data": 2, "model": 2}, 4)])
+def test_interleaved_train_step_matches_one_device(axes, virtual):
+    config = gpt.Config(scan_layers=True, layers=8)
+    tx = common.make_optimizer()
+    _, args = gpt.make_train_step(config, tx=tx)
+    loss_fn = gpt._loss_fn(config)
+    expected = jax.jit(_step(jax.value_and_grad, loss_fn, tx))(*args)
+    step = _step(autopar.value_and_grad, loss_fn, tx)
+    settings = autopar.Pipeline(schedule="interleaved", virtual_stages=virtual, microbatches=4)
+    with pipelining(settings, _mesh(axes)) as context:
+        compiled = jax.jit(step).lower(*args).compile()
+    chosen = context.chosen[0]
+    assert chosen.virtual_stages == virtual and len(chosen.layer_ranges) == 8
+    _close(compiled(*args), expected)
+
+
 def _sharded_layer(micro):
     """A stage plan (as ``autopar._stage_plan`` makes them) with every layer matrix split on
     its last dim over ``model`` and the microbatch's rows over ``data``."""
@@ -191,14 +209,26 @@ def _compiled(schedule):
     """The value-and-grad of ACTIVATIONS's loss at 8 microbatches on (stage=4, data=2)."""
     _, (params, _, batch) = gpt.make_train_step(ACTIVATIONS)
     step = autopar.value_and_grad(gpt._loss_fn(ACTIVATIONS))
-    settings = autopar.Pipeline(schedule=schedule, microbatches=8)
+    settings = autopar.Pipeline(schedule=schedule, microbatches=8,
+                                virtual_stages=1 if schedule == "interleaved" else None)
     return _pipelined(step, settings, _mesh({"stage": 4, "data": 2}))(params, batch)
 
 
-@pytest.mark.parametrize("schedule, loops", [("gpipe", [11, 11]), ("1f1b", [14])])
+@pytest.mark.parametrize("schedule, loops", [("gpipe", [11, 11]), ("1f1b", [14]),
+                                             ("interleaved", [11, 11])])
 def test_compiled_loop_runs_the_schedule_s_ticks(schedule, loops):
+    # interleaved with v = 1 (4 layers on 4 stages) runs GPipe's ticks; v M + S - 1 in general
     hlo = _compiled(schedule).as_text()
     assert sorted(_loops_with_permutes(hlo)) == loops  # GPipe: forward and backward loops
+
+
+def test_interleaved_loop_runs_v_m_plus_s_minus_1_ticks():
+    config = dataclasses.replace(ACTIVATIONS, layers=8)
+    _, (params, _, batch) = gpt.make_train_step(config)
+    step = autopar.value_and_grad(gpt._loss_fn(config))
+    settings = autopar.Pipeline(schedule="interleaved", virtual_stages=2, microbatches=8)
+    hlo = _pipelined(step, settings, _mesh({"stage": 4, "data": 2}))(params, batch).as_text()
+    assert sorted(_loops_with_permutes(hlo)) == [19, 19]   # 2 * 8 + 4 - 1
 
 
 def test_1f1b_holds_less_than_gpipe_at_eight_microbatches():

@@ -41,6 +41,20 @@ def test_pipelined_plan_computes_the_single_device_step(case, mesh, schedule):
     assert f"Pipeline over `stage`: {stages} stages" in plan.report()
 
 
+def test_interleaved_plan_computes_the_single_device_step(case):
+    step, args, expected = case
+    plan = autopar.plan(step, *args, mesh={"stage": 2, "data": 2, "model": 2}, hardware="h100",
+                        pipeline=autopar.Pipeline(schedule="interleaved", virtual_stages=2,
+                                                  microbatches=2))
+    assert plan.pipeline["virtual_stages"] == 2
+    assert plan.pipeline["layer_ranges"] == [(0, 1), (1, 2), (2, 3), (3, 4)]   # chunk c
+    assert plan.pipeline["ticks"] == 2 * 2 + 2 - 1
+    got = plan.jit()(*args)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y),
+                                                         rtol=2e-3, atol=2e-5), got, expected)
+    assert "pipelined layers take" in plan.report()
+
+
 def test_without_a_pipeline_the_marked_step_plans_as_before(case):
     step, args, _ = case
     for pipeline in (None, "auto"):
