@@ -50,6 +50,7 @@ class Config:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     annotate: bool = False
+    scan_layers: bool = False   # stack the blocks (nnx.vmap) and run them with nnx.scan
 
     @property
     def head_dim(self) -> int:
@@ -180,14 +181,30 @@ class Llama(nnx.Module):
             ),
             rngs=rngs,
         )
-        self.layers = nnx.List([Block(c, rngs) for _ in range(c.layers)])
+        if c.scan_layers:
+            @nnx.split_rngs(splits=c.layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def stacked(rngs):
+                return Block(c, rngs)
+
+            self.blocks = stacked(rngs)
+        else:
+            self.layers = nnx.List([Block(c, rngs) for _ in range(c.layers)])
         self.norm = RMSNorm(c, rngs)
         self.lm_head = _linear(c, c.hidden, c.vocab, _COLUMN, rngs)
+        self.scan_layers = c.scan_layers
 
     def __call__(self, tokens):
         x = self.embed(tokens)
-        for block in self.layers:
-            x = block(x)
+        if self.scan_layers:
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def run(x, block):
+                return block(x)
+
+            x = run(x, self.blocks)
+        else:
+            for block in self.layers:
+                x = block(x)
         return self.lm_head(self.norm(x))
 
 

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import autopar
 from autopar._pipeline import pipelining
 from autopar.errors import ArgumentError, PipelineError
-from autopar.models import common, gpt
+from autopar.models import common, gpt, llama_nnx
 from autopar.passes.stages import search
 from autopar.passes.stages.prepare import Inner
 
@@ -144,6 +144,21 @@ def test_interleaved_train_step_matches_one_device(axes, virtual):
     chosen = context.chosen[0]
     assert chosen.virtual_stages == virtual and len(chosen.layer_ranges) == 8
     _close(compiled(*args), expected)
+
+
+@pytest.mark.parametrize("axes", [{"stage": 4, "data": 2}, {"stage": 2, "data": 2, "model": 2}])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_scanned_nnx_llama_pipelines_match_one_device(axes, schedule):
+    config = llama_nnx.Config(scan_layers=True, layers=8, seq=8, batch=8)
+    tx = common.make_optimizer()
+    graphdef, state = llama_nnx._split(config, abstract=False)
+    args = (state, jax.jit(tx.init)(state), llama_nnx._batch(config, abstract=False))
+    loss_fn = llama_nnx._loss_fn(graphdef)
+    expected = jax.jit(_step(jax.value_and_grad, loss_fn, tx))(*args)
+    step = _step(autopar.value_and_grad, loss_fn, tx)
+    settings = autopar.Pipeline(schedule=schedule, microbatches=4)
+    got = _pipelined(step, settings, _mesh(axes), schedule)(*args)(*args)
+    _close(got, expected)
 
 
 def _sharded_layer(micro):
