@@ -9,10 +9,12 @@ activations and cotangents move with ``lax.ppermute``.
 
 - GPipe: only the layer stack is pipelined; ``pre`` and ``post`` run on the whole batch
   outside the region, and autodiff through the tick loop gives the backward.
-- 1F1B: one lockstep loop; at tick t stage s runs the forward of microbatch t - s and the
+- 1F1B: lockstep ticks; at tick t stage s runs the forward of microbatch t - s and the
   backward (``jax.vjp``, recomputing the stage from a stashed input) of microbatch
   t - 2(S-1) + s. The last stage computes each microbatch's loss and its cotangent in the same
-  tick. The result is a ``jax.custom_vjp`` whose forward runs the whole loop.
+  tick. The ticks run as three loops (:func:`phases`: warmup forwards, steady, cooldown
+  backwards), so no tick computes a slot no stage needs. The result is a ``jax.custom_vjp``
+  whose forward runs the whole schedule.
 
 Idle slots are masked with ``jnp.where``, never skipped with a device-varying ``lax.cond``
 (which can hang under grad). Invariant operands are ``pcast`` to varying before per-device
@@ -263,8 +265,12 @@ def _one_f_one_b_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
                      d_mbs=_varying(jnp.zeros_like(mbs), axis),
                      loss=_varying(jnp.zeros((), jnp.float32), axis))
         fixed = (consts, mbs, xs, float_ins, other_ins)
-        n_ticks = ticks(Schedule.ONE_F_ONE_B, prep.stages, n_micro)
-        end, _ = lax.scan(lambda c, t: (tick(fixed, c, t), None), start, jnp.arange(n_ticks))
+        end = start
+        for first, stop, forward, backward in phases(prep.stages, n_micro):
+            if stop > first:
+                end, _ = lax.scan(lambda c, t, f=forward, b=backward: (tick(fixed, c, t, f, b),
+                                                                         None),
+                                  end, jnp.arange(first, stop))
         w = prep.loss_weight
         total = lambda t: _psum(t, axis)  # noqa: E731
         d_consts, d_mbs, d_xs = held(total(end["d_consts"]), total(end["d_mbs"]), end["d_xs"])
@@ -278,6 +284,15 @@ def _one_f_one_b_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
     )(consts, mbs, xs, float_ins, other_ins)
     value, d_post, d_consts, d_mbs, d_xs = out
     return value, d_post, d_consts, d_mbs.reshape(carry.shape), d_xs
+
+
+def phases(stages: int, microbatches: int) -> list[tuple[int, int, bool, bool]]:
+    """The 1F1B loop's phases, ``(first tick, stop, forward, backward)``: S-1 warmup ticks
+    with forwards only, M steady ticks with both, S-1 cooldown ticks with backwards only
+    (no stage has the other slot's work there, so it is not computed)."""
+    s, m = stages, microbatches
+    return [(0, s - 1, True, False), (s - 1, m + s - 1, True, True),
+            (m + s - 1, m + 2 * (s - 1), False, True)]
 
 
 def _one_f_one_b_tick(prep: Prepared, kinds, rows: int) -> Callable:
@@ -299,35 +314,42 @@ def _one_f_one_b_tick(prep: Prepared, kinds, rows: int) -> Callable:
     def masked_add(acc, new, keep):
         return jax.tree.map(lambda a, b: a + jnp.where(keep, b, jnp.zeros_like(b)), acc, new)
 
-    def tick(fixed, c, t):
+    def tick(fixed, c, t, forward: bool, backward: bool):
+        """One tick; ``forward``/``backward``: whether any stage has that slot's work in this
+        phase (warmup: forward only, steady: both, cooldown: backward only)."""
         consts, mbs, xs, float_ins, other_ins = fixed
         s = lax.axis_index(axis)
         last = s == n_stages - 1
-        # forward slot: microbatch t - s
-        i_f = t - s
-        ok_f = (i_f >= 0) & (i_f < n_micro)
-        j_f = jnp.clip(i_f, 0, n_micro - 1)
-        x = jnp.where(s == 0, mbs[j_f], c["fwd"])
-        y = stage(consts, x, xs)
-        slot = i_f % n_slots
-        stash = lax.dynamic_update_index_in_dim(
-            c["stash"], jnp.where(ok_f, x, c["stash"][slot]), slot, 0)
-        loss, (dy, d_post) = jax.value_and_grad(micro_loss, argnums=(0, 1))(
-            y, float_ins, other_ins, j_f)
-        take = ok_f & last
-        # backward slot: microbatch t - 2(S-1) + s (the same one on the last stage)
-        i_b = t - 2 * (n_stages - 1) + s
-        ok_b = (i_b >= 0) & (i_b < n_micro)
-        j_b = jnp.clip(i_b, 0, n_micro - 1)
-        ct = jnp.where(last, dy * prep.loss_weight, c["bwd"])
-        _, pull = jax.vjp(stage, consts, stash[i_b % n_slots], xs)
-        d_consts, dx, d_xs = pull(ct.astype(y.dtype))
-        d_mbs = lax.dynamic_update_index_in_dim(
-            c["d_mbs"], jnp.where(ok_b & (s == 0), dx, c["d_mbs"][j_b]), j_b, 0)
-        return dict(fwd=lax.ppermute(y, axis, fwd_pairs), bwd=lax.ppermute(dx, axis, bwd_pairs),
-                    stash=stash, d_xs=masked_add(c["d_xs"], d_xs, ok_b),
-                    d_consts=masked_add(c["d_consts"], d_consts, ok_b),
-                    d_post=masked_add(c["d_post"], d_post, take), d_mbs=d_mbs,
-                    loss=c["loss"] + jnp.where(take, loss, 0.0))
+        out = dict(c)
+        if forward:  # microbatch t - s
+            i_f = t - s
+            ok_f = (i_f >= 0) & (i_f < n_micro)
+            j_f = jnp.clip(i_f, 0, n_micro - 1)
+            x = jnp.where(s == 0, mbs[j_f], c["fwd"])
+            y = stage(consts, x, xs)
+            slot = i_f % n_slots
+            out["stash"] = lax.dynamic_update_index_in_dim(
+                c["stash"], jnp.where(ok_f, x, c["stash"][slot]), slot, 0)
+            out["fwd"] = lax.ppermute(y, axis, fwd_pairs)
+        ct = c["bwd"]
+        if forward and backward:  # the last stage's loss: only in the steady phase
+            loss, (dy, d_post) = jax.value_and_grad(micro_loss, argnums=(0, 1))(
+                y, float_ins, other_ins, j_f)
+            take = ok_f & last
+            out["d_post"] = masked_add(c["d_post"], d_post, take)
+            out["loss"] = c["loss"] + jnp.where(take, loss, 0.0)
+            ct = jnp.where(last, (dy * prep.loss_weight).astype(ct.dtype), ct)
+        if backward:  # microbatch t - 2(S-1) + s (the same one on the last stage)
+            i_b = t - 2 * (n_stages - 1) + s
+            ok_b = (i_b >= 0) & (i_b < n_micro)
+            j_b = jnp.clip(i_b, 0, n_micro - 1)
+            _, pull = jax.vjp(stage, consts, out["stash"][i_b % n_slots], xs)
+            d_consts, dx, d_xs = pull(ct)
+            out["d_mbs"] = lax.dynamic_update_index_in_dim(
+                c["d_mbs"], jnp.where(ok_b & (s == 0), dx, c["d_mbs"][j_b]), j_b, 0)
+            out["bwd"] = lax.ppermute(dx, axis, bwd_pairs)
+            out["d_xs"] = masked_add(c["d_xs"], d_xs, ok_b)
+            out["d_consts"] = masked_add(c["d_consts"], d_consts, ok_b)
+        return out
 
     return tick

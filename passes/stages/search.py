@@ -13,12 +13,14 @@ schedule        time                                        activations held, pe
 ==============  ==========================================  ================================
 gpipe           (M + S - 1) (l t + 2 h)                     M l a n
 interleaved     (v M + S - 1) (l t / v + 2 h)               M l a n
-1f1b            (M + 2(S - 1)) (l t (1 + f) + 2 h)          (2S - 1) c + l a
+1f1b            (S - 1) (l t f + h) + M (l t (1 + f) + 2 h)  (2S - 1) c + l a
+                + (S - 1) (l t + h)
 ==============  ==========================================  ================================
 
 with l layers per stage, t one layer's forward and backward on a microbatch, h one hop, a
-its kept activations, c one microbatch's stage input, f = 1/3 the forward the lockstep
-1F1B recomputes (its backward slot re-runs the stage from the stashed input), and n the
+its kept activations, c one microbatch's stage input, f = 1/3 a forward's share of t (1F1B's
+warmup ticks run forwards only, its cooldown ticks backwards only, and a backward re-runs the
+stage's forward from the stashed input), and n the
 devices of a stage: GPipe's backward is jax's autodiff through the region, whose residuals
 leave it replicated over the other mesh axes (the compiled 26B GPT of the pipeline benchmark
 holds 275 GiB of them per device at M = 4), so GPipe fits only where activations are small.
@@ -68,7 +70,10 @@ def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: 
         time_s = n * (stage_s + 2 * layer.hop_s)
         held = microbatches * layers_per_stage * layer.kept_bytes * layer.devices
     elif schedule is Schedule.ONE_F_ONE_B:
-        time_s = n * (stage_s * (1 + FORWARD_SHARE) + 2 * layer.hop_s)
+        ramp = stages - 1
+        time_s = (ramp * (stage_s * FORWARD_SHARE + layer.hop_s)
+                  + microbatches * (stage_s * (1 + FORWARD_SHARE) + 2 * layer.hop_s)
+                  + ramp * (stage_s + layer.hop_s))
         held = stash_slots(stages) * layer.carry_bytes + layers_per_stage * layer.kept_bytes
     else:
         raise ValueError(f"{schedule} is not emitted")

@@ -229,12 +229,14 @@ def _compiled(schedule):
     return _pipelined(step, settings, _mesh({"stage": 4, "data": 2}))(params, batch)
 
 
-@pytest.mark.parametrize("schedule, loops", [("gpipe", [11, 11]), ("1f1b", [14]),
+@pytest.mark.parametrize("schedule, loops", [("gpipe", [11, 11]), ("1f1b", [3, 3, 8]),
                                              ("interleaved", [11, 11])])
 def test_compiled_loop_runs_the_schedule_s_ticks(schedule, loops):
-    # interleaved with v = 1 (4 layers on 4 stages) runs GPipe's ticks; v M + S - 1 in general
+    # GPipe: forward and backward loops of M + S - 1 ticks; 1F1B: warmup, steady and cooldown
+    # loops of S - 1, M and S - 1 ticks (M + 2(S - 1) in all); interleaved with v = 1 (4
+    # layers on 4 stages) runs GPipe's ticks, v M + S - 1 in general
     hlo = _compiled(schedule).as_text()
-    assert sorted(_loops_with_permutes(hlo)) == loops  # GPipe: forward and backward loops
+    assert sorted(_loops_with_permutes(hlo)) == loops
 
 
 def test_interleaved_loop_runs_v_m_plus_s_minus_1_ticks():

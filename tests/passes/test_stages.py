@@ -146,9 +146,10 @@ LAYER = search.LayerPlan(inner=None, time_s=1.0, kept_bytes=100, carry_bytes=10,
 @pytest.mark.parametrize("schedule, s, m, l, time_s, held", [
     # gpipe: (M + S - 1) ticks of (l t + 2 h); M l a n held
     (G, 4, 8, 2, 11 * (2 + 1), 8 * 2 * 100 * 2),
-    # 1f1b: (M + 2(S-1)) ticks of (l t (1 + 1/3) + 2 h); (2S - 1) c + l a held
-    (F, 4, 8, 2, 14 * (2 * 4 / 3 + 1), 7 * 10 + 2 * 100),
-    (F, 2, 4, 1, 6 * (4 / 3 + 1), 3 * 10 + 100),
+    # 1f1b: S-1 warmup ticks of (l t / 3 + h), M steady ticks of (l t (1 + 1/3) + 2 h), S-1
+    # cooldown ticks of (l t + h); (2S - 1) c + l a held
+    (F, 4, 8, 2, 3 * (2 / 3 + 0.5) + 8 * (2 * 4 / 3 + 1) + 3 * (2 + 0.5), 7 * 10 + 2 * 100),
+    (F, 2, 4, 1, 1 * (1 / 3 + 0.5) + 4 * (4 / 3 + 1) + 1 * (1 + 0.5), 3 * 10 + 100),
 ])
 def test_search_prices_each_schedule_by_its_emitted_loop(schedule, s, m, l, time_s, held):
     priced = search.price(schedule, s, m, l, LAYER)
