@@ -12,8 +12,9 @@ activations and cotangents move with ``lax.ppermute``.
 - 1F1B: lockstep ticks; at tick t stage s runs the forward of microbatch t - s and the
   backward (``jax.vjp``, recomputing the stage from a stashed input) of microbatch
   t - 2(S-1) + s. The last stage computes each microbatch's loss and its cotangent in the same
-  tick. The ticks run as three loops (:func:`phases`: warmup forwards, steady, cooldown
-  backwards), so no tick computes a slot no stage needs. The result is a ``jax.custom_vjp``
+  tick. Each tick runs its phase's branch (:func:`phases`: warmup forwards, steady, cooldown
+  backwards; a ``lax.switch`` on the tick, the same on every device), so no tick computes a
+  slot no stage needs. The result is a ``jax.custom_vjp``
   whose forward runs the whole schedule.
 
 Idle slots are masked with ``jnp.where``, never skipped with a device-varying ``lax.cond``
@@ -23,6 +24,7 @@ derivatives are taken, so each gradient is masked per device and summed once at 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -265,12 +267,15 @@ def _one_f_one_b_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
                      d_mbs=_varying(jnp.zeros_like(mbs), axis),
                      loss=_varying(jnp.zeros((), jnp.float32), axis))
         fixed = (consts, mbs, xs, float_ins, other_ins)
-        end = start
-        for first, stop, forward, backward in phases(prep.stages, n_micro):
-            if stop > first:
-                end, _ = lax.scan(lambda c, t, f=forward, b=backward: (tick(fixed, c, t, f, b),
-                                                                         None),
-                                  end, jnp.arange(first, stop))
+        spans = phases(prep.stages, n_micro)
+        branches = [functools.partial(tick, fixed, forward=f, backward=b)
+                    for _, _, f, b in spans]
+
+        def step(c, t):  # the phase is the same on every device: no device-varying branch
+            phase = (t >= spans[1][0]).astype(jnp.int32) + (t >= spans[2][0]).astype(jnp.int32)
+            return lax.switch(phase, branches, c, t), None
+
+        end, _ = lax.scan(step, start, jnp.arange(spans[-1][1]))
         w = prep.loss_weight
         total = lambda t: _psum(t, axis)  # noqa: E731
         d_consts, d_mbs, d_xs = held(total(end["d_consts"]), total(end["d_mbs"]), end["d_xs"])
@@ -314,7 +319,7 @@ def _one_f_one_b_tick(prep: Prepared, kinds, rows: int) -> Callable:
     def masked_add(acc, new, keep):
         return jax.tree.map(lambda a, b: a + jnp.where(keep, b, jnp.zeros_like(b)), acc, new)
 
-    def tick(fixed, c, t, forward: bool, backward: bool):
+    def tick(fixed, c, t, *, forward: bool, backward: bool):
         """One tick; ``forward``/``backward``: whether any stage has that slot's work in this
         phase (warmup: forward only, steady: both, cooldown: backward only)."""
         consts, mbs, xs, float_ins, other_ins = fixed
