@@ -56,8 +56,8 @@ def test_multi_streamed_windowed_einsum_is_off_on_jaxlib_0_10_2(monkeypatch):
     assert "0.10.2" in multi.broken_on_jaxlib and "39200" in multi.bug
     # On a CPU device every GPU option is skipped; on 0.10.2 the note names the bug first.
     monkeypatch.setattr(bo, "jaxlib_version", lambda: "0.10.2")
-    note = dict(zip(_names(n := bo.choose(get_profile("h100"), jax.devices()[0])), n))
-    assert not note[multi.name].is_set and "jax#39200" in note[multi.name].why
+    notes = {n.name: n for n in bo.choose(get_profile("h100"), jax.devices()[0])}
+    assert not notes[multi.name].is_set and "jax#39200" in notes[multi.name].why
 
 
 def test_gpu_and_tpu_options_skipped_on_cpu_with_a_note():
