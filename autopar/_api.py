@@ -25,7 +25,8 @@ from autopar.errors import ArgumentError, InfeasiblePlanError, PipelineError
 from autopar.passes.estimate import estimate, plan_collectives
 from autopar.cost_model.hardware import axis_levels, get_profile
 from autopar.passes.annotate import flatten_hints, to_spec
-from autopar.passes.emit import compiler_options
+from autopar.passes.backend_options import as_options, choose
+from autopar.passes.emit import compiler_option_notes
 from autopar.passes.flax_metadata import check as check_metadata
 from autopar.passes.flax_metadata import merge as merge_hints
 from autopar.passes.flax_metadata import metadata_hints, traced_under_rules
@@ -343,12 +344,15 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
              "timings_s": result.timings_s, **result.ilp_stats,
              "remat": result.remat.to_dict() if result.remat else None,
              "loss_marked": marked}
+    device = jax_mesh.devices.flat[0]
+    option_notes = choose(profile, device, compiler_option_notes(graph, device.platform))
+    stats["compiler_options"] = [n.to_dict() for n in option_notes]
     return Plan(jax_mesh, shardings(graph.input_nodes, traced.in_tree, "in"),
                 shardings(graph.output_nodes, traced.out_tree, "out"), est, profile.name,
                 _paths(traced.in_tree), _paths(traced.out_tree), result.fallbacks, stats,
                 result.flat_fn, traced.in_tree, traced.out_tree, traced.in_avals,
                 (graph, strats, choice, comms),
-                compiler_options=compiler_options(graph, jax_mesh.devices.flat[0].platform),
+                compiler_options=as_options(option_notes),
                 pipeline=pipeline_record)
 
 

@@ -50,8 +50,13 @@ class Plan:
       donate_argnums: the arguments whose buffers the program reuses for its results (set by
         ``parallelize(donate_argnums=...)`` or :meth:`with_donation`); the peak memory
         estimate counts them.
-      compiler_options: XLA options :meth:`jit` compiles the program with (on XLA:CPU, a
-        rematerialized plan keeps its optimization barriers: ``passes.emit.compiler_options``).
+      compiler_options: XLA options :meth:`jit` compiles the program with: those the program
+        needs (on XLA:CPU, a rematerialized plan keeps its optimization barriers), and those
+        that let the hardware profile's backend overlap communication (asynchronous
+        collectives and latency-hiding scheduling on GPU, collective fusion and windowed
+        einsum on TPU; ``passes.backend_options``), each set only when the program compiles
+        for that backend and its compiler takes it. ``stats["compiler_options"]`` and the
+        report list every option considered: set and why, or skipped and why not.
       pipeline: None when the plan does not pipeline; else what it runs: ``axis``,
         ``stages``, ``layer_ranges`` ([first, last) layer per stage), ``microbatches``,
         ``schedule``, ``virtual_stages``, ``ticks`` and the predicted ``bubble_fraction``.

@@ -75,6 +75,7 @@ def render_text(plan, baselines: dict | None = None) -> str:
     if plan._details is not None:
         lines += ["", "Collectives chosen (grouped by where they come from):"]
         lines += _collective_lines(plan)
+    lines += _option_lines(plan.stats.get("compiler_options"))
     lines += ["", "Fallbacks (primitives with no sharding rule, planned replicated):"]
     lines += [f"  {p}: {n} use(s)" for p, n in sorted(plan.fallbacks.items())] or ["  none"]
     st = plan.stats
@@ -104,6 +105,17 @@ def _pipeline_lines(pipeline: dict | None) -> list[str]:
         lines.append(f"  each stage splits {len(split)} of its {len(inner['layer'])} layer "
                      f"parameters over the other axes; a microbatch's activation is "
                      f"{inner['carry'] if inner['carry'] not in (None, '()') else 'replicated'}")
+    return lines
+
+
+def _option_lines(notes: list[dict] | None) -> list[str]:
+    """The XLA options considered (``stats["compiler_options"]``): set and why, or skipped."""
+    if notes is None:
+        return []
+    chosen = [n for n in notes if n["set"]]
+    lines = ["", "XLA compiler options (plan.compiler_options; never XLA_FLAGS):"]
+    lines += [f"  set  {n['name']}={n['value']}: {n['why']}" for n in chosen] or ["  none set"]
+    lines += [f"  skip {n['name']}={n['value']}: {n['why']}" for n in notes if not n["set"]]
     return lines
 
 

@@ -126,9 +126,11 @@ def _progress(row: dict) -> str:
     if "error" in row:
         return f"{row['model']:>7} {row['mesh']:>6}  ERROR {row['error']}"
     ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
+    ours = row["programs"]["autopar"]
     return (f"{row['model']:>7} {row['mesh']:>6}  autopar "
-            f"{row['programs']['autopar']['step_time_s'] * 1e3:8.3f} ms, best baseline "
-            f"{row['best_baseline']}, ratio {ratio}, planned in {row['planning_s']:.1f} s "
+            f"{ours['step_time_s'] * 1e3:8.3f} ms, best baseline "
+            f"{row['best_baseline']}, ratio {ratio}, simulated {ours['makespan_s'] * 1e3:.3f} ms "
+            f"({ours['limit_ratio']:.2f}x the limit), planned in {row['planning_s']:.1f} s "
             f"({row['solver_status']}), row took {row['wall_s']:.0f} s")
 
 

@@ -1,6 +1,9 @@
 """One row of the sharding benchmark: autopar's plan and the hand-written baselines for one
 workload on one mesh, each compiled from ShapeDtypeStruct arguments and priced from its
-compiled HLO (``autopar._compare.measure``), never from autopar's own estimate.
+compiled HLO (``autopar._compare.measure``), never from autopar's own estimate: the reference
+step time (no overlap) and the simulated timeline's makespan and exposed communication, the
+makespan also as a ratio to the compute-only limit (``autopar._compare.compute_only_limit_s``,
+computed once per model, hardware and device count in each process).
 
 Programs are compiled with :data:`FAST_COMPILE`: XLA skips LLVM optimisation, which halves
 CPU compile time and changes no measure (SPMD partitioning, collectives, flops and buffer
@@ -9,6 +12,7 @@ assignment all run before it; ``tests/test_benchmarks.py`` checks the measures a
 
 from __future__ import annotations
 
+import functools
 import time
 import traceback
 
@@ -18,8 +22,8 @@ import jax.numpy as jnp
 import autopar
 from autopar import baselines
 from autopar._mesh import as_auto_mesh
-from autopar._compare import _baseline_kwargs, baseline_kinds, measure
-from benchmarks.workloads import abstract_train_step
+from autopar._compare import _baseline_kwargs, baseline_kinds, compute_only_limit_s, measure
+from benchmarks.workloads import WORKLOADS, abstract_train_step
 from autopar.cost_model.hardware import get_profile
 
 #: XLA options for the benchmark's compiles (see the module docstring).
@@ -38,10 +42,24 @@ def mesh_label(shape: tuple[int, ...]) -> str:
     return "x".join(str(n) for n in shape)
 
 
-def _measured_dict(m, profile) -> dict:
+def _measured_dict(m, profile, limit_s: float) -> dict:
     return {"step_time_s": m.step_time_s, "wire_bytes": m.wire_bytes, "flops": m.flops,
             "peak_memory_bytes": m.peak_memory_bytes, "fits": m.fits(profile),
-            "collectives": len(m.summary.collectives)}
+            "collectives": len(m.summary.collectives), "makespan_s": m.makespan_s,
+            "exposed_comm_s": m.exposed_comm_s, "limit_ratio": m.makespan_s / limit_s}
+
+
+def limit_s(model: str, hardware: str, dtype, devices: int) -> float:
+    """The compute-only limit of ``model``'s train step over ``devices`` devices on
+    ``hardware`` (``autopar._compare.compute_only_limit_s``), compiled once per process for
+    each workload configuration."""
+    return _limit_s(model, repr(WORKLOADS[model]), hardware, dtype, devices)
+
+
+@functools.lru_cache(maxsize=None)
+def _limit_s(model: str, _workload: str, hardware: str, dtype, devices: int) -> float:
+    fn, args = abstract_train_step(model)
+    return compute_only_limit_s(fn, args, get_profile(hardware), dtype, devices, FAST_COMPILE)
 
 
 def compile_plan(plan, args, compiler_options=None):
@@ -55,10 +73,11 @@ def compile_baseline(fn, args, mesh, kind: str, compiler_options=None):
     return jitted.lower(*args).compile(compiler_options=compiler_options)
 
 
-def best_baseline(programs: dict) -> str | None:
-    """The name of the fastest baseline that fits in memory (None if none fits)."""
+def best_baseline(programs: dict, by: str = "step_time_s") -> str | None:
+    """The name of the baseline that fits in memory with the least ``by`` (the reference step
+    time, or ``"makespan_s"``); None if none fits."""
     fitting = {k: v for k, v in programs.items() if k != "autopar" and v["fits"]}
-    return min(fitting, key=lambda k: fitting[k]["step_time_s"]) if fitting else None
+    return min(fitting, key=lambda k: fitting[k][by]) if fitting else None
 
 
 def run_row(model: str, shape: tuple[int, ...], hardware: str = "h100",
@@ -85,11 +104,13 @@ def _measure_row(model, shape, hardware, dtype, plan_kwargs) -> dict:
     start = time.perf_counter()
     plan = autopar.plan(fn, *args, mesh=mesh, hardware=profile, **plan_kwargs)
     planning_s = time.perf_counter() - start
+    limit = limit_s(model, hardware, dtype, mesh.devices.size)
     programs = {"autopar": _measured_dict(
-        measure("autopar", compile_plan(plan, args, FAST_COMPILE), profile, dtype), profile)}
+        measure("autopar", compile_plan(plan, args, FAST_COMPILE), profile, dtype), profile,
+        limit)}
     for kind in baseline_kinds(mesh, args):
         compiled = compile_baseline(fn, args, mesh, kind, FAST_COMPILE)
-        programs[kind] = _measured_dict(measure(kind, compiled, profile, dtype), profile)
+        programs[kind] = _measured_dict(measure(kind, compiled, profile, dtype), profile, limit)
     best = best_baseline(programs)
     ratio = (programs["autopar"]["step_time_s"] / programs[best]["step_time_s"]
              if best else None)
@@ -99,4 +120,6 @@ def _measure_row(model, shape, hardware, dtype, plan_kwargs) -> dict:
             "source": stats.get("source"), "ilp_objective_s": stats.get("ilp_objective_s"),
             "ilp_plan_step_s": ilp_plan_s,
             "predicted_step_time_s": plan.estimate.step_time_s, "programs": programs,
-            "best_baseline": best, "ratio": ratio, "devices": jax.device_count()}
+            "best_baseline": best, "ratio": ratio, "limit_s": limit,
+            "best_simulated_baseline": best_baseline(programs, "makespan_s"),
+            "devices": jax.device_count()}

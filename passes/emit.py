@@ -25,6 +25,7 @@ from autopar._compat import scan_counts
 from autopar.cost_model.collectives import plan_redistribute
 from autopar.passes.ir import Graph
 from autopar.cost_model.spec import Spec
+from autopar.passes.backend_options import OptionNote, as_options
 from autopar.passes.rules import info_of
 from autopar.passes.trace import CALLS, CUSTOM_CALLS, Traced, call_body
 
@@ -205,11 +206,20 @@ def build_flat_fn(traced: Traced, value_specs, node_in_specs, mesh) -> Callable:
     return flat_fn
 
 
-def compiler_options(graph: Graph, platform: str) -> dict:
-    """XLA options the planned program needs on ``platform``. XLA:CPU expands optimization
-    barriers early and then merges a rematerialized computation with its original (CSE), so
-    rematerialization (``passes.remat``, or ``jax.checkpoint`` in the program) would save no
-    memory there; keeping the barriers makes it behave as XLA:GPU and XLA:TPU do."""
+def compiler_option_notes(graph: Graph, platform: str) -> tuple[OptionNote, ...]:
+    """XLA options the planned program needs on ``platform``, whatever the hardware profile.
+    XLA:CPU expands optimization barriers early and then merges a rematerialized computation
+    with its original (CSE), so rematerialization (``passes.remat``, or ``jax.checkpoint`` in
+    the program) would save no memory there; keeping the barriers makes it behave as XLA:GPU
+    and XLA:TPU do."""
     if platform == "cpu" and any(n.primitive is lax.optimization_barrier_p for n in graph.nodes):
-        return {"xla_disable_hlo_passes": "cse_barrier_expander"}
-    return {}
+        return (OptionNote(name="xla_disable_hlo_passes", value="cse_barrier_expander",
+                           is_set=True,
+                           why="XLA:CPU keeps the optimization barriers of rematerialized "
+                               "layers, so recomputation is not merged back (CSE)"),)
+    return ()
+
+
+def compiler_options(graph: Graph, platform: str) -> dict:
+    """:func:`compiler_option_notes` as a ``compiler_options`` dict."""
+    return as_options(compiler_option_notes(graph, platform))

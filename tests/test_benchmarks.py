@@ -6,12 +6,16 @@ import sys
 import types
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import autopar
 from benchmarks import run, sharding, workloads
+from autopar._mesh import as_auto_mesh
+from autopar.cost_model.hardware import get_profile
 from autopar.cost_model.hlo import analyze
+from autopar.cost_model.timeline import simulate
 from autopar.models import mlp
 
 
@@ -30,9 +34,40 @@ def test_one_tiny_row_writes_the_tables(tmp_path, monkeypatch, capsys):
     assert row["ratio"] == pytest.approx(ours["step_time_s"] / best["step_time_s"])
     assert all(best["step_time_s"] <= p["step_time_s"]
                for k, p in row["programs"].items() if k != "autopar" and p["fits"])
+    _check_simulated_columns(row, data["meta"])
     md = (tmp_path / "results.md").read_text()
     assert "| mlp | 2x4 |" in md and "## Every program" in md
+    assert "| autopar sim ms | autopar exposed ms | autopar / limit |" in md
+    assert f"| {_ms(ours['makespan_s'])} | {_ms(ours['exposed_comm_s'])} " \
+           f"| {ours['limit_ratio']:.2f} |" in md
     assert "| mlp | 2x4 |" in capsys.readouterr().out
+
+
+def _ms(seconds):
+    return f"{seconds * 1e3:.3f}"
+
+
+def _check_simulated_columns(row, meta):
+    """Every program has the timeline's makespan, exposed communication and ratio to the
+    compute-only limit, which is the single-device program's simulated step over the devices."""
+    fn, args = workloads.abstract_train_step("mlp")
+    single = jax.jit(fn).lower(*args).compile(compiler_options=sharding.FAST_COMPILE)
+    one_device = simulate(single.as_text(), get_profile("h100"), jnp.bfloat16)
+    assert row["limit_s"] == pytest.approx(one_device.step_time_s / meta["devices"])
+    assert one_device.exposed_comm_s == 0 and meta["devices"] == 8
+    for name, p in row["programs"].items():
+        assert 0 <= p["exposed_comm_s"] < p["makespan_s"], name
+        assert p["limit_ratio"] == pytest.approx(p["makespan_s"] / row["limit_s"]), name
+        # No program over 8 devices beats the single device's work split 8 ways by much
+        # (a sharded program can drop replicated work, never most of it).
+        assert p["limit_ratio"] > 0.5, name
+    fitting = {k: p for k, p in row["programs"].items() if k != "autopar" and p["fits"]}
+    assert row["best_simulated_baseline"] == min(fitting, key=lambda k: fitting[k]["makespan_s"])
+    compiled = sharding.compile_baseline(fn, args, as_auto_mesh(row["axes"]), "dp",
+                                         sharding.FAST_COMPILE)
+    timeline = simulate(compiled.as_text(), get_profile("h100"), jnp.bfloat16)
+    assert row["programs"]["dp"]["makespan_s"] == pytest.approx(timeline.step_time_s)
+    assert row["programs"]["dp"]["exposed_comm_s"] == pytest.approx(timeline.exposed_comm_s)
 
 
 def test_fast_compile_changes_no_measure(mesh_2d):
