@@ -2,7 +2,8 @@
 
 It holds the estimate (beside baselines when given), a bar chart of predicted time per layer
 (compute and communication), a chart of predicted memory over the program, the per-layer
-parameter shardings, the collectives chosen and the fallbacks.
+parameter shardings, the collectives chosen and the fallbacks; a pipelined plan's schedule as a
+Gantt chart, one row per stage.
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from __future__ import annotations
 import html
 
 from autopar._layers import layer_rows, memory_over_program
+from autopar.passes.stages.schedules import Schedule, slots
 from autopar._report import (
     _collective_lines,
     _fmt_bytes,
     _fmt_s,
+    _pipeline_lines,
     _remat_lines,
     _spec_str,
     outside_layers,
@@ -91,6 +94,47 @@ def _memory_svg(held: int, live: list[int]) -> str:
             f"({len(total)} operations) &#8594;</text></svg>")
 
 
+def _gantt_svg(pipeline: dict) -> str:
+    """The pipeline's schedule, one row per stage and one column per tick: forward slots in
+    blue, backward in orange, idle ticks blank."""
+    rows = slots(Schedule(pipeline["schedule"]), pipeline["stages"], pipeline["microbatches"],
+                 pipeline.get("virtual_stages", 1))
+    n = len(rows[0])
+    label_w, cell_h = 70, 22
+    cell_w = max(min((760 - label_w) / n, 48), 6)
+    parts = []
+    for s, row in enumerate(rows):
+        y = 8 + s * (cell_h + 4)
+        parts.append(f'<text x="{label_w - 6}" y="{y + 15}" text-anchor="end" font-size="12">'
+                     f"stage {s}</text>")
+        for t, slot in enumerate(row):
+            kinds = slot.split()
+            for j, kind in enumerate(kinds):
+                h = cell_h / len(kinds)
+                color = _COMPUTE if kind.startswith("F") else _COMM
+                parts.append(
+                    f'<rect x="{label_w + t * cell_w:.1f}" y="{y + j * h:.1f}" '
+                    f'width="{cell_w - 1:.1f}" height="{h:.1f}" fill="{color}">'
+                    f"<title>tick {t}: {html.escape(kind)}</title></rect>")
+            if slot and cell_w >= 30:
+                parts.append(f'<text x="{label_w + t * cell_w + 3:.1f}" y="{y + 14}" '
+                             f'font-size="10" fill="#fff">{html.escape(slot)}</text>')
+    height = 16 + len(rows) * (cell_h + 4)
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + n * cell_w + 10:.0f}" '
+            f'height="{height}">' + "".join(parts) + "</svg>")
+
+
+def _pipeline_section(plan) -> list[str]:
+    p = plan.pipeline
+    if p is None:
+        return []
+    return ["<h2>Pipeline schedule</h2>",
+            "<pre>" + html.escape("\n".join(_pipeline_lines(p)[1:])) + "</pre>",
+            (f'<div class="legend"><span style="background:{_COMPUTE}"></span>forward'
+             f'<span style="background:{_COMM}"></span>backward (ticks left to right)</div>'),
+            _gantt_svg(p)]
+
+
 def render_html(plan, baselines: dict | None = None) -> str:
     """The report as a self-contained HTML page."""
     mesh = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
@@ -120,6 +164,7 @@ def render_html(plan, baselines: dict | None = None) -> str:
         "<h2>Time per layer</h2>",
         (f'<div class="legend"><span style="background:{_COMPUTE}"></span>compute'
          f'<span style="background:{_COMM}"></span>communication</div>'), _bars_svg(rows),
+        *_pipeline_section(plan),
         "<h2>Memory over the program</h2>", _memory_svg(held, live),
         ("<pre>" + html.escape("\n".join(_remat_lines(plan.stats.get("remat"))[1:])) + "</pre>"
          if plan.stats.get("remat") else ""),

@@ -78,3 +78,34 @@ def in_flight(schedule: Schedule, stages: int, microbatches: int, stage: int) ->
 def stash_slots(stages: int) -> int:
     """Entries of the emitted 1F1B loop's ring of stage inputs: 2S - 1."""
     return 2 * stages - 1
+
+
+def slots(schedule: Schedule, stages: int, microbatches: int, virtual: int = 1
+          ) -> list[list[str]]:
+    """What each stage runs at each tick of the emitted loops, for the schedule's chart:
+    ``slots(...)[s][t]`` is ``"F3"`` (forward of microbatch 3), ``"B3"`` (its backward),
+    ``"F3 B0"`` (both, 1F1B), ``"F3.1"`` (interleaved: round 1), or ``""`` (idle). GPipe's and
+    the interleaved schedule's backward ticks (autodiff of the forward loop) follow their
+    forward ticks, in reverse."""
+    _check(stages, microbatches, virtual)
+    s_n, m = stages, microbatches
+    n = ticks(schedule, s_n, m, virtual)
+    if n is None:
+        raise ValueError(f"{schedule} is not emitted")
+    rows = []
+    for s in range(s_n):
+        row = []
+        for t in range(n):
+            if schedule is Schedule.ONE_F_ONE_B:
+                f, b = t - s, t - 2 * (s_n - 1) + s
+                row.append(" ".join(x for x, ok in ((f"F{f}", 0 <= f < m), (f"B{b}", 0 <= b < m))
+                                    if ok))
+            elif schedule is Schedule.INTERLEAVED and virtual > 1:
+                k = t - s
+                row.append(f"F{k % m}.{k // m}" if 0 <= k < m * virtual else "")
+            else:
+                row.append(f"F{t - s}" if 0 <= t - s < m else "")
+        if schedule is not Schedule.ONE_F_ONE_B:   # the backward loop, reversed
+            row += [x.replace("F", "B") for x in reversed(row)]
+        rows.append(row)
+    return rows

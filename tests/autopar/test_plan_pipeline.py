@@ -2,11 +2,14 @@
 `autopar.value_and_grad` is planned with its scanned layers cut into stages, and the planned
 program computes what the single-device step computes."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
 
 import autopar
+from autopar._html import render_html
 from autopar.errors import ArgumentError, PipelineError
 from autopar.models import common, gpt
 from tests.autopar.test_pipeline import CONFIG, _step, gpt_case  # noqa: F401 (a fixture)
@@ -53,6 +56,11 @@ def test_interleaved_plan_computes_the_single_device_step(case):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y),
                                                          rtol=2e-3, atol=2e-5), got, expected)
     assert "pipelined layers take" in plan.report()
+    # the HTML report draws the schedule: one row per stage, a cell per busy slot
+    page = render_html(plan)
+    assert "<h2>Pipeline schedule</h2>" in page
+    assert page.count("stage 0</text>") == page.count("stage 1</text>") == 1
+    assert len(re.findall(r"<title>tick \d+: [FB]\d", page)) == 2 * (2 * 2 * 2)  # S (2 M v)
 
 
 def test_without_a_pipeline_the_marked_step_plans_as_before(case):

@@ -8,8 +8,8 @@ import pytest
 from autopar.errors import PipelineError
 from autopar.passes.stages import batch_axes, search, split
 from autopar.passes.stages.batch_axes import BatchSum, Mode
-from autopar.passes.stages.schedules import (Schedule, bubble_fraction, in_flight, stash_slots,
-                                             ticks)
+from autopar.passes.stages.schedules import (Schedule, bubble_fraction, in_flight, slots,
+                                             stash_slots, ticks)
 
 G, F, I, Z = Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZB_H1
 
@@ -164,3 +164,22 @@ def test_search_keeps_the_fastest_that_fits_else_the_smallest():
     assert search.best(options, 10).schedule is F             # none fits: the smallest
     with pytest.raises(ValueError, match="not emitted"):
         search.price(Schedule.ZB_H1, 4, 8, 2, LAYER)
+
+
+@pytest.mark.parametrize("schedule, s, m, v", [(G, 4, 8, 1), (F, 4, 8, 1), (F, 2, 3, 1),
+                                               (I, 2, 4, 2), (I, 4, 8, 2)])
+def test_chart_slots_run_every_microbatch_once_in_the_schedule_s_ticks(schedule, s, m, v):
+    rows = slots(schedule, s, m, v)
+    n = ticks(schedule, s, m, v)
+    assert len(rows) == s and all(len(r) == (n if schedule is F else 2 * n) for r in rows)
+    for row in rows:
+        work = [w for cell in row for w in cell.split()]
+        forward = sorted(w for w in work if w.startswith("F"))
+        backward = sorted(w for w in work if w.startswith("B"))
+        assert len(forward) == len(backward) == m * v
+        assert [w[1:] for w in forward] == [w[1:] for w in backward]
+    if schedule is F:   # the last stage runs a microbatch's backward in its forward's tick
+        assert rows[-1][s - 1] == "F0 B0"
+    idle = sum(cell == "" for row in rows for cell in row) / (len(rows) * len(rows[0]))
+    if schedule is not F:
+        assert idle == pytest.approx(bubble_fraction(schedule, s, m, v))
