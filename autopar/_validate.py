@@ -12,13 +12,17 @@ A collective kind is flagged when XLA runs something the plan did not price:
 * more than ``_EXCESS`` times the predicted wire bytes of a kind.
 
 Each of those is resharding the plan missed: a bug in a rule or in the redistribution planner.
+
+A pipelined plan also gets its schedule beside the compiled program: the predicted ticks beside
+the trip counts of the loops that run collective-permutes, and the per-stage peak beside the
+compiled peak.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from autopar.cost_model.hlo import analyze
+from autopar.cost_model.hlo import analyze, permute_loops
 
 #: Compiled wire bytes of a kind over this multiple of the prediction are flagged.
 _EXCESS = 1.10
@@ -56,7 +60,8 @@ def validate(plan) -> dict:
     ``flags``: kind -> why XLA's collectives of that kind exceed the plan's;
     ``unexpected_kinds``: the flagged kinds, sorted.
     """
-    summary = analyze(plan.compile())
+    compiled_program = plan.compile()
+    summary = analyze(compiled_program)
     predicted = predicted_by_kind(plan._details[3])
     compiled = {k.value: v for k, v in summary.by_kind().items()}
     flags = flag_kinds(predicted, compiled)
@@ -68,7 +73,21 @@ def validate(plan) -> dict:
                     for k in sorted(set(predicted) | set(compiled))},
         "flags": flags,
         "unexpected_kinds": sorted(flags),
+        "pipeline": _pipeline(plan.pipeline, compiled_program.as_text(),
+                              summary.peak_memory_bytes),
     }
+
+
+def _pipeline(pipeline: dict | None, hlo_text: str, peak_bytes: int) -> dict | None:
+    """A pipelined plan's schedule beside its compiled loops: the tick loops' trip counts
+    (GPipe and interleaved: a forward and a backward loop; 1F1B: one), the predicted bubble,
+    and the per-stage peak beside the compiled peak (every device runs the same program)."""
+    if pipeline is None:
+        return None
+    loops = 1 if pipeline["schedule"] == "1f1b" else 2
+    return {"ticks": ([pipeline["ticks"]] * loops, permute_loops(hlo_text)),
+            "bubble_fraction": pipeline["bubble_fraction"],
+            "stage_peak_bytes": (max(pipeline["stage_peak_bytes"]), peak_bytes)}
 
 
 def _ratio(predicted: float, compiled: float) -> str:
@@ -87,6 +106,13 @@ def validation_table(plan, result: dict | None = None) -> str:
         mark = f"  <- {v['flags'][kind]}" if kind in v["flags"] else ""
         lines.append(f"  {kind + ' (count, wire bytes)':<30}{f'{pn}, {pb:.4g}':>18}"
                      f"{f'{cn}, {cb:.4g}':>18}{_ratio(pb, cb):>8}{mark}")
+    if v.get("pipeline"):
+        p = v["pipeline"]
+        lines.append(f"  {'pipeline tick loops':<30}{str(p['ticks'][0]):>18}"
+                     f"{str(p['ticks'][1]):>18}")
+        pp, cp = p["stage_peak_bytes"]
+        lines.append(f"  {'per-stage peak bytes':<30}{pp:>18.4g}{cp:>18.4g}{_ratio(pp, cp):>8}")
+        lines.append(f"  predicted bubble {p['bubble_fraction']:.1%} of the tick loops")
     if v["flags"]:
         lines.append("  XLA runs collectives the plan did not predict: "
                      + ", ".join(v["unexpected_kinds"])

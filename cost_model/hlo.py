@@ -297,3 +297,32 @@ def analyze(compiled) -> HloSummary:
         temp_bytes=int(getattr(memory, "temp_size_in_bytes", 0)),
         alias_bytes=int(getattr(memory, "alias_size_in_bytes", 0)),
     )
+
+
+def permute_loops(hlo_text: str) -> list[int]:
+    """Trip counts of the ``while`` loops whose body runs a collective-permute (in the body
+    itself or in a conditional branch it calls, not in a nested loop): a pipeline's tick
+    loops. A loop without a known trip count reads 0."""
+    module = parse_module(hlo_text)
+
+    def permutes(name: str, seen: set) -> bool:
+        seen.add(name)
+        for instruction in module.computations.get(name, ()):
+            if instruction.opcode.startswith("collective-permute"):
+                return True
+            if instruction.opcode == "conditional" and any(
+                    permutes(b, seen) for b in instruction.called("branch_computations")
+                    if b not in seen):
+                return True
+        return False
+
+    found = []
+    for instructions in module.computations.values():
+        for instruction in instructions:
+            if instruction.opcode != "while":
+                continue
+            body = instruction.called("body")
+            if body and permutes(body[0], set()):
+                trips = _KNOWN_TRIP_COUNT.search(instruction.attributes)
+                found.append(int(trips.group(1)) if trips else 0)
+    return sorted(found)

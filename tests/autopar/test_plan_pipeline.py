@@ -38,6 +38,11 @@ def test_pipelined_plan_computes_the_single_device_step(case, mesh, schedule):
     # The stacked layer parameters live on their stage.
     kernel = plan.in_shardings[0]["blocks"]["qkv"]["kernel"]
     assert kernel.spec[0] == "stage"
+    # validate() puts the schedule beside the compiled loops
+    validated = plan.validate()
+    checked = validated["pipeline"]
+    assert checked["ticks"][0] == checked["ticks"][1]
+    assert "pipeline tick loops" in autopar._validate.validation_table(plan, validated)
     # Saved with the plan, and shown in the report.
     loaded = autopar.Plan.from_json(plan.to_json())
     assert loaded.pipeline == plan.pipeline
