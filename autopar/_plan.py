@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar._mesh import as_auto_mesh, on_explicit_axes
@@ -226,7 +227,12 @@ def _placed(x, sharding):
     eval step planned apart), or one on a mesh with Explicit (or Manual) axes, as the
     program runs on the same devices with Auto axes (``as_auto_mesh``) and jax refuses to
     mix the two meshes in one program. Other arguments pass as they are (``jax.jit`` places
-    them). A placed argument is a copy, so donating it frees the copy, not the original."""
+    them). Host arrays (numpy) are placed too: ``jax.jit`` would place them itself, but keyed
+    apart from the placed arrays later calls pass (the step's own results), so the program
+    would compile twice. A placed argument is a copy, so donating it frees the copy, not the
+    original."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return jax.device_put(x, sharding)
     if not isinstance(x, jax.Array):
         return x
     if on_explicit_axes(x) or (x.committed and not in_sharding(x, sharding)):

@@ -224,3 +224,15 @@ def test_arguments_committed_elsewhere_are_placed_as_planned():
                           (second.jit()(*stepped[:2], args[2]), want_next)):
         for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_host_arrays_and_the_step_s_own_results_share_one_compile(caplog):
+    step, args = mlp.make_train_step(mlp.TINY)
+    plan = autopar.plan(step, *args, mesh={"data": 2, "model": 4}, verbose=False)
+    run = plan.jit()
+    host = jax.tree.map(np.asarray, args)
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        out = run(*host)                       # numpy arrays, as the README's snippet passes
+        run(*out[:2], host[2])                 # the step's own results
+    compiles = [r for r in caplog.records if r.getMessage().startswith("Compiling jit(")]
+    assert len(compiles) == 1, [r.getMessage()[:80] for r in compiles]
