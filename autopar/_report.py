@@ -115,7 +115,12 @@ def _option_lines(notes: list[dict] | None) -> list[str]:
     chosen = [n for n in notes if n["set"]]
     lines = ["", "XLA compiler options (plan.compiler_options; never XLA_FLAGS):"]
     lines += [f"  set  {n['name']}={n['value']}: {n['why']}" for n in chosen] or ["  none set"]
-    lines += [f"  skip {n['name']}={n['value']}: {n['why']}" for n in notes if not n["set"]]
+    skipped: dict[str, list[str]] = {}   # why -> the options skipped for that reason
+    for n in notes:
+        if not n["set"]:
+            skipped.setdefault(n["why"], []).append(f"{n['name']}={n['value']}")
+    for why, names in skipped.items():
+        lines.append(f"  skip {', '.join(names)}: {why}")
     return lines
 
 

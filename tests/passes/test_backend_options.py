@@ -113,7 +113,7 @@ def test_plan_lists_options_and_compiles_with_them(hardware, mesh_2d):
     report = p.report()
     assert "XLA compiler options (plan.compiler_options" in report
     for n in notes:
-        assert f"skip {n['name']}={n['value']}: {n['why']}" in report
+        assert f"{n['name']}={n['value']}" in report and n["why"] in report
     np.testing.assert_allclose(p.jit()(*args), _mlp(*args), rtol=1e-5)
     assert autopar.Plan.from_json(p.to_json()).stats["compiler_options"] == notes
 
