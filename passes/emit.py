@@ -27,9 +27,15 @@ from autopar.passes.ir import Graph
 from autopar.cost_model.spec import Spec
 from autopar.passes.backend_options import OptionNote, as_options
 from autopar.passes.rules import info_of
+from autopar.passes.strategies import Rewrite, RewriteKind
 from autopar.passes.trace import CALLS, CUSTOM_CALLS, Traced, call_body
 
 _REGIONS = {P.scan_p: "emit_scan", P.while_p: "emit_while", P.cond_p: "emit_cond"}
+
+#: ``(emitter, eqn, operands moved to the strategy's in_specs, rewrite) -> results``: how a
+#: node whose strategy carries a :class:`Rewrite` of that kind is emitted.
+RewriteEmitter = Callable[["Emitter", Any, list, Rewrite], list]
+REWRITES: dict[RewriteKind, RewriteEmitter] = {}
 
 
 def _constrainable(x) -> bool:
@@ -39,10 +45,12 @@ def _constrainable(x) -> bool:
 
 class Emitter:
     def __init__(self, traced: Traced, value_specs: dict[int, Spec],
-                 node_in_specs: dict[int, tuple], mesh):
+                 node_in_specs: dict[int, tuple], mesh,
+                 node_rewrites: dict[int, Rewrite] | None = None):
         self.graph: Graph = traced.graph
         self.value_specs = value_specs        # value id -> spec of its producer's strategy
         self.node_in_specs = node_in_specs    # node id -> operand specs of its strategy
+        self.node_rewrites = node_rewrites or {}  # node id -> its strategy's rewrite
         self.mesh = mesh
         self.sizes_items = tuple(zip(mesh.axis_names, mesh.devices.shape))
         # value id -> a function rebuilding it, for recomputable values (broadcasts of a
@@ -118,6 +126,11 @@ class Emitter:
             invals = self.feed(invals, scope, eqn.invars, node, range(len(invals)))
         if info_of(eqn.primitive).pin_param is not None:
             return self.pin_results(scope, eqn.outvars, invals)
+        if node in self.node_rewrites:
+            rewrite = self.node_rewrites[node]
+            outs = REWRITES[rewrite.kind](self, eqn, invals, rewrite)
+            return self.pin_results(scope, eqn.outvars, outs)
+
         def bind():
             with eqn.ctx.manager:
                 return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
@@ -192,10 +205,12 @@ class Emitter:
         return self.pin_results(scope, eqn.outvars, list(jax.lax.switch(index, fns, *ops)))
 
 
-def build_flat_fn(traced: Traced, value_specs, node_in_specs, mesh) -> Callable:
+def build_flat_fn(traced: Traced, value_specs, node_in_specs, mesh,
+                  node_rewrites: dict[int, Rewrite] | None = None) -> Callable:
     """A function of the flat argument list that runs the planned program; its results are
-    already moved to the specs the output nodes chose."""
-    emitter = Emitter(traced, value_specs, node_in_specs, mesh)
+    already moved to the specs the output nodes chose. ``node_rewrites``: the nodes whose
+    strategy is emitted as a region (:data:`REWRITES`)."""
+    emitter = Emitter(traced, value_specs, node_in_specs, mesh, node_rewrites)
     closed = traced.closed_jaxpr
     graph = traced.graph
 

@@ -363,9 +363,11 @@ def _ilp(state: _State) -> Solution:
 def _emit(state: _State) -> _State:
     graph, strats, choice = state.traced.graph, state.strats, state.solution.choice
     specs = value_specs(graph, strats, choice)
-    node_in_specs = {n.id: strats[n.id][choice[n.id]].in_specs for n in graph.nodes}
+    taken = [strats[n.id][choice[n.id]] for n in graph.nodes]
+    node_in_specs = {n.id: s.in_specs for n, s in zip(graph.nodes, taken)}
+    rewrites = {n.id: s.rewrite for n, s in zip(graph.nodes, taken) if s.rewrite is not None}
     return replace(state, flat_fn=build_flat_fn(state.traced, specs, node_in_specs,
-                                                state.options.jax_mesh))
+                                                state.options.jax_mesh, rewrites))
 
 
 def _forced_remat(state: _State) -> Remat | None:

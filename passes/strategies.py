@@ -11,6 +11,7 @@ cost; resharding between strategies is the ILP's edge cost (``cost_model.collect
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import itertools
 import math
@@ -93,6 +94,20 @@ class MeshContext:
         return total
 
 
+class RewriteKind(enum.Enum):
+    """How a node is emitted when its strategy does not run the primitive as it is
+    (``passes.emit.REWRITES`` maps each kind to its emitter)."""
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """A strategy's emission as a ``jax.shard_map`` region instead of the primitive: its kind,
+    the mesh axes the region is manual over, and kind-specific settings."""
+    kind: RewriteKind
+    axes: tuple[str, ...]
+    params: tuple[tuple[str, object], ...] = ()
+
+
 @dataclass(frozen=True)
 class Strategy:
     in_specs: tuple[Spec | None, ...]   # None for a literal operand
@@ -101,6 +116,7 @@ class Strategy:
     compute_s: float
     comm_s: float
     collectives: tuple[CommStep, ...]   # reductions of partial results
+    rewrite: Rewrite | None = None      # None: the primitive, its values pinned
 
     @property
     def comm_bytes(self) -> float:
