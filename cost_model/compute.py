@@ -45,3 +45,10 @@ def roofline_s(flops: float, bytes_moved: float, profile, dtype, *, contraction:
         return max(flops / (peak * matmul_efficiency(profile, dims)),
                    bytes_moved / profile.hbm_bandwidth_bytes_per_s)
     return flops / peak
+
+
+def memory_bound_s(flops: float, bytes_moved: float, profile, dtype) -> float:
+    """max(compute, memory) time on one device of an op outside matrix units (elementwise,
+    layout, reductions): its flops at peak, or the bytes its kernel reads and writes."""
+    return max(flops / profile.peak_flops(dtype) if flops else 0.0,
+               bytes_moved / profile.hbm_bandwidth_bytes_per_s)

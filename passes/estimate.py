@@ -12,13 +12,17 @@ from autopar.passes.reductions import reduction_depths
 
 @dataclass(frozen=True)
 class Estimate:
-    """Per-device predictions for one call of the planned function."""
+    """Per-device predictions for one call of the planned function. ``step_time_s`` is the
+    makespan of the plan's simulated timeline (:func:`plan_makespan`): compute and
+    communication overlap where the dataflow lets them; ``exposed_comm_s`` is the part of it
+    no compute hides. ``comm_time_s`` is every collective's time, hidden or not."""
     step_time_s: float
     compute_time_s: float
     comm_time_s: float
     flops: float
     comm_bytes: float
     peak_memory_bytes: int
+    exposed_comm_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -32,6 +36,7 @@ class ChosenComm:
     node: int
     reason: str   # "reduce" (a partial result) or "reshard" (an operand in another spec)
     time_s: float = 0.0  # one execution, on the plan's mesh and profile
+    value: int | None = None  # the value a reshard moves (None for a reduction)
 
 
 def plan_collectives(graph: Graph, strats, choice, mesh) -> list[ChosenComm]:
@@ -63,7 +68,7 @@ def _collectives(graph: Graph, strats, choice, mesh) -> list[ChosenComm]:
             v = graph.values[vid]
             for step in mesh.reshard(src, s.in_specs[pos], v):
                 out.append(ChosenComm(step, node.edge_trip(pos), node.id, "reshard",
-                                      step.time_s(mesh.levels)))
+                                      step.time_s(mesh.levels), value=vid))
     return _with_combined_latency(out, mesh.levels, reduction_depths(graph))
 
 
@@ -125,7 +130,55 @@ def estimate(graph: Graph, strats, choice, mesh, comms: list[ChosenComm],
     comm_bytes = sum(c.step.wire_bytes * c.trips for c in comms)
     peak = (plan_peak_memory_bytes(graph, strats, choice, mesh.axis_sizes, mesh.results_held)
             if memory else 0)
-    return Estimate(compute_s + comm_s, compute_s, comm_s, flops, comm_bytes, peak)
+    makespan_s, exposed_s = plan_makespan(graph, strats, choice, mesh, comms)
+    return Estimate(step_time_s=makespan_s, compute_time_s=compute_s, comm_time_s=comm_s,
+                    flops=flops, comm_bytes=comm_bytes, peak_memory_bytes=peak,
+                    exposed_comm_s=exposed_s)
+
+
+def _stream(step: CommStep, levels) -> object:
+    """The communication stream a collective runs on: the slowest level its axes cross."""
+    return min((levels[a] for a in step.axes), key=lambda lv: lv.bandwidth_bytes_per_s).kind
+
+
+def plan_makespan(graph: Graph, strats, choice, mesh, comms: list[ChosenComm]
+                  ) -> tuple[float, float]:
+    """(makespan, exposed communication) of one device's step, simulated over the plan's
+    dataflow as the compiled program's timeline is (``cost_model.timeline``): nodes run one
+    at a time on the compute stream in program order once their operands are ready; a
+    reshard runs on its level's stream once the value is ready and the consumer waits for it;
+    a reduction runs once its node is done and its result waits for it. A node in a loop runs
+    its trips back to back, as one op of their total time."""
+    before: dict[int, list[ChosenComm]] = {}
+    after: dict[int, list[ChosenComm]] = {}
+    for c in comms:
+        (before if c.reason == "reshard" else after).setdefault(c.node, []).append(c)
+    ready: dict[int, float] = {}
+    streams: dict[object, float] = {}
+    clock = busy = 0.0
+
+    def run_comm(c: ChosenComm, start_s: float) -> float:
+        key = _stream(c.step, mesh.levels) if c.step.axes else None
+        begin = max(start_s, streams.get(key, 0.0))
+        streams[key] = begin + c.time_s * c.trips
+        return streams[key]
+
+    for node in graph.nodes:
+        s = strats[node.id][choice[node.id]]
+        moved: dict[int, float] = {}
+        for c in before.get(node.id, ()):
+            moved[c.value] = run_comm(c, max(moved.get(c.value, 0.0), ready.get(c.value, 0.0)))
+        start = max([clock] + [moved.get(v, ready.get(v, 0.0)) for v in node.ins
+                               if v is not None])
+        work = s.compute_s * node.trip_count
+        clock, busy = start + work, busy + work
+        done = clock
+        for c in after.get(node.id, ()):
+            done = run_comm(c, done)
+        for vid in node.outs:
+            ready[vid] = done
+    end = max([clock] + list(streams.values()) + list(ready.values()))
+    return end, end - busy
 
 
 def plan_peak_memory_bytes(graph: Graph, strats, choice, axis_sizes, results_held: bool,

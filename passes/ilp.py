@@ -7,8 +7,11 @@ Formulation (Alpa's intra-op ILP, with resharding edges compressed by spec class
   output tied to the input it replaces). Node ``n`` in group ``g`` takes strategy
   ``map_n[i]`` when ``s_g[i] = 1``. Built by :meth:`IlpBuilder.add_groups`.
 * ``sum(s_g) = 1`` for every group (:meth:`IlpBuilder.add_groups`).
-The objective is the estimate's step time (``passes.estimate``) wherever the model is exact,
-through the same cost functions:
+The objective is the estimate's serial time (``passes.estimate``: compute plus every
+collective) wherever the model is exact, through the same cost functions. The estimate's step
+time is the makespan of the plan's timeline, where collectives overlap the compute that does
+not wait for them (``passes.estimate.plan_makespan``); the ILP does not see that overlap, so
+the candidate plans it is compared with (``passes.candidates``) are ranked by the makespan.
 
 * Node costs. ``sum_i s_g[i] * sum_{n in g} trips_n * (compute + reduction bytes)(map_n[i])``,
   where compute counts the flops each device really does (replicated work is not free)

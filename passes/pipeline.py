@@ -31,7 +31,7 @@ from autopar.passes.annotate import annotate
 from autopar.passes.cluster import cluster
 from autopar.passes.dedup import Groups, node_keys, structural_colors, tie_groups
 from autopar.passes.emit import build_flat_fn
-from autopar.passes.estimate import value_specs
+from autopar.passes.estimate import estimate, plan_collectives, value_specs
 from autopar.passes.ir import Graph
 from autopar.passes.memory_budget import input_labels, peak_lower_bound_bytes
 from autopar.passes.propagate import propagate
@@ -344,11 +344,16 @@ def _ilp(state: _State) -> Solution:
     solution = solve(graph, state.strats, state.groups, o.mesh_ctx, time_limit_s=o.time_limit_s,
                      memory_budget_bytes=o.memory_budget_bytes, warm=state.candidates.plans,
                      progress=o.progress)
+    own = estimate(graph, state.strats, solution.choice, o.mesh_ctx,
+                   plan_collectives(graph, state.strats, solution.choice, o.mesh_ctx),
+                   memory=False)
     stats.update(ilp_edges_before=solution.edges_before, ilp_edges=solution.edges_after,
                  memory_rows=solution.memory_rows, memory_budget_bytes=o.memory_budget_bytes,
-                 # The ILP's own plan and its objective (with memory rows, penalties included):
-                 # candidates_step_s[ilp_plan] is the estimate's step time of the same plan.
-                 ilp_plan=solution.name, ilp_objective_s=solution.objective_us / 1e6)
+                 # The ILP's own plan and its objective (with memory rows, penalties included),
+                 # which prices the plan's serial time (compute plus every collective);
+                 # candidates_step_s[ilp_plan] is its makespan.
+                 ilp_plan=solution.name, ilp_objective_s=solution.objective_us / 1e6,
+                 ilp_plan_serial_s=own.compute_time_s + own.comm_time_s)
     o.progress(f"ILP: {solution.num_variables} variables, {solution.num_constraints} "
                f"constraints, {solution.edges_after} edge classes "
                f"({solution.edges_before} edges); {solution.status.value} in "

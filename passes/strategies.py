@@ -24,14 +24,14 @@ from jax.extend import core as jcore
 
 from autopar.errors import ShardingHintError
 from autopar.cost_model.collectives import CommStep, plan_redistribute, reduce_step, ring_steps
-from autopar.cost_model.compute import roofline_s
+from autopar.cost_model.compute import memory_bound_s, roofline_s
 from autopar.cost_model.hlo import CollectiveKind
 from autopar.passes import dedup
 from autopar.passes.reductions import is_combined_reduction
 from autopar.passes.ir import Graph, Node, NodeKind, Value, itemsize, recomputable
 from autopar.passes.rules import (DimMap, Reduce, RuleContext, dim_maps, op_flops,
                                   op_info)
-from autopar.cost_model.spec import Spec, spec_fits
+from autopar.cost_model.spec import Spec, local_bytes, spec_fits
 from autopar.errors import UnsupportedPrimitiveWarning
 
 
@@ -233,8 +233,80 @@ def _collectives(partial, finishes, pre_specs, node: Node, graph: Graph, mesh: M
     return tuple(steps)
 
 
-def node_strategies(node: Node, graph: Graph, mesh: MeshContext) -> tuple[list[Strategy], bool]:
-    """(strategies, is_fallback) for one node."""
+@dataclass(frozen=True)
+class FusionIO:
+    """Which of a node's operands and results cross a kernel boundary (XLA fuses elementwise
+    and layout ops into their consumers, and into reductions): the bytes its kernel reads
+    and writes from memory. None: every operand and result (a kernel of its own)."""
+    ins: tuple[bool, ...]
+    outs: tuple[bool, ...]
+
+
+def _fuses(info) -> bool:
+    return info.fusible and not info.reducing
+
+
+def _source(graph: Graph, vid: int) -> Node:
+    """The node that computes ``vid``, through free ops (reshapes, broadcasts: no kernel)."""
+    node = graph.nodes[graph.producer[vid][0]]
+    while node.kind is NodeKind.OP and op_info(node).free and node.ins and node.ins[0] is not None:
+        node = graph.nodes[graph.producer[node.ins[0]][0]]
+    return node
+
+
+def _readers(graph: Graph, vid: int, consumers: dict) -> list[Node]:
+    """The nodes that read ``vid``, through free ops."""
+    out = []
+    for w, _ in consumers.get(vid, ()):
+        node = graph.nodes[w]
+        if node.kind is NodeKind.OP and op_info(node).free and node.outs:
+            out += _readers(graph, node.outs[0], consumers)
+        else:
+            out.append(node)
+    return out
+
+
+def fusion_io(graph: Graph, node: Node, consumers: dict) -> FusionIO | None:
+    """The :class:`FusionIO` of ``node``: for a fusible or reducing op that is not free, an
+    operand is read from memory unless a fusible op computed it, and a fusible op's result is
+    written unless every reader fuses it (fusible or reducing ops); free ops (layout) are seen
+    through. None for the rest."""
+    info = op_info(node)
+    if node.kind is not NodeKind.OP or info.free or not (info.fusible or info.reducing):
+        return None
+
+    def fused(n: Node) -> bool:
+        return n.kind is NodeKind.OP and (_fuses(op_info(n)) or op_info(n).reducing)
+
+    ins = tuple(vid is not None and not (_source(graph, vid).kind is NodeKind.OP
+                                         and _fuses(op_info(_source(graph, vid))))
+                for vid in node.ins)
+    outs = []
+    for vid in node.outs:
+        readers = _readers(graph, vid, consumers)
+        outs.append(not _fuses(info) or not readers or not all(fused(r) for r in readers))
+    return FusionIO(ins, tuple(outs))
+
+
+def _fused_bytes(io: FusionIO, node: Node, graph: Graph, in_specs, out_specs,
+                 sizes: dict) -> float:
+    """Per-device bytes the node's kernel moves under ``io`` in these specs."""
+    total = 0.0
+    for keep, spec, (shape, dtype) in zip(io.ins, in_specs, node.in_avals):
+        if keep:
+            total += local_bytes(spec or Spec.replicated(len(shape)), shape, itemsize(dtype),
+                                 sizes)
+    for keep, spec, vid in zip(io.outs, out_specs, node.outs):
+        if keep:
+            v = graph.values[vid]
+            total += local_bytes(spec, v.shape, v.itemsize, sizes)
+    return total
+
+
+def node_strategies(node: Node, graph: Graph, mesh: MeshContext,
+                    io: FusionIO | None = None) -> tuple[list[Strategy], bool]:
+    """(strategies, is_fallback) for one node; ``io``: its :func:`fusion_io` (None: it moves
+    every operand and result)."""
     in_shapes = tuple(shape for shape, _ in node.in_avals)
     out_shapes = tuple(graph.values[v].shape for v in node.outs)
     ctx = RuleContext(in_shapes, out_shapes)
@@ -263,9 +335,14 @@ def node_strategies(node: Node, graph: Graph, mesh: MeshContext) -> tuple[list[S
             dims = info.matmul_dims([
                 shape if sp is None else sp.local_shape(shape, mesh.axis_sizes)
                 for sp, shape in zip(in_specs, in_shapes)], **node.params)
-        out.append(Strategy(in_specs, out_specs, f,
-                            roofline_s(f, moved / split, mesh.profile, dtype,
-                                       contraction=info.contraction, dims=dims) if flops else 0.0,
+        if io is None:
+            compute_s = roofline_s(f, moved / split, mesh.profile, dtype,
+                                   contraction=info.contraction, dims=dims) if flops else 0.0
+        else:
+            compute_s = memory_bound_s(
+                f, _fused_bytes(io, node, graph, in_specs, out_specs, mesh.axis_sizes),
+                mesh.profile, dtype)
+        out.append(Strategy(in_specs, out_specs, f, compute_s,
                             sum(s.time_s(mesh.levels) for s in steps), steps))
     assert out, f"no strategy for {node.prim}: replicate is always possible"
     return out, fallback
@@ -323,12 +400,15 @@ def build_strategies(graph: Graph, mesh: MeshContext, keys: list[tuple] | None =
     all_strats, fallbacks = [], {}
     keys = dedup.node_keys(graph) if keys is None else keys
     built: dict[tuple, tuple[list[Strategy], bool]] = {}
+    consumers = graph.consumers()
     for node, key in zip(graph.nodes, keys):
         if recomputable(graph, node):
             for vid in node.outs:
                 graph.values[vid] = dataclasses.replace(graph.values[vid], recomputable=True)
+        io = fusion_io(graph, node, consumers)
+        key = (key, io)
         if key not in built:
-            built[key] = node_strategies(node, graph, mesh)
+            built[key] = node_strategies(node, graph, mesh, io)
         strats, fallback = built[key]
         if node.pinned is not None:
             kept = _pin(strats, node.pinned)

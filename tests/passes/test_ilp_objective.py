@@ -1,7 +1,8 @@
 """The ILP's objective is the estimate: for the plan the ILP returns, its objective
-(``plan.stats["ilp_objective_s"]``) equals the estimate's step time of that plan
-(``plan.stats["candidates_step_s"][plan.stats["ilp_plan"]]``), on the sharding benchmark's
-workloads (realistic widths, compiled from ShapeDtypeStructs; planning only)."""
+(``plan.stats["ilp_objective_s"]``) equals the estimate's serial time of that plan, compute
+plus every collective (``plan.stats["ilp_plan_serial_s"]``), on the sharding benchmark's
+workloads (realistic widths, compiled from ShapeDtypeStructs; planning only). The estimate's
+step time, the makespan where collectives overlap compute, is at most the serial time."""
 
 import pytest
 
@@ -23,7 +24,8 @@ def test_ilp_objective_is_the_estimated_step_time(model, mesh):
     plan = autopar.plan(fn, *args, mesh=MESHES[mesh], hardware="h100")
     stats = plan.stats
     assert stats["source"] in ("ilp", "propagated")
-    estimated_s = stats["candidates_step_s"][stats["ilp_plan"]]
+    estimated_s = stats["ilp_plan_serial_s"]
+    assert stats["candidates_step_s"][stats["ilp_plan"]] <= estimated_s * (1 + 1e-9)
     gap = stats["ilp_objective_s"] / estimated_s - 1
     bound = OVER_ESTIMATED.get((model, mesh))
     if bound is None:
@@ -31,4 +33,5 @@ def test_ilp_objective_is_the_estimated_step_time(model, mesh):
     else:
         assert 0 <= gap <= bound, (stats["ilp_objective_s"], estimated_s)
     if stats["source"] == "ilp":
-        assert plan.estimate.step_time_s == pytest.approx(estimated_s, rel=1e-9)
+        serial_s = plan.estimate.compute_time_s + plan.estimate.comm_time_s
+        assert serial_s == pytest.approx(estimated_s, rel=1e-9)
