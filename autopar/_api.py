@@ -343,7 +343,7 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
              "solver_status": sol.name, "source": sol.source.value,
              "timings_s": result.timings_s, **result.ilp_stats,
              "remat": result.remat.to_dict() if result.remat else None,
-             "loss_marked": marked}
+             "loss_marked": marked, "hardware_default": hardware is None}
     device = jax_mesh.devices.flat[0]
     option_notes = choose(profile, device, compiler_option_notes(graph, device.platform))
     stats["compiler_options"] = [n.to_dict() for n in option_notes]

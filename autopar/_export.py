@@ -1,0 +1,205 @@
+"""A plan as a standalone Python module a user commits and runs with plain ``jax.jit``.
+
+The module defines ``MESH`` (axis name -> size), ``IN_SPECS`` and ``OUT_SPECS`` (PartitionSpec
+pytrees shaped like the arguments and the results), ``LOGICAL_AXIS_RULES`` and helpers that
+make the mesh and the NamedShardings. It imports only jax, numpy and the classes of the
+argument pytrees (optax states, ...). Pytree nodes it cannot write as code (a class defined
+in a function, a dataclass with static fields) make it write the specs flat, in
+``jax.tree_util`` order, with ``in_shardings(mesh, like=args)`` to rebuild the trees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from autopar._sizes import format_bytes, format_seconds
+
+
+class _NotCode(Exception):
+    """A pytree node with no plain-code form."""
+
+
+def _spec_code(spec: PartitionSpec) -> str:
+    return "P(" + ", ".join(repr(e) for e in spec) + ")"
+
+
+def _class_name(obj, imports: set[str]) -> str:
+    cls = type(obj)
+    module, name = cls.__module__, cls.__qualname__
+    if "." in name or "<" in name or module in ("__main__", "builtins"):
+        raise _NotCode(f"{module}.{name}")
+    try:
+        if getattr(importlib.import_module(module), name, None) is not cls:
+            raise _NotCode(f"{module}.{name}")
+    except ImportError:
+        raise _NotCode(f"{module}.{name}") from None
+    imports.add(f"from {module} import {name}")
+    return name
+
+
+def _code(obj, imports: set[str], indent: int = 0) -> str:
+    """Python source that builds ``obj`` (a pytree of NamedSharding leaves) with specs."""
+    pad, inner = "    " * indent, "    " * (indent + 1)
+    if isinstance(obj, NamedSharding):
+        return _spec_code(obj.spec)
+    if obj is None:
+        return "None"
+    if isinstance(obj, dict) and all(isinstance(k, (str, int)) for k in obj):
+        body = "".join(f"{inner}{k!r}: {_code(v, imports, indent + 1)},\n"
+                       for k, v in obj.items())
+        literal = "{\n" + body + pad + "}" if obj else "{}"
+        return literal if type(obj) is dict else f"{_class_name(obj, imports)}({literal})"
+    if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):   # a NamedTuple
+        name = _class_name(obj, imports)
+        if not obj:
+            return f"{name}()"
+        body = "".join(f"{inner}{f}={_code(v, imports, indent + 1)},\n"
+                       for f, v in zip(obj._fields, obj))
+        return f"{name}(\n{body}{pad})"
+    if type(obj) in (tuple, list):
+        items = "".join(f"{inner}{_code(v, imports, indent + 1)},\n" for v in obj)
+        open_, close = ("(", ")") if type(obj) is tuple else ("[", "]")
+        return f"{open_}\n{items}{pad}{close}" if obj else f"{open_}{close}"
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        children = jax.tree_util.tree_flatten(obj, is_leaf=lambda x: x is not obj)[0]
+        fields = [f for f in dataclasses.fields(obj) if f.init]
+        if len(children) != len(fields):   # static fields: cannot be rebuilt from specs
+            raise _NotCode(type(obj).__qualname__)
+        name = _class_name(obj, imports)
+        body = "".join(f"{inner}{f.name}={_code(getattr(obj, f.name), imports, indent + 1)},\n"
+                       for f in fields)
+        return f"{name}(\n{body}{pad})"
+    raise _NotCode(type(obj).__qualname__)
+
+
+_TEMPLATE = '''"""Sharding plan for `{fn}` on mesh {mesh_words}, written by autopar.
+
+Run it with plain jax (the program XLA compiles from these shardings is the plan's)::
+
+    import jax
+    import {module} as plan
+    mesh = plan.make_mesh()
+    step = jax.jit({fn}, in_shardings=plan.in_shardings(mesh),
+                   out_shardings=plan.out_shardings(mesh))
+
+Predicted per device on the `{hardware}` profile: step {step}, peak memory {peak}.
+{words}
+"""
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+{imports}
+#: Mesh axis name -> size, major to minor (devices are laid out in ``jax.devices()`` order).
+MESH = {mesh!r}
+
+{specs}
+
+#: MaxText-style (logical axis, mesh axes) rules, for models whose parameters carry logical
+#: axis names; None where the plan does not map onto one mesh axis per logical axis.
+LOGICAL_AXIS_RULES = {rules}
+
+
+def make_mesh(devices=None) -> Mesh:
+    """The plan's mesh over ``devices`` (default: all of ``jax.devices()``, in order)."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = math.prod(MESH.values())
+    if len(devices) < n:
+        raise ValueError(f"the plan's mesh {{MESH}} needs {{n}} devices, {{len(devices)}} given")
+    return Mesh(np.asarray(devices[:n]).reshape(tuple(MESH.values())), tuple(MESH),
+                axis_types=(AxisType.Auto,) * len(MESH))
+
+
+def named(specs, mesh: Mesh):
+    """The PartitionSpec pytree ``specs`` as NamedShardings on ``mesh``."""
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
+                                  is_leaf=lambda x: isinstance(x, P))
+{helpers}'''
+
+_TREE_HELPERS = '''
+
+def in_shardings(mesh: Mesh | None = None):
+    """``jax.jit``'s ``in_shardings``: NamedShardings shaped like the arguments."""
+    return named(IN_SPECS, mesh if mesh is not None else make_mesh())
+
+
+def out_shardings(mesh: Mesh | None = None):
+    """``jax.jit``'s ``out_shardings``: NamedShardings shaped like the results."""
+    return named(OUT_SPECS, mesh if mesh is not None else make_mesh())
+'''
+
+_FLAT_HELPERS = '''
+
+def in_shardings(mesh: Mesh | None = None, like=None):
+    """``jax.jit``'s ``in_shardings`` for arguments shaped like ``like`` (the tuple of
+    arguments, or ShapeDtypeStructs of them): IN_SPECS_FLAT in their tree."""
+    mesh = mesh if mesh is not None else make_mesh()
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like),
+                                        [NamedSharding(mesh, s) for s in IN_SPECS_FLAT])
+
+
+def out_shardings(mesh: Mesh | None = None, like=None):
+    """``jax.jit``'s ``out_shardings`` for results shaped like ``like``."""
+    mesh = mesh if mesh is not None else make_mesh()
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like),
+                                        [NamedSharding(mesh, s) for s in OUT_SPECS_FLAT])
+'''
+
+
+def _flat_code(name: str, paths, tree) -> str:
+    leaves = jax.tree_util.tree_leaves(tree)
+    body = "".join(f"    {_spec_code(s.spec)},  # {p}\n" for p, s in zip(paths, leaves))
+    return f"{name} = [\n{body}]"
+
+
+def _specs_code(plan, imports: set[str]) -> tuple[str, bool]:
+    """(the code defining the specs, whether it is the pytree form)."""
+    try:
+        if plan._in_tree is None:   # loaded from JSON: flat shardings, no trees
+            raise _NotCode("a plan loaded from JSON")
+        ins = _code(plan.in_shardings, imports)
+        outs = _code(plan.out_shardings, imports)
+        return ("#: PartitionSpecs shaped like the arguments (a tuple, one entry per argument).\n"
+                f"IN_SPECS = {ins}\n\n#: PartitionSpecs shaped like the results.\n"
+                f"OUT_SPECS = {outs}"), True
+    except _NotCode as e:
+        imports.clear()
+        return (f"# The arguments' trees ({e}) cannot be written as code: the specs are\n"
+                "# flat, in jax.tree_util order, each with its path.\n"
+                + _flat_code("IN_SPECS_FLAT", plan.in_paths, plan.in_shardings) + "\n\n"
+                + _flat_code("OUT_SPECS_FLAT", plan.out_paths, plan.out_shardings)), False
+
+
+def module_source(plan, module: str = "plan_specs", fn_name: str = "step",
+                  words: list[str] | None = None, rules=None) -> str:
+    """The text of the module (see the module docstring)."""
+    imports: set[str] = set()
+    specs, as_tree = _specs_code(plan, imports)
+    mesh = {str(a): int(n) for a, n in zip(plan.mesh.axis_names, plan.mesh.devices.shape)}
+    said = "\nThe plan in words:\n" + "".join(f"  {w}\n" for w in words) if words else ""
+    return _TEMPLATE.format(
+        fn=fn_name, module=module, hardware=plan.hardware, mesh=mesh,
+        mesh_words=" x ".join(f"{a}={n}" for a, n in mesh.items()),
+        step=format_seconds(plan.estimate.step_time_s),
+        peak=format_bytes(plan.estimate.peak_memory_bytes), words=said.rstrip("\n"),
+        imports="".join(f"{i}\n" for i in sorted(imports)), specs=specs,
+        rules=repr(rules) if rules else "None",
+        helpers=_TREE_HELPERS if as_tree else _FLAT_HELPERS)
+
+
+def write_module(plan, path: str | os.PathLike, fn_name: str = "step",
+                 words: list[str] | None = None, rules=None) -> str:
+    """Write :func:`module_source` to ``path``; returns the text written."""
+    module = os.path.splitext(os.path.basename(os.fspath(path)))[0] or "plan_specs"
+    text = module_source(plan, module, fn_name, words, rules)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return text
