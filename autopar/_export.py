@@ -18,6 +18,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar._sizes import format_bytes, format_seconds
+from autopar.cost_model.hlo import HloSummary, analyze
 
 
 class _NotCode(Exception):
@@ -88,7 +89,7 @@ Run it with plain jax (the program XLA compiles from these shardings is the plan
                    out_shardings=plan.out_shardings(mesh))
 
 Predicted per device on the `{hardware}` profile: step {step}, peak memory {peak}.
-{words}
+{verdict}{words}
 """
 
 import math
@@ -179,7 +180,7 @@ def _specs_code(plan, imports: set[str]) -> tuple[str, bool]:
 
 
 def module_source(plan, module: str = "plan_specs", fn_name: str = "step",
-                  words: list[str] | None = None, rules=None) -> str:
+                  words: list[str] | None = None, rules=None, verdict: str = "") -> str:
     """The text of the module (see the module docstring)."""
     imports: set[str] = set()
     specs, as_tree = _specs_code(plan, imports)
@@ -190,16 +191,50 @@ def module_source(plan, module: str = "plan_specs", fn_name: str = "step",
         mesh_words=" x ".join(f"{a}={n}" for a, n in mesh.items()),
         step=format_seconds(plan.estimate.step_time_s),
         peak=format_bytes(plan.estimate.peak_memory_bytes), words=said.rstrip("\n"),
+        verdict=f"\n{verdict}\n" if verdict else "",
         imports="".join(f"{i}\n" for i in sorted(imports)), specs=specs,
         rules=repr(rules) if rules else "None",
         helpers=_TREE_HELPERS if as_tree else _FLAT_HELPERS)
 
 
 def write_module(plan, path: str | os.PathLike, fn_name: str = "step",
-                 words: list[str] | None = None, rules=None) -> str:
+                 words: list[str] | None = None, rules=None, verdict: str = "") -> str:
     """Write :func:`module_source` to ``path``; returns the text written."""
     module = os.path.splitext(os.path.basename(os.fspath(path)))[0] or "plan_specs"
-    text = module_source(plan, module, fn_name, words, rules)
+    text = module_source(plan, module, fn_name, words, rules, verdict)
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
     return text
+
+
+def collective_signature(summary: HloSummary) -> list[tuple]:
+    """The compiled collectives as a sorted list of (kind, group size, bytes in, bytes out,
+    executions): two programs with equal signatures communicate alike."""
+    return sorted((c.kind.value, c.group_size, c.in_bytes, c.out_bytes, c.trip_count)
+                  for c in summary.collectives)
+
+
+def plain_jit_check(plan, fn) -> tuple[bool, str]:
+    """Compile ``fn`` with plain ``jax.jit`` and the plan's in/out shardings (what the
+    exported module gives) and compare its collectives with the plan's program: (whether they
+    are the same, a sentence saying so). jax propagates shardings from the arguments and
+    results; where the plan splits an intermediate otherwise, the programs differ."""
+    flat = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in
+            zip(plan._arg_avals, jax.tree_util.tree_leaves(plan.in_shardings))]
+    abstract = jax.tree_util.tree_unflatten(plan._in_tree, flat)
+    plain = analyze(jax.jit(fn, in_shardings=plan.in_shardings,
+                            out_shardings=plan.out_shardings).lower(*abstract).compile())
+    planned = analyze(plan.compile())
+    if collective_signature(plain) == collective_signature(planned):
+        return True, ("Checked when written: plain jax.jit with these shardings compiles to the "
+                      "plan's collectives.")
+    kinds = {k.value: v for k, v in plain.by_kind().items()}
+    want = {k.value: v for k, v in planned.by_kind().items()}
+    return False, ("Checked when written: plain jax.jit with these shardings compiles to other "
+                   f"collectives than the plan ({_kinds(kinds)}, the plan {_kinds(want)}): the "
+                   "plan also splits intermediate values, which jax does not infer from the "
+                   "arguments and results alone. autopar's plan.jit() runs the plan itself.")
+
+
+def _kinds(by_kind: dict) -> str:
+    return ", ".join(f"{n} {k} moving {format_bytes(b)}" for k, (n, b) in sorted(by_kind.items())) or "none"

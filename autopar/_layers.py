@@ -88,25 +88,28 @@ def _join(prefix: str, key) -> str:
     return f"{prefix}/{key}" if prefix else str(key)
 
 
-def _holds_repeats(keys, sizes, members, depth) -> bool:
-    """Whether the children at ``depth`` of these leaves include a numbered family (two or
-    more ``block_N`` or list items) holding at least half of their elements."""
-    family: dict = defaultdict(lambda: [set(), 0])
+def _holds_repeats(keys, shapes, members, depth) -> bool:
+    """Whether the children at ``depth`` of these leaves include repeated blocks: two or more
+    numbered children (``block_N``, list items) alike in structure and shapes, holding at
+    least half of the elements (so an MLP's ``Dense_0`` and ``Dense_1`` stay one layer)."""
+    children: dict = defaultdict(list)
     total = 0
     for i in members:
-        total += sizes[i]
-        if len(keys[i]) <= depth + 1:
-            continue
-        k = keys[i][depth]
+        total += _prod(shapes[i])
+        if len(keys[i]) > depth + 1:
+            children[keys[i][depth]].append(i)
+    alike: dict = defaultdict(lambda: [0, 0])   # (stem, structure) -> [children, elements]
+    for k, leaves in children.items():
         m = _NUMBERED.match(k) if isinstance(k, str) else None
         stem = "[]" if isinstance(k, int) else (m.group(1) if m else None)
         if stem is not None:
-            family[stem][0].add(k)
-            family[stem][1] += sizes[i]
-    return any(len(names) >= 2 and 2 * n >= total for names, n in family.values())
+            structure = tuple(sorted((keys[i][depth + 1:], tuple(shapes[i])) for i in leaves))
+            alike[stem, structure][0] += 1
+            alike[stem, structure][1] += sum(_prod(shapes[i]) for i in leaves)
+    return any(n >= 2 and 2 * size >= total for n, size in alike.values())
 
 
-def _assign(keys, sizes, members, depth, prefix, out) -> None:
+def _assign(keys, shapes, members, depth, prefix, out) -> None:
     groups: dict = {}
     for i in members:
         if len(keys[i]) > depth:
@@ -115,12 +118,12 @@ def _assign(keys, sizes, members, depth, prefix, out) -> None:
             out[i] = prefix or None
     if len(groups) == 1 and len(members) > 1:   # a wrapper: look through it
         (key, inner), = groups.items()
-        _assign(keys, sizes, inner, depth + 1, _join(prefix, key) if prefix else "", out)
+        _assign(keys, shapes, inner, depth + 1, _join(prefix, key) if prefix else "", out)
         return
     for key, inner in groups.items():
         name = _join(prefix, key)
-        if len(inner) > 1 and _holds_repeats(keys, sizes, inner, depth + 1):
-            _assign(keys, sizes, inner, depth + 1, name, out)
+        if len(inner) > 1 and _holds_repeats(keys, shapes, inner, depth + 1):
+            _assign(keys, shapes, inner, depth + 1, name, out)
         else:
             for i in inner:
                 out[i] = name
@@ -139,8 +142,8 @@ def input_layers(in_tree, shapes) -> tuple[list[str | None], int]:
     params = _params(keys, _param_count(in_tree))
     names: list[str | None] = [None] * len(keys)
     rel = {i: keys[i][1:] for i in params}
-    _assign([rel.get(i, ()) for i in range(len(keys))], [_prod(s) for s in shapes], params, 0,
-            "", names)
+    _assign([rel.get(i, ()) for i in range(len(keys))], [tuple(s) for s in shapes], params,
+            0, "", names)
     for state, param in state_of(keys, params).items():
         names[state] = names[param]
     return names, len(params)

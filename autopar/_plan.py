@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar._mesh import as_auto_mesh, on_explicit_axes
 from autopar._layers import flat_donation, memory_over_program
-from autopar._export import write_module
+from autopar._export import plain_jit_check, write_module
 from autopar._html import render_html
 from autopar._summary import summary_lines
 from autopar.errors import PlanFormatError
@@ -169,12 +169,16 @@ class Plan:
         """Notebooks show a plan as its report (the fragment, no page around it)."""
         return render_html(self, fragment=True)
 
-    def to_python(self, path: str | os.PathLike, fn_name: str = "step") -> str:
+    def to_python(self, path: str | os.PathLike, fn: Callable | None = None) -> str:
         """Write a standalone Python module for plain ``jax.jit`` to ``path``: ``MESH`` (axis
         name -> size), ``IN_SPECS`` and ``OUT_SPECS`` (PartitionSpec pytrees shaped like the
         arguments and results), ``LOGICAL_AXIS_RULES``, ``make_mesh()``,
-        ``in_shardings(mesh)`` and ``out_shardings(mesh)``. ``fn_name`` names the planned
-        function in its docstring. Returns the text written.
+        ``in_shardings(mesh)`` and ``out_shardings(mesh)``. Returns the text written.
+
+        ``fn``: the planned function. When given, both programs are compiled (nothing runs)
+        and the module says whether plain ``jax.jit`` with these shardings compiles to the
+        plan's collectives: jax infers intermediate shardings from the arguments and results,
+        so a plan that splits an intermediate otherwise is reproduced only by ``plan.jit()``.
 
         Example::
 
@@ -186,7 +190,9 @@ class Plan:
                          out_shardings=plan_specs.out_shardings(mesh))
         """
         words = summary_lines(self) if self._details is not None else None
-        return write_module(self, path, fn_name, words)
+        verdict = plain_jit_check(self, fn)[1] if fn is not None and self._flat_fn else ""
+        return write_module(self, path, getattr(fn, "__name__", "step"), words,
+                            verdict=verdict)
 
     def validate(self) -> dict:
         """Compile the plan and put its prediction beside the compiled HLO: wire bytes, flops

@@ -219,8 +219,12 @@ def cmd_export(args) -> int:
     plan = autopar.plan(fn, *example_args, mesh=mesh, hardware=args.hardware,
                         memory_budget=args.memory_budget, time_limit_s=args.time_limit,
                         verbose=not args.quiet)
-    plan.to_python(args.out, fn_name=getattr(fn, "__name__", "step"))
-    _say("\n".join(plan.summary().splitlines()[:12]))
+    if not args.quiet:
+        print("[autopar] compiling the plan and plain jax.jit with its shardings to compare",
+              file=sys.stderr, flush=True)
+    text = plan.to_python(args.out, fn=fn)
+    _say(plan.summary())
+    _say(next(line for line in text.splitlines() if line.startswith("Checked when written")))
     _say(f"wrote {args.out}: MESH, IN_SPECS, OUT_SPECS; run with jax.jit(fn, "
          "in_shardings=m.in_shardings(mesh), out_shardings=m.out_shardings(mesh))")
     return 0
