@@ -19,7 +19,7 @@ from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar._multiprocess import process_0_plan
 from autopar import _pipeline, _stage_plan
 from autopar._plan import Plan, in_sharding
-from autopar._sizes import parse_bytes
+from autopar._sizes import format_bytes, parse_bytes
 from autopar.baselines import baseline_kinds, baseline_kwargs, baseline_shardings
 from autopar.errors import ArgumentError, InfeasiblePlanError, PipelineError
 from autopar.passes.estimate import estimate, plan_collectives
@@ -323,8 +323,8 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
     marked = _pipeline.marked(context)
     if not search and target_bytes is not None and est.peak_memory_bytes > target_bytes:
         raise InfeasiblePlanError(
-            f"with search=False the propagated plan peaks at {est.peak_memory_bytes / 2**20:.1f} "
-            f"MiB per device, over memory_budget={target_bytes / 2**20:.1f} MiB; propagation "
+            f"with search=False the propagated plan peaks at {format_bytes(est.peak_memory_bytes)}"
+            f" per device, over memory_budget={format_bytes(target_bytes)}; propagation "
             "does not search for a plan that fits. Use search=True (the default) to let the "
             "ILP fit the budget, or annotate more of the program (e.g. shard the parameters).")
     traced = result.traced

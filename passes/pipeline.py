@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from jax.sharding import Mesh
 
+from autopar._sizes import format_bytes
 from autopar.cost_model.spec import Spec
 from autopar.errors import MemoryBudgetWarning, RematWarning
 from autopar.passes import candidates
@@ -419,8 +420,8 @@ def _needs_remat(state: _State) -> bool:
     bound = peak_lower_bound_bytes(state.traced.graph, devices, o.mesh_ctx.results_held)
     if bound > budget:
         o.progress(f"memory: every plan without rematerialization peaks at "
-                   f"{bound / 2**20:.1f} MiB or more, over the budget of "
-                   f"{budget / 2**20:.1f} MiB")
+                   f"{format_bytes(bound)} or more, over the budget of "
+                   f"{format_bytes(budget)}")
     return bound > budget
 
 
