@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar._cache import PlanCache, dtype_name, graph_fingerprint
 from autopar._check_memory import check_compiled_memory
+from autopar._export import logical_names
 from autopar._gc import with_gc_paused
 from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar._multiprocess import process_0_plan
@@ -343,7 +344,8 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
              "solver_status": sol.name, "source": sol.source.value,
              "timings_s": result.timings_s, **result.ilp_stats,
              "remat": result.remat.to_dict() if result.remat else None,
-             "loss_marked": marked, "hardware_default": hardware is None}
+             "loss_marked": marked, "hardware_default": hardware is None,
+             "logical_axes": logical_names(example_args)}
     device = jax_mesh.devices.flat[0]
     option_notes = choose(profile, device, compiler_option_notes(graph, device.platform))
     stats["compiler_options"] = [n.to_dict() for n in option_notes]

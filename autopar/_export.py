@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import sys
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -104,9 +105,9 @@ MESH = {mesh!r}
 
 {specs}
 
-#: MaxText-style (logical axis, mesh axes) rules, for models whose parameters carry logical
-#: axis names; None where the plan does not map onto one mesh axis per logical axis.
-LOGICAL_AXIS_RULES = {rules}
+#: MaxText-style (logical axis, mesh axes) rules for the logical axis names the parameters
+#: carry (flax metadata), when the plan splits each name alike wherever it occurs; else None.
+{rules_why}LOGICAL_AXIS_RULES = {rules}
 
 
 def make_mesh(devices=None) -> Mesh:
@@ -179,10 +180,30 @@ def _specs_code(plan, imports: set[str]) -> tuple[str, bool]:
                 + _flat_code("OUT_SPECS_FLAT", plan.out_paths, plan.out_shardings)), False
 
 
+def _rules_code(rules) -> str:
+    if not rules:
+        return "None"
+    return "[\n" + "".join(f"    {r!r},\n" for r in rules) + "]"
+
+
+def plan_rules(plan) -> tuple[list | None, str]:
+    """(the plan's logical axis rules or None, a comment saying why there are none)."""
+    names = plan.stats.get("logical_axes")
+    if not names:
+        return None, "the arguments carry no logical axis names (flax metadata)"
+    specs = [s.spec for s in jax.tree_util.tree_leaves(plan.in_shardings)]
+    rules, unclean = logical_rules(names, specs)
+    if rules is None:
+        return None, ("the plan splits " + ", ".join(repr(n) for n in unclean)
+                      + " over different mesh axes in different places")
+    return rules, ""
+
+
 def module_source(plan, module: str = "plan_specs", fn_name: str = "step",
-                  words: list[str] | None = None, rules=None, verdict: str = "") -> str:
+                  words: list[str] | None = None, verdict: str = "") -> str:
     """The text of the module (see the module docstring)."""
     imports: set[str] = set()
+    rules, why = plan_rules(plan)
     specs, as_tree = _specs_code(plan, imports)
     mesh = {str(a): int(n) for a, n in zip(plan.mesh.axis_names, plan.mesh.devices.shape)}
     said = "\nThe plan in words:\n" + "".join(f"  {w}\n" for w in words) if words else ""
@@ -193,15 +214,15 @@ def module_source(plan, module: str = "plan_specs", fn_name: str = "step",
         peak=format_bytes(plan.estimate.peak_memory_bytes), words=said.rstrip("\n"),
         verdict=f"\n{verdict}\n" if verdict else "",
         imports="".join(f"{i}\n" for i in sorted(imports)), specs=specs,
-        rules=repr(rules) if rules else "None",
+        rules=_rules_code(rules), rules_why=f"# None: {why}.\n" if why else "",
         helpers=_TREE_HELPERS if as_tree else _FLAT_HELPERS)
 
 
 def write_module(plan, path: str | os.PathLike, fn_name: str = "step",
-                 words: list[str] | None = None, rules=None, verdict: str = "") -> str:
+                 words: list[str] | None = None, verdict: str = "") -> str:
     """Write :func:`module_source` to ``path``; returns the text written."""
     module = os.path.splitext(os.path.basename(os.fspath(path)))[0] or "plan_specs"
-    text = module_source(plan, module, fn_name, words, rules, verdict)
+    text = module_source(plan, module, fn_name, words, verdict)
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
     return text
@@ -238,3 +259,49 @@ def plain_jit_check(plan, fn) -> tuple[bool, str]:
 
 def _kinds(by_kind: dict) -> str:
     return ", ".join(f"{n} {k} moving {format_bytes(b)}" for k, (n, b) in sorted(by_kind.items())) or "none"
+
+
+# ----- logical axis rules
+def logical_names(args) -> list[list | None] | None:
+    """Per leaf of ``args`` (``jax.tree_util`` order), the logical axis names its flax
+    metadata gives (linen ``nn.with_logical_partitioning``, nnx ``sharding=``), else None;
+    None when no leaf has any. Only flax modules already imported are looked for."""
+    meta, nnx = sys.modules.get("flax.linen.spmd"), sys.modules.get("flax.nnx")
+    boxes = ((meta.LogicallyPartitioned,) if meta is not None else ()) + (
+        (nnx.Variable,) if nnx is not None else ())
+    if not boxes:
+        return None
+    out: list[list | None] = []
+    for node in jax.tree_util.tree_leaves(args, is_leaf=lambda x: isinstance(x, boxes)):
+        names = None
+        if meta is not None and isinstance(node, meta.LogicallyPartitioned):
+            names = list(node.names)
+        elif nnx is not None and isinstance(node, nnx.Variable):
+            md = node.get_metadata()
+            names = md.get("out_sharding") or md.get("sharding")
+            names = list(names) if names else None
+        n = len(jax.tree_util.tree_leaves(node)) if isinstance(node, boxes) else 1
+        out += [names] * n
+    return out if any(out) else None
+
+
+def logical_rules(names: list, specs: list) -> tuple[list | None, list[str]]:
+    """(MaxText-style ``[(logical, mesh axes or None), ...]``, the logical names the plan
+    splits inconsistently) from each leaf's logical names and its PartitionSpec. The rules
+    exist when every logical name is split over the same mesh axes wherever it occurs."""
+    seen: dict[str, set] = {}
+    for leaf_names, spec in zip(names, specs):
+        if not leaf_names:
+            continue
+        entries = list(spec) + [None] * (len(leaf_names) - len(spec))
+        for name, entry in zip(leaf_names, entries):
+            if name is not None:
+                axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+                seen.setdefault(name, set()).add(axes)
+    unclean = sorted(n for n, axes in seen.items() if len(axes) > 1)
+    if not seen or unclean:
+        return None, unclean
+    rules = []
+    for name, (axes,) in seen.items():
+        rules.append((name, None if not axes else axes[0] if len(axes) == 1 else axes))
+    return rules, []

@@ -13,13 +13,15 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import autopar
-from autopar._export import plain_jit_check
+from autopar._export import logical_rules, plain_jit_check
 from autopar.cost_model.hlo import analyze
 
 from .export_target import mlp_step
@@ -141,3 +143,36 @@ def test_check_says_when_plain_jit_differs(mlp_plan, monkeypatch):
     monkeypatch.setattr(_export, "analyze", fewer)
     same, said = plain_jit_check(plan, step)
     assert not same and "other collectives than the plan" in said
+
+
+@pytest.mark.parametrize("names, specs, rules, unclean", [
+    ([["embed", "mlp"], ["mlp", "embed"]], [P(None, "model"), P("model")],
+     [("embed", None), ("mlp", "model")], []),
+    ([["embed", "mlp"], ["mlp", "embed"]], [P(None, "model"), P()], None, ["mlp"]),
+    ([["batch", None]], [P(("data", "model"))], [("batch", ("data", "model"))], []),
+    ([None, None], [P(), P()], None, []),
+])
+def test_logical_rules(names, specs, rules, unclean):
+    assert logical_rules(names, specs) == (rules, unclean)
+
+
+class _Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        w1 = self.param("w1", nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                                            ("embed", "mlp")), (64, 256))
+        w2 = self.param("w2", nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                                            ("mlp", "embed")), (256, 64))
+        return jax.nn.relu(x @ w1) @ w2
+
+
+def test_logical_axis_rules_from_flax_metadata(tmp_path):
+    model, x = _Mlp(), jnp.ones((16, 64))
+    params = model.init(jax.random.key(0), x)   # boxed: nn.LogicallyPartitioned
+
+    def step(params, x):
+        return jax.grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(params)
+    rules = [("embed", None), ("mlp", "model")]
+    plan = autopar.plan(step, params, x, mesh=MESH, hardware="h100", logical_axis_rules=rules)
+    text = plan.to_python(tmp_path / "rules_specs.py")
+    assert _load(str(tmp_path / "rules_specs.py")).LOGICAL_AXIS_RULES == rules, text
