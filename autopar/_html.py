@@ -146,7 +146,7 @@ def _memory_section(plan) -> list[str]:
             rows.append([format_bytes(b.nbytes), _shape_str(b.shape), f"argument {b.path}"])
         else:
             node = graph.nodes[b.node]
-            where = place_words(node.where, labels[node.id], phases[node.id], {})
+            where = place_words(node.where, labels[node.id], phases[node.id])
             rows.append([format_bytes(b.nbytes), _shape_str(b.shape), f"{node.prim} in {where}"])
     return ["<h2>Memory over the program</h2>",
             _legend([(PHASE_COLORS[p], p) for p in ("forward", "backward", "optimizer")]

@@ -273,7 +273,7 @@ def node_phases(graph) -> list[Phase]:
 
 # ----- rows
 def layer_rows(plan) -> list[LayerRow]:
-    """Rows in order of first appearance among the parameters, ``other`` last."""
+    """Rows in the parameters' order (``block_2`` before ``block_10``), ``other`` last."""
     graph, strats, choice, comms = plan._details
     sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
     specs = value_specs(graph, strats, choice)
@@ -303,7 +303,7 @@ def layer_rows(plan) -> list[LayerRow]:
             row.comm_s += c.time_s * c.trips
             row.comm_bytes += c.step.wire_bytes * c.trips
             row.collectives += c.trips
-    return list(rows.values()) + [other]
+    return sorted(rows.values(), key=lambda r: natural_key(r.name)) + [other]
 
 
 def local_shape(shape, pspec, axis_sizes) -> tuple[int, ...]:
@@ -317,15 +317,20 @@ def local_shape(shape, pspec, axis_sizes) -> tuple[int, ...]:
     return tuple(out)
 
 
+def natural_key(name: str) -> tuple:
+    """Sorts ``block_2`` before ``block_10``."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
 def same_layer_groups(names: list[str]) -> list[list[str]]:
     """Layer names grouped by stem (``block_0``, ``block_1`` -> one group; ``layers[3]``
-    with the other ``layers[i]``), in order of first appearance."""
+    with the other ``layers[i]``), each in number order, in order of first appearance."""
     groups: dict[str, list[str]] = {}
     for name in names:
         m = re.match(r"^(.*?)(?:_?\d+|\[\d+\])$", name)
         stem = m.group(1) if m else name
         groups.setdefault(stem, []).append(name)
-    return list(groups.values())
+    return [sorted(g, key=natural_key) for g in groups.values()]
 
 
 def memory_over_program(plan) -> tuple[int, tuple[int, ...]]:

@@ -234,15 +234,24 @@ def _star_names(plan) -> dict[str, str]:
     return out
 
 
-def place_words(where: str, layer: str, phase: Phase, stars: dict[str, str]) -> str:
+def _starred(stars: dict[str, str]):
+    """A function putting each layer name in a path as ``stars`` names it."""
+    if not stars:
+        return lambda path: path
+    pattern = re.compile(r"(?<![\w\[])(" + "|".join(
+        re.escape(n) for n in sorted(stars, key=len, reverse=True)) + r")(?![\w\[])")
+    return lambda path: pattern.sub(lambda m: stars[m.group(1)], path)
+
+
+def place_words(where: str, layer: str, phase: Phase, star=None) -> str:
     """Where an operation comes from, in words: ``transpose(jvp(GPT))/block_1/mlp_out`` ->
-    ``backward of block_*/mlp_out``; an operation with no source path is named by its layer."""
+    ``backward of block_*/mlp_out``; an operation with no source path is named by its layer.
+    ``star``: :func:`_starred`'s function, naming like layers alike."""
     parts = [p for p in where.split("/") if p]
     if parts and "(" in parts[0]:
         parts = parts[1:]
     path = "/".join(parts) if parts and "/" in where else (layer if layer != OTHER else "")
-    for name in sorted(stars, key=len, reverse=True):
-        path = re.sub(rf"(?<![\w\[]){re.escape(name)}(?![\w\[])", stars[name], path)
+    path = star(path) if star is not None else path
     path = path or ("the loss" if "jvp(" in where else "outside the layers")
     return {Phase.BACKWARD: f"backward of {path}", Phase.OPTIMIZER: f"optimizer update of {path}",
             Phase.FORWARD: path}[phase]
@@ -251,7 +260,7 @@ def place_words(where: str, layer: str, phase: Phase, stars: dict[str, str]) -> 
 def collective_groups(plan) -> dict[tuple[str, str], list[CollectiveGroup]]:
     """(axes, kind) -> the groups of collectives over those axes of that kind, largest first."""
     graph, _, _, comms = plan._details
-    labels, phases, stars = node_layers(plan), node_phases(graph), _star_names(plan)
+    labels, phases, star = node_layers(plan), node_phases(graph), _starred(_star_names(plan))
     groups: dict[tuple, CollectiveGroup] = {}
     for c in comms:
         if c.step.wire_bytes == 0:
@@ -259,7 +268,7 @@ def collective_groups(plan) -> dict[tuple[str, str], list[CollectiveGroup]]:
         node = graph.nodes[c.node]
         why = (f"partial sums of {node.prim}" if c.reason == "reduce"
                else f"an operand of {node.prim} resharded")
-        what = f"{place_words(node.where, labels[node.id], phases[node.id], stars)}: {why}"
+        what = f"{place_words(node.where, labels[node.id], phases[node.id], star)}: {why}"
         key = (",".join(c.step.axes), c.step.kind.value, what)
         g = groups.setdefault(key, CollectiveGroup(key[1], key[0], what))
         g.count += c.trips

@@ -77,7 +77,15 @@ def _dim_roles(node, pos, rank) -> list[DimRole] | None:
 
 
 def layer_facts(plan) -> dict[str, LayerFacts]:
-    """Layer name -> :class:`LayerFacts`."""
+    """Layer name -> :class:`LayerFacts` (kept on the graph per chosen plan)."""
+    graph, strats, choice, _ = plan._details
+    key = ("autopar.layer_facts", id(strats), tuple(choice))
+    if key not in graph.analyses:
+        graph.analyses[key] = _layer_facts(plan)
+    return graph.analyses[key]
+
+
+def _layer_facts(plan) -> dict[str, LayerFacts]:
     graph, strats, choice, _ = plan._details
     producer = {vid: nid for vid, (nid, _) in graph.producer.items()}
     arg_of = {nid: i for i, nid in enumerate(graph.input_nodes)}
@@ -199,9 +207,14 @@ def summary_lines(plan) -> list[str]:
     """The plan in words: one line per group of like layers, then the other inputs and the
     optimizer state."""
     sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
-    if plan._details is None:
-        return [f"{p}: {s.spec}" for p, s in zip(plan.in_paths,
-                                                 jax.tree_util.tree_leaves(plan.in_shardings))]
+    if plan._details is None:   # loaded from JSON: the shardings, not the program
+        specs = [s.spec for s in jax.tree_util.tree_leaves(plan.in_shardings)]
+        split = [sp for sp in specs if any(_axes(e) for e in sp)]
+        axes = [a for a in sizes if any(a in _axes(e) for sp in split for e in sp)]
+        return [f"{len(split)} of {len(specs)} inputs split"
+                + (f" over {', '.join(f'{a}({sizes[a]})' for a in axes)}" if axes else "")
+                + " (a plan loaded from JSON holds its shardings, not its program: plan "
+                "again for the plan in words)"]
     lines = [f"{head}: {said}" for head, said in _layer_words(plan, sizes)]
     lines += _input_lines(plan, sizes)
     lines += _optimizer_lines(plan, sizes)
