@@ -94,7 +94,7 @@ def validate(plan) -> dict:
         "pipeline": _pipeline(plan.pipeline, compiled_program.as_text(),
                               summary.peak_memory_bytes),
     }
-    plan.stats["validation"] = result
+    plan.stats = {**plan.stats, "validation": result}   # this plan's own: copies share stats
     return result
 
 
