@@ -171,7 +171,7 @@ def _pipeline_lines(pipeline: dict | None) -> list[str]:
 
 def _option_lines(notes: list[dict] | None) -> list[str]:
     """The XLA options considered (``stats["compiler_options"]``): set and why, or skipped."""
-    if not notes or not isinstance(notes, list):
+    if notes is None:
         return []
     chosen = [n for n in notes if n["set"]]
     lines = ["", "XLA compiler options (plan.compiler_options; never XLA_FLAGS):"]

@@ -176,3 +176,24 @@ def test_logical_axis_rules_from_flax_metadata(tmp_path):
     plan = autopar.plan(step, params, x, mesh=MESH, hardware="h100", logical_axis_rules=rules)
     text = plan.to_python(tmp_path / "rules_specs.py")
     assert _load(str(tmp_path / "rules_specs.py")).LOGICAL_AXIS_RULES == rules, text
+
+
+def test_exported_train_state_specs_compute_the_plans_numbers(tmp_path):
+    """optax's NamedTuple states are written as code and rebuilt; plain jax.jit with the
+    exported shardings computes what plan.jit() computes (whether or not it compiles to the
+    same collectives: the module says which)."""
+    from autopar.models import gpt
+    fn, args = gpt.make_train_step(gpt.TINY)
+    plan = autopar.plan(fn, *args, mesh=MESH, hardware="h100")
+    path = tmp_path / "gpt_specs.py"
+    text = plan.to_python(path, fn=fn)
+    assert "ScaleByAdamState(" in text and "Checked when written" in text
+    specs = _load(str(path))
+    mesh = specs.make_mesh()
+    plain = jax.jit(fn, in_shardings=specs.in_shardings(mesh),
+                    out_shardings=specs.out_shardings(mesh))
+    same = _collectives(plain.lower(*args).compile()) == _collectives(plan.compile())
+    assert ("compiles to the plan's collectives" in text) == same
+    got, want = plain(*jax.device_put(args, specs.in_shardings(mesh))), plan.jit()(*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=1e-5)
