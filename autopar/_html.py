@@ -110,7 +110,7 @@ def _estimate_section(plan, baselines) -> list[str]:
                     format_bytes(p.estimate.peak_memory_bytes)] for name, p in rows],
                   row_classes=["chosen"] + [""] * (len(rows) - 1))]
     found = candidates(plan.stats)
-    if len(found) > 1:
+    if len(found) > 1 and not plan.pipeline:   # priced without the pipeline's stages
         out += ["<h2>Plans the planner compared</h2>",
                 '<p class="note">Predicted step time of each plan the planner built (the ILP\'s '
                 "and those propagated from each baseline's shardings); the fastest that fits "

@@ -70,7 +70,8 @@ def render_text(plan, baselines: dict | None = None) -> str:
                      + (f", after {len(checks) - 1} plan(s) that compiled over the budget"
                         if len(checks) > 1 else ""))
     lines += _baseline_lines(plan, baselines)
-    lines += _candidate_lines(plan.stats)
+    if not plan.pipeline:   # the candidates are priced without the pipeline's stages
+        lines += _candidate_lines(plan.stats)
     layered = set()
     if plan._details is not None:
         rows = layer_rows(plan)

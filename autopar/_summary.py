@@ -144,13 +144,17 @@ def _most(counter: Counter | None) -> tuple[str, ...]:
     return counter.most_common(1)[0][0] if counter else ()
 
 
-def describe(facts: LayerFacts, sizes: dict[str, int]) -> str:
-    """One layer's plan in words, e.g. ``Megatron TP over model(4), batch over data(2)``."""
+def describe(facts: LayerFacts, sizes: dict[str, int], stage_axis: str | None = None) -> str:
+    """One layer's plan in words, e.g. ``Megatron TP over model(4), batch over data(2)``;
+    ``stage_axis``: the axis a pipeline cuts the stacked layers over."""
     def ax(a):
         return f"{a}({sizes[a]})"
     parts, fsdp = [], set()
     for axis in sizes:
         roles = facts.roles.get(axis, frozenset())
+        if axis == stage_axis and roles:
+            parts.append(f"pipeline stages over {ax(axis)}")
+            continue
         mats = roles & {DimRole.COLUMN, DimRole.ROW, DimRole.EXPERT}
         if DimRole.VOCAB in roles:
             parts.append(f"vocab-parallel over {ax(axis)}")
@@ -179,7 +183,8 @@ def describe(facts: LayerFacts, sizes: dict[str, int]) -> str:
 def _layer_words(plan, sizes) -> list[tuple[str, str]]:
     """(layers, their plan in words) per group of like layers said alike."""
     facts = layer_facts(plan)
-    words = {name: describe(f, sizes) for name, f in facts.items()}
+    stage_axis = plan.pipeline["axis"] if plan.pipeline else None
+    words = {name: describe(f, sizes, stage_axis) for name, f in facts.items()}
     out = []
     for group in same_layer_groups(list(facts)):
         for said in dict.fromkeys(words[n] for n in group):
@@ -216,6 +221,10 @@ def summary_lines(plan) -> list[str]:
                 + " (a plan loaded from JSON holds its shardings, not its program: plan "
                 "again for the plan in words)"]
     lines = [f"{head}: {said}" for head, said in _layer_words(plan, sizes)]
+    p = plan.pipeline
+    if p:
+        lines.append(f"pipeline: {p['stages']} stages over {p['axis']}({sizes[p['axis']]}), "
+                     f"{p['schedule']}, {p['microbatches']} microbatches")
     lines += _input_lines(plan, sizes)
     lines += _optimizer_lines(plan, sizes)
     return lines

@@ -146,3 +146,9 @@ def test_nested_blocks_get_their_own_rows():
     blocks = rows["encoderdecoderblock_0"].compute_s + rows["encoderdecoderblock_1"].compute_s
     assert blocks > 2 * rows[OTHER].compute_s
     assert plan.summary().startswith("encoderdecoderblock_0..encoderdecoderblock_1: ")
+
+
+def test_describe_names_pipeline_stages():
+    facts = LayerFacts({"stage": frozenset({_O, _C}), "model": frozenset({_C, _R})}, ("data",), ())
+    assert describe(facts, {"stage": 4, "data": 2, "model": 2}, stage_axis="stage") == (
+        "pipeline stages over stage(4), Megatron TP over model(2), batch over data(2)")
