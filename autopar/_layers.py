@@ -20,6 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import jax
+from jax import lax
 
 from autopar.passes.estimate import plan_timeline, value_specs
 from autopar.passes.ir import NodeKind
@@ -29,8 +30,8 @@ OTHER = "other"
 
 #: A numbered child of a module: ``block_0``, ``layers_12``, ``Dense3`` (stem, number).
 _NUMBERED = re.compile(r"^(.*?\D)_?(\d+)$")
-#: Operations that change a parameter's dtype or nothing: looked through to its consumer.
-_PASS_THROUGH = frozenset({"convert_element_type", "copy", "copy_p", "pjit_identity"})
+#: Operations that change a value's dtype or nothing: looked through to the argument.
+_PASS_THROUGH = frozenset({lax.convert_element_type_p, lax.copy_p})
 
 
 class Phase(enum.Enum):
@@ -234,7 +235,8 @@ def _labels(graph, input_names) -> list[str]:
     def state(vid) -> str | None:
         """The layer of the argument ``vid`` is (through dtype casts), if it is one."""
         node = graph.nodes[producer[vid]] if vid in producer else None
-        while node is not None and node.prim in _PASS_THROUGH and node.ins[0] in producer:
+        while (node is not None and node.primitive in _PASS_THROUGH
+               and node.ins[0] in producer):
             node = graph.nodes[producer[node.ins[0]]]
         return label[node.id] if node is not None and node.kind == NodeKind.INPUT else None
 

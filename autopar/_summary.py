@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import jax
+from jax import lax
 
 from autopar._layers import (
     Phase,
@@ -29,8 +30,10 @@ from autopar._layers import (
     same_layer_groups,
     state_of,
 )
+from autopar.passes.ir import NodeKind
 
-_CASTS = frozenset({"convert_element_type", "copy", "copy_p"})
+#: Operations that change a value's dtype or nothing: looked through to the parameter.
+_CASTS = frozenset({lax.convert_element_type_p, lax.copy_p})
 
 
 class DimRole(enum.Enum):
@@ -59,16 +62,16 @@ def _axes(entry) -> tuple[str, ...]:
 def _source(graph, producer, vid):
     """The input node ``vid`` is, looked at through dtype casts, or None."""
     node = graph.nodes[producer[vid]] if vid in producer else None
-    while node is not None and node.prim in _CASTS and node.ins and node.ins[0] in producer:
+    while node is not None and node.primitive in _CASTS and node.ins and node.ins[0] in producer:
         node = graph.nodes[producer[node.ins[0]]]
-    return node.id if node is not None and node.kind.value == "input" else None
+    return node.id if node is not None and node.kind == NodeKind.INPUT else None
 
 
 def _dim_roles(node, pos, rank) -> list[DimRole] | None:
     """Roles of the dims of operand ``pos`` of ``node``, when it tells them."""
-    if node.prim == "gather" and pos == 0 and rank == 2:
+    if node.primitive is lax.gather_p and pos == 0 and rank == 2:
         return [DimRole.VOCAB, DimRole.FEATURE]
-    if node.prim != "dot_general":
+    if node.primitive is not lax.dot_general_p:
         return None
     (contract, batch) = node.params["dimension_numbers"]
     summed, batched = set(contract[pos]), set(batch[pos])
@@ -103,7 +106,7 @@ def _layer_facts(plan) -> dict[str, LayerFacts]:
                 got = _dim_roles(node, pos, len(plan._arg_avals[leaf].shape))
                 if got is not None and (leaf not in roles or DimRole.VOCAB in got):
                     roles[leaf] = got
-        if node.prim == "dot_general" and phases[node.id] == Phase.FORWARD and any(
+        if node.primitive is lax.dot_general_p and phases[node.id] == Phase.FORWARD and any(
                 leaf in params for leaf in leaves):
             _count_activation(node, leaves, params, strats[node.id][choice[node.id]],
                               batch.setdefault(labels[node.id], Counter()),
