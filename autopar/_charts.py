@@ -174,7 +174,7 @@ def mesh_diagram(axis_sizes: dict[str, int], carries: dict[str, str], device_ids
     n_cols = axis_sizes[cols_axis]
     n_rows = axis_sizes[rows_axis] if rows_axis else 1
     n_panels = math.prod(axis_sizes[a] for a in outer) if outer else 1
-    cell = max(26, min(52, 520 // max(n_cols * n_panels, 1)))
+    cell = max(8, min(52, 560 // max(n_cols * n_panels, 1), 420 // max(n_rows, 1)))
     left, top, gap = 120, 36, 18
     panel_w = n_cols * cell
     flat = list(device_ids)
@@ -189,10 +189,11 @@ def mesh_diagram(axis_sizes: dict[str, int], carries: dict[str, str], device_ids
             for c in range(n_cols):
                 dev = flat[(p * n_rows + r) * n_cols + c]
                 parts.append(f'<rect x="{x0 + c * cell + 1}" y="{top + r * cell + 1}" '
-                             f'width="{cell - 2}" height="{cell - 2}" rx="4" fill="#eef3f9" '
+                             f'width="{cell - 2}" height="{cell - 2}" rx="{min(4, cell // 6)}" fill="#eef3f9" '
                              f'stroke="{COMPUTE}"><title>device {dev}</title></rect>')
-                parts.append(_text(x0 + c * cell + cell / 2, top + r * cell + cell / 2 + 4,
-                                   dev, 12, "middle"))
+                if cell >= 24:   # room for the device id
+                    parts.append(_text(x0 + c * cell + cell / 2,
+                                       top + r * cell + cell / 2 + 4, dev, 12, "middle"))
     right_edge = left + n_panels * (panel_w + gap) - gap
     parts.append(_text((left + right_edge) / 2, top - 8,
                        f"{cols_axis} ({n_cols}) \u2192", 12, "middle", weight="bold"))
