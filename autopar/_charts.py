@@ -189,8 +189,8 @@ def mesh_diagram(axis_sizes: dict[str, int], carries: dict[str, str], device_ids
             for c in range(n_cols):
                 dev = flat[(p * n_rows + r) * n_cols + c]
                 parts.append(f'<rect x="{x0 + c * cell + 1}" y="{top + r * cell + 1}" '
-                             f'width="{cell - 2}" height="{cell - 2}" rx="{min(4, cell // 6)}" fill="#eef3f9" '
-                             f'stroke="{COMPUTE}"><title>device {dev}</title></rect>')
+                             f'width="{cell - 2}" height="{cell - 2}" rx="{min(4, cell // 6)}" '
+                             f'fill="#eef3f9" stroke="{COMPUTE}"><title>device {dev}</title></rect>')
                 if cell >= 24:   # room for the device id
                     parts.append(_text(x0 + c * cell + cell / 2,
                                        top + r * cell + cell / 2 + 4, dev, 12, "middle"))
