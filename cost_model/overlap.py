@@ -47,13 +47,34 @@ def permute_steps(axis: str, axis_size: int, block_bytes: int, bidirectional: bo
     return (one,) * (n - 1)
 
 
-def collective_matmul(compute_s: float, axis: str, axis_size: int, block_bytes: int,
-                      bidirectional: bool, levels) -> Overlapped:
-    """A matmul of ``compute_s`` whose all-gather (or reduce-scatter) of ``block_bytes`` per
-    device over ``axis`` is decomposed into ring steps, each one's transfer overlapping a
-    chunk's matmul. Bidirectional, both halves of a step travel at once on the two directions
-    of the link (``levels`` hold one direction's bandwidth)."""
+#: Kernels a ring loop runs per step besides its pieces' work (its counter's increment and
+#: test, and the copy of the carried counter XLA makes), each at least one launch.
+LOOP_KERNELS = 3
+
+
+@dataclass(frozen=True)
+class Chunked:
+    """The compute of a matmul cut into pieces: one piece's matmul, the kernel that puts its
+    result in place (a slice update, or an add into an accumulator), and how many pieces."""
+    matmul_s: float
+    place_s: float
+    pieces: int
+
+
+def chunked_compute_s(work: Chunked, steps: int, launch_s: float) -> float:
+    """All the pieces' kernels, at least a launch each, and the ring loop's own per step."""
+    per_piece_s = max(work.matmul_s, launch_s) + max(work.place_s, launch_s)
+    return work.pieces * per_piece_s + steps * LOOP_KERNELS * launch_s
+
+
+def collective_matmul(work: Chunked, axis: str, axis_size: int, block_bytes: int,
+                      bidirectional: bool, levels, launch_s: float) -> Overlapped:
+    """A matmul cut into ``work``'s pieces whose all-gather (or reduce-scatter) of
+    ``block_bytes`` per device over ``axis`` is decomposed into ring steps, each one's transfer
+    overlapping a step's pieces. Bidirectional, both halves of a step travel at once on the
+    two directions of the link (``levels`` hold one direction's bandwidth)."""
     steps = permute_steps(axis, axis_size, block_bytes, bidirectional)
+    compute_s = chunked_compute_s(work, axis_size - 1, launch_s)
     total_s = pipelined_s(compute_s, steps[0].time_s(levels), axis_size)
     return Overlapped(total_s, compute_s, total_s - compute_s, steps)
 

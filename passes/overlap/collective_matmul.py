@@ -13,6 +13,7 @@ chunks do not hide is charged) and is emitted by ``passes.overlap.regions``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import math
@@ -29,6 +30,19 @@ from autopar.passes.strategies import MeshContext, Rewrite, RewriteKind, Strateg
 
 #: A rewrite must be predicted at least this much faster than the pair it replaces.
 MIN_GAIN = 0.02
+#: Test-only (:func:`forced`): every decomposition that divides is offered, at no cost.
+_FORCED = [False]
+
+
+@contextlib.contextmanager
+def forced():
+    """For tests: within it, plans are offered every collective matmul whose chunks divide,
+    priced at zero, so that the ILP takes them wherever their specs fit, at any size."""
+    _FORCED[0] = True
+    try:
+        yield
+    finally:
+        _FORCED[0] = False
 
 
 class Mode(enum.Enum):
@@ -177,11 +191,13 @@ def _priced(node: Node, graph: Graph, mesh: MeshContext, s: Strategy, cm: Collec
     if size % (n * cm.chunks):
         return None
     block_bytes = local_bytes(spec, shape, mesh.wire_itemsize(value), mesh.axis_sizes)
-    compute_s = n * cm.chunks * _chunk_s(node, graph, mesh, s, cm, n * cm.chunks)
-    priced = overlap.collective_matmul(compute_s, cm.axis, n, block_bytes, cm.bidirectional,
-                                       mesh.levels)
+    work = _chunked(node, graph, mesh, s, cm, n * cm.chunks)
+    priced = overlap.collective_matmul(work, cm.axis, n, block_bytes, cm.bidirectional,
+                                       mesh.levels, mesh.profile.launch_overhead_s)
     replaced_s = s.compute_s + _replaced_comm_s(node, graph, mesh, s, cm)
-    if priced.total_s > (1 - MIN_GAIN) * replaced_s:
+    if _FORCED[0]:
+        priced = overlap.Overlapped(0.0, 0.0, 0.0, priced.steps)
+    elif priced.total_s > (1 - MIN_GAIN) * replaced_s:
         return None
     kind = (RewriteKind.MATMUL_REDUCE_SCATTER if cm.mode is Mode.SCATTER
             else RewriteKind.ALL_GATHER_MATMUL)
@@ -199,10 +215,12 @@ def _replaced_comm_s(node: Node, graph: Graph, mesh: MeshContext, s: Strategy,
     return mesh.reshard_time_s(cm.in_specs[cm.operand], s.in_specs[cm.operand], value)
 
 
-def _chunk_s(node: Node, graph: Graph, mesh: MeshContext, s: Strategy, cm: CollectiveMatmul,
-             pieces: int) -> float:
-    """One chunk's matmul: ``s``'s work cut into ``pieces`` along the chunked dim, at the
-    roofline of the chunk's own dims, and at least one kernel launch."""
+def _chunked(node: Node, graph: Graph, mesh: MeshContext, s: Strategy, cm: CollectiveMatmul,
+             pieces: int) -> overlap.Chunked:
+    """``s``'s matmul cut into ``pieces`` along the chunked dim, each at the roofline of its
+    own dims (it reads the whole uncut operand again), and the kernel placing its result:
+    a slice written (free gather), or an accumulator read and written (float32 for 16-bit
+    floats: contracting gather), or the arrived partial sum added (scatter)."""
     local = [sp.local_shape(shape, mesh.axis_sizes)
              for sp, (shape, _) in zip(s.in_specs, node.in_avals)]
     cut = [(cm.operand, cm.dim)] if cm.mode is not Mode.SCATTER else list(cm.slices)
@@ -211,16 +229,18 @@ def _chunk_s(node: Node, graph: Graph, mesh: MeshContext, s: Strategy, cm: Colle
     for k, d in cut:
         local[k] = tuple(x // pieces if i == d else x for i, x in enumerate(local[k]))
     out = graph.values[node.outs[0]]
-    out_local = math.prod(s.out_specs[0].local_shape(out.shape, mesh.axis_sizes))
+    out_bytes = math.prod(s.out_specs[0].local_shape(out.shape, mesh.axis_sizes)) * out.itemsize
     if cm.mode is Mode.SCATTER:
-        out_local *= mesh.axis_sizes[cm.axis]  # the partial sums, before they are scattered
-    moved = (sum(math.prod(sh) * itemsize(dt) for sh, (_, dt) in zip(local, node.in_avals))
-             + out_local * out.itemsize / pieces)
-    info = op_info(node)
-    dims = info.matmul_dims(local, **node.params)
-    return max(roofline_s(s.flops / pieces, moved, mesh.profile, out.dtype, contraction=True,
-                          dims=dims),
-               mesh.profile.launch_overhead_s)
+        out_bytes *= mesh.axis_sizes[cm.axis]  # the partial sums, before they are scattered
+    piece_bytes = out_bytes / pieces if cm.mode is not Mode.GATHER_CONTRACTING else out_bytes
+    moved = sum(math.prod(sh) * itemsize(dt) for sh, (_, dt) in zip(local, node.in_avals))
+    dims = op_info(node).matmul_dims(local, **node.params)
+    matmul_s = roofline_s(s.flops / pieces, moved + piece_bytes, mesh.profile, out.dtype,
+                          contraction=True, dims=dims)
+    place_bytes = {Mode.GATHER_FREE: 2 * piece_bytes,
+                   Mode.GATHER_CONTRACTING: 2 * out_bytes * max(4 // out.itemsize, 1) + out_bytes,
+                   Mode.SCATTER: 3 * piece_bytes}[cm.mode]
+    return overlap.Chunked(matmul_s, place_bytes / mesh.profile.hbm_bandwidth_bytes_per_s, pieces)
 
 
 def with_collective_matmuls(graph: Graph, strats: list[list[Strategy]], mesh: MeshContext

@@ -49,30 +49,36 @@ def _placed(mesh, spec: Spec, x):
     return jax.device_put(x, NamedSharding(mesh, spec.to_partition_spec()))
 
 
-@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bidi"])
-@pytest.mark.parametrize("name", list(CASES))
-def test_region_matches_the_dot(mesh_2d, name, bidirectional):
-    dn, lhs_shape, rhs_shape, fields = CASES[name]
-    cm = CollectiveMatmul(axis="model", bidirectional=bidirectional, **fields)
-    dot = functools.partial(lax.dot_general, dimension_numbers=dn,
-                            precision=lax.Precision.HIGHEST)
-    pin = regions._auto(cm.out_spec, "model")
-    f = regions.region(cm, dot, mesh_2d, pin)
-    ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(ka, lhs_shape)
-    b = jax.random.normal(kb, rhs_shape)
-    args = [_placed(mesh_2d, sp, x) for sp, x in zip(cm.in_specs, (a, b))]
-    out = jax.jit(f)(*args)
-    np.testing.assert_allclose(out, dot(a, b), rtol=1e-5, atol=1e-5)
-    assert out.sharding.is_equivalent_to(
-        NamedSharding(mesh_2d, cm.out_spec.to_partition_spec()), out.ndim)
+def test_regions_match_the_dot(mesh_2d):
+    """Every case, one- and bidirectional, in one program (one compile): forward, gradients
+    through the custom VJP, and no all-gather, reduce-scatter or all-reduce compiled."""
+    regs, dots, args, refs = [], [], [], []
+    keys = iter(jax.random.split(jax.random.key(0), 4 * len(CASES)))
+    for dn, lhs_shape, rhs_shape, fields in CASES.values():
+        dot = functools.partial(lax.dot_general, dimension_numbers=dn,
+                                precision=lax.Precision.HIGHEST)
+        for bidirectional in (False, True):
+            cm = CollectiveMatmul(axis="model", bidirectional=bidirectional, **fields)
+            regs.append(regions.region(cm, dot, mesh_2d, regions._auto(cm.out_spec, "model")))
+            dots.append(dot)
+            a, b = (jax.random.normal(next(keys), lhs_shape),
+                    jax.random.normal(next(keys), rhs_shape))
+            refs.append((a, b))
+            args.append(tuple(_placed(mesh_2d, sp, x) for sp, x in zip(cm.in_specs, (a, b))))
 
-    def loss(g, a, b):
-        return jnp.sum(jnp.sin(g(a, b)))
-    grads = jax.jit(jax.grad(functools.partial(loss, f), argnums=(0, 1)))(*args)
-    expected = jax.grad(functools.partial(loss, dot), argnums=(0, 1))(a, b)
-    for got, want in zip(grads, expected):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    text = jax.jit(f).lower(*args).compile().as_text()
+    def run(fs, args):
+        return [f(a, b) for f, (a, b) in zip(fs, args)]
+
+    def loss(fs, args):
+        return sum(jnp.sum(jnp.sin(y)) * (i + 1) for i, y in enumerate(run(fs, args)))
+
+    forward = jax.jit(functools.partial(run, regs)).lower(args).compile()
+    for got, dot, (a, b) in zip(forward(args), dots, refs):
+        np.testing.assert_allclose(got, dot(a, b), rtol=1e-5, atol=1e-5)
+    text = forward.as_text()
     assert "collective-permute" in text
     assert not re.search(r"\b(all-gather|reduce-scatter|all-reduce)(-start)?\(", text)
+    grads = jax.jit(jax.grad(functools.partial(loss, regs)))(args)
+    expected = jax.grad(functools.partial(loss, dots))(refs)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
