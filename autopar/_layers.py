@@ -30,6 +30,7 @@ class LayerRow:
     comm_bytes: float = 0.0
     collectives: int = 0
     params: list[tuple[str, object]] = field(default_factory=list)  # (path, PartitionSpec)
+    rewrites: dict[str, int] = field(default_factory=dict)  # "kind(axes)" -> ops rewritten
 
 
 def _past_arg_index(path: str) -> str:
@@ -70,7 +71,11 @@ def layer_rows(plan) -> list[LayerRow]:
         return rows.get(_layer_of_node(node.where, names), other)
 
     for node in graph.nodes:
-        row_of(node).compute_s += strats[node.id][choice[node.id]].compute_s * node.trip_count
+        taken = strats[node.id][choice[node.id]]
+        row_of(node).compute_s += taken.compute_s * node.trip_count
+        if taken.rewrite is not None:
+            key = f"{taken.rewrite.kind.value}({','.join(taken.rewrite.axes)})"
+            row_of(node).rewrites[key] = row_of(node).rewrites.get(key, 0) + 1
     for c in comms:
         if c.step.wire_bytes:
             row = row_of(graph.nodes[c.node])

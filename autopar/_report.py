@@ -66,6 +66,9 @@ def render_text(plan, baselines: dict | None = None) -> str:
                          f"{_fmt_s(r.comm_s):>12}{f'{r.collectives} ({_fmt_bytes(r.comm_bytes)})':>24}")
             width = max([len(p) for p, _ in r.params] + [4])
             lines += [f"      {p:<{width}}  {_spec_str(spec)}" for p, spec in r.params]
+            if r.rewrites:
+                lines.append("      overlapped: " + ", ".join(
+                    f"{n} {kind}" for kind, n in sorted(r.rewrites.items())))
     rest, outs = outside_layers(plan, layered)
     width = max([len(p) for p, _ in rest + outs] + [4])
     lines += ["", "Input shardings (other than parameters and their optimizer state):"]
@@ -164,7 +167,8 @@ def _collective_lines(plan) -> list[str]:
         if c.step.wire_bytes == 0:
             continue
         node = graph.nodes[c.node]
-        why = ("partial result of " if c.reason == "reduce" else "operand reshard for ") + node.prim
+        why = {"reduce": "partial result of ", "overlap": "overlapped in "}.get(
+            c.reason, "operand reshard for ") + node.prim
         key = (c.step.kind.value, ",".join(c.step.axes), why, node.where or "-")
         rows[key][0] += c.trips
         rows[key][1] += c.step.wire_bytes * c.trips

@@ -10,9 +10,11 @@ the same :class:`Overlapped` price.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from autopar.cost_model.collectives import CommStep
+from autopar.cost_model.hardware import LevelKind
 from autopar.cost_model.hlo import CollectiveKind
 
 
@@ -67,15 +69,27 @@ def chunked_compute_s(work: Chunked, steps: int, launch_s: float) -> float:
     return work.pieces * per_piece_s + steps * LOOP_KERNELS * launch_s
 
 
+def ring_step_s(steps: tuple[CommStep, ...], axis: str, levels) -> float:
+    """One ring step's transfer. Half a block each way takes half the time only where each
+    direction of a link is its own (a torus, ICI) and the two neighbours differ (more than two
+    devices); behind a switch (NVLink) a device's sends share its bandwidth either way."""
+    step = steps[0]
+    if len(steps) == 2 * (step.group_size - 1):  # bidirectional: halves
+        if levels[axis].kind is not LevelKind.ICI or step.group_size <= 2:
+            return dataclasses.replace(step, in_bytes=2 * step.in_bytes,
+                                       out_bytes=2 * step.out_bytes).time_s(levels)
+    return step.time_s(levels)
+
+
 def collective_matmul(work: Chunked, axis: str, axis_size: int, block_bytes: int,
                       bidirectional: bool, levels, launch_s: float) -> Overlapped:
     """A matmul cut into ``work``'s pieces whose all-gather (or reduce-scatter) of
     ``block_bytes`` per device over ``axis`` is decomposed into ring steps, each one's transfer
-    overlapping a step's pieces. Bidirectional, both halves of a step travel at once on the
-    two directions of the link (``levels`` hold one direction's bandwidth)."""
+    overlapping a step's pieces. Bidirectional, each step's two halves travel opposite ways
+    round the ring (:func:`ring_step_s`)."""
     steps = permute_steps(axis, axis_size, block_bytes, bidirectional)
     compute_s = chunked_compute_s(work, axis_size - 1, launch_s)
-    total_s = pipelined_s(compute_s, steps[0].time_s(levels), axis_size)
+    total_s = pipelined_s(compute_s, ring_step_s(steps, axis, levels), axis_size)
     return Overlapped(total_s, compute_s, total_s - compute_s, steps)
 
 

@@ -36,8 +36,8 @@ _FORCED = [False]
 
 @contextlib.contextmanager
 def forced():
-    """For tests: within it, plans are offered every collective matmul whose chunks divide,
-    priced at zero, so that the ILP takes them wherever their specs fit, at any size."""
+    """For tests: within it, every dot with a collective matmul whose chunks divide is
+    offered only those (priced at zero), so that plans take them at any size."""
     _FORCED[0] = True
     try:
         yield
@@ -256,6 +256,7 @@ def with_collective_matmuls(graph: Graph, strats: list[list[Strategy]], mesh: Me
             out.append(own)
             continue
         if id(own) not in extended:
-            extended[id(own)] = own + strategies(node, graph, mesh, own)
+            extra = strategies(node, graph, mesh, own)
+            extended[id(own)] = extra if _FORCED[0] and extra else own + extra
         out.append(extended[id(own)])
     return out

@@ -3,7 +3,9 @@ forward and gradients, on a 2-D mesh (manual over ``model``, ``data`` automatic)
 the rewrites match one device; the compiled program holds the ring loop."""
 
 import functools
+import json
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +14,14 @@ import pytest
 from jax import lax
 from jax.sharding import NamedSharding
 
+import autopar
 from autopar.cost_model.spec import Spec
+from autopar.errors import ShardingConflictWarning, SolverFallbackWarning
+from autopar.models import bert, gpt, mlp
 from autopar.passes.overlap import regions
-from autopar.passes.overlap.collective_matmul import CollectiveMatmul, Mode
+from autopar.passes.overlap.collective_matmul import CollectiveMatmul, Mode, forced
+from tests.autopar.test_random_programs import MESHES as RANDOM_MESHES
+from tests.autopar.test_random_programs import make_case, random_hints
 
 M, R, D = ("model",), ("data",), ()
 MATMUL = (((1,), (0,)), ((), ()))            # (B, K) @ (K, F)
@@ -82,3 +89,56 @@ def test_regions_match_the_dot(mesh_2d):
     expected = jax.grad(functools.partial(loss, dots))(refs)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _matches_one_device(fn, args, mesh, **kw):
+    expected = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SolverFallbackWarning)
+        warnings.simplefilter("ignore", ShardingConflictWarning)
+        with forced():
+            plan = autopar.plan(fn, *args, mesh=mesh, hardware="h100", **kw)
+    got = jax.tree_util.tree_leaves(plan.jit()(*args))
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-5)
+    return plan
+
+
+@pytest.mark.parametrize("name, mesh", [
+    ("gpt", {"model": 8}), ("bert", {"data": 2, "model": 4}),
+    ("mlp", {"data": 2, "model": 2, "expert": 2})])
+def test_models_with_every_rewrite_match_one_device(name, mesh):
+    """Train steps whose every dot that can be a collective matmul is one (forced)."""
+    module = {"gpt": gpt, "bert": bert, "mlp": mlp}[name]
+    fn, args = module.make_train_step(module.TINY)
+    plan = _matches_one_device(fn, args, mesh, time_limit_s=20)
+    assert plan.stats["overlap"] is True
+    assert sum(plan.stats["rewrites"].values()) >= 4, plan.stats["rewrites"]
+
+
+def test_random_programs_with_rewrites_match_one_device():
+    taken = 0
+    for seed in (0, 1, 4, 5, 9, 13):
+        fn, args = make_case(seed)
+        mesh = RANDOM_MESHES[seed % len(RANDOM_MESHES)]
+        plan = _matches_one_device(fn, args, mesh,
+                                   in_shardings=tuple(random_hints(args, mesh, seed)))
+        taken += sum(plan.stats["rewrites"].values())
+    assert taken >= 3
+
+
+def test_overlap_off_and_cpu_offer_no_rewrite():
+    """``overlap=False`` turns every rewrite off, and the cpu profile (collectives in line)
+    never offers one, even forced."""
+    fn, args = mlp.make_train_step(mlp.TINY)
+    mesh = {"data": 2, "model": 4}
+    with forced():
+        on = autopar.plan(fn, *args, mesh=mesh, hardware="h100")
+        off = autopar.plan(fn, *args, mesh=mesh, hardware="h100", overlap=False)
+        cpu = autopar.plan(fn, *args, mesh=mesh, hardware="cpu")
+    assert on.stats["rewrites"] and on.stats["overlap"] is True
+    assert off.stats["rewrites"] == {} and off.stats["overlap"] is False
+    assert cpu.stats["rewrites"] == {}
+    assert json.loads(on.to_json())["stats"]["rewrites"] == on.stats["rewrites"]
+    assert "overlapped:" in on.report()
