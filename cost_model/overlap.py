@@ -93,11 +93,11 @@ def collective_matmul(work: Chunked, axis: str, axis_size: int, block_bytes: int
     return Overlapped(total_s, compute_s, total_s - compute_s, steps)
 
 
-def prefetched(layer_s: float, gather: CommStep, layers: int, levels) -> Overlapped:
-    """``layers`` iterations of ``layer_s`` each, where iteration ``i + 1``'s ``gather`` runs
-    during iteration ``i`` (the first one's is exposed): per iteration, the part of the
-    gather its layer does not hide."""
-    gather_s = gather.time_s(levels)
-    total_s = gather_s + pipelined_s(layer_s * layers, gather_s, layers)
+def prefetched(layer_s: float, gather: tuple[CommStep, ...], layers: int, levels
+               ) -> Overlapped:
+    """``layers`` iterations of ``layer_s`` each, where iteration ``i + 1``'s ``gather`` (its
+    steps in turn) runs during iteration ``i`` (the first one's is exposed)."""
+    gather_s = sum(step.time_s(levels) for step in gather)
     compute_s = layer_s * layers
-    return Overlapped(total_s, compute_s, total_s - compute_s, (gather,) * layers)
+    total_s = gather_s + pipelined_s(compute_s, gather_s, layers)
+    return Overlapped(total_s, compute_s, total_s - compute_s, tuple(gather) * layers)

@@ -34,7 +34,7 @@ from autopar.passes.emit import build_flat_fn
 from autopar.passes.estimate import value_specs
 from autopar.passes.ir import Graph
 from autopar.passes.memory_budget import input_labels, peak_lower_bound_bytes
-from autopar.passes.overlap import with_collective_matmuls
+from autopar.passes.overlap import with_collective_matmuls, with_prefetch
 from autopar.passes.propagate import propagate
 from autopar.passes.remat import RematPolicy, rematerialize, residual_bytes, scanned_layers
 from autopar.passes.memory_fit import over_budget_error
@@ -279,6 +279,7 @@ def _strategies(state: _State) -> _State:
     strats, fallbacks = build_strategies(state.traced.graph, state.options.mesh_ctx, keys)
     if state.options.overlap and state.options.search:
         strats = with_collective_matmuls(state.traced.graph, strats, state.options.mesh_ctx)
+        strats = with_prefetch(state.traced.graph, strats, state.options.mesh_ctx)
     return replace(state, keys=keys, strats=strats, fallbacks=fallbacks)
 
 

@@ -101,6 +101,8 @@ class RewriteKind(enum.Enum):
     # in ring steps each overlapping a chunk's matmul
     ALL_GATHER_MATMUL = "all-gather matmul"
     MATMUL_REDUCE_SCATTER = "matmul reduce-scatter"
+    # passes.overlap.prefetch: a scanned input gathered one iteration ahead (emit_scan)
+    PREFETCH = "prefetch"
 
 
 @dataclass(frozen=True)

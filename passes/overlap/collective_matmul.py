@@ -37,7 +37,8 @@ _FORCED = [False]
 @contextlib.contextmanager
 def forced():
     """For tests: within it, every dot with a collective matmul whose chunks divide is
-    offered only those (priced at zero), so that plans take them at any size."""
+    offered only those, and every scanned input with a prefetch only those (priced at zero,
+    ``passes.overlap.prefetch``), so that plans take them at any size."""
     _FORCED[0] = True
     try:
         yield

@@ -44,9 +44,8 @@ def _ring(n: int, shift: int) -> list[tuple[int, int]]:
 class _Ring:
     """One region's local view: the axis, its size, this device's index, and the dot."""
 
-    def __init__(self, cm: CollectiveMatmul, n: int, dot, pin):
-        self.cm, self.n, self.dot, self.pin = cm, n, dot, pin
-        self.me = lax.axis_index(cm.axis)
+    def __init__(self, cm: CollectiveMatmul, n: int, dot, pin, me):
+        self.cm, self.n, self.dot, self.pin, self.me = cm, n, dot, pin, me
 
     def send(self, x, shift: int):
         return lax.ppermute(x, self.cm.axis, _ring(self.n, shift))
@@ -161,17 +160,24 @@ def region(cm: CollectiveMatmul, dot, mesh, pin_spec: PartitionSpec | None):
     def pin(x):
         return x if pin_spec is None else lax.with_sharding_constraint(x, pin_spec)
 
-    def fast(a, b):
-        ring = _Ring(cm, n, dot, pin)
+    def fast(a, b, index):
+        ring = _Ring(cm, n, dot, pin, index[0])
         return _scatter(ring, a, b) if cm.mode is Mode.SCATTER else _gather(ring, a, b)
 
+    def backward(res, ct):
+        a, b, index = res
+        no_index = np.zeros(index.shape, jax.dtypes.float0)
+        return (*jax.vjp(functools.partial(_plain, cm, dot), a, b)[1](ct), no_index)
+
     body = jax.custom_vjp(fast)
-    body.defvjp(lambda a, b: (fast(a, b), (a, b)),
-                lambda res, ct: jax.vjp(functools.partial(_plain, cm, dot), *res)[1](ct))
-    return jax.shard_map(body, mesh=mesh,
-                         in_specs=tuple(_manual(sp, cm.axis) for sp in cm.in_specs),
-                         out_specs=_manual(cm.out_spec, cm.axis), axis_names={cm.axis},
-                         check_vma=False)
+    body.defvjp(lambda a, b, index: (fast(a, b, index), (a, b, index)), backward)
+    # The device's place on the ring comes in as its block of an iota: lax.axis_index lowers to
+    # a partition-id that XLA's SPMD partitioner rejects once several regions share it.
+    region_fn = jax.shard_map(
+        body, mesh=mesh,
+        in_specs=(*(_manual(sp, cm.axis) for sp in cm.in_specs), PartitionSpec(cm.axis)),
+        out_specs=_manual(cm.out_spec, cm.axis), axis_names={cm.axis}, check_vma=False)
+    return lambda a, b: region_fn(a, b, jnp.arange(n, dtype=jnp.int32))
 
 
 def emit(emitter, eqn, invals, rewrite) -> list:
