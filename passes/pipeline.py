@@ -10,7 +10,8 @@ time to ``timings_s`` and, when ``PlanOptions.verify_ir``, verifies the IR after
 do not run (plain GSPMD). When no plan fits the memory budget, the passes after trace run
 again on the program with layers rematerialized (``passes.remat``): every layer, or fewer
 when that is predicted faster and still fits (:func:`_plan_within_budget`).
-Pipeline stages and collective overlap are not in this version; see README.
+The strategies pass also adds the overlap strategies (``passes.overlap``: collective matmul,
+prefetch) when ``PlanOptions.overlap`` and ``search``.
 """
 
 from __future__ import annotations
