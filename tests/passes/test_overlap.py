@@ -17,13 +17,16 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import autopar
+from autopar.cost_model.hardware import get_profile
 from autopar.cost_model.hlo_ir import array_dims, parse_module
 from autopar.cost_model.spec import Spec
+from autopar.cost_model.timeline import simulate
 from autopar.errors import ShardingConflictWarning, SolverFallbackWarning
 from autopar.models import bert, mlp
 from autopar.passes.overlap import regions
 from autopar.passes.overlap.collective_matmul import CollectiveMatmul, Mode, forced
 from tests.autopar.test_random_programs import MESHES as RANDOM_MESHES
+from benchmarks.overlap import as_async
 from tests.autopar.test_random_programs import make_case, random_hints
 
 M, R, D = ("model",), ("data",), ()
@@ -221,3 +224,25 @@ def test_fsdp_prefetch_matches_one_device():
         got = jax.jit(jax.grad(lambda ws, x: program(ws, x)[1]))(ws, x)
     np.testing.assert_allclose(got, jax.grad(lambda ws, x: step(ws, x)[1])(ws, x),
                                rtol=2e-3, atol=2e-5)
+
+
+def test_as_async_lets_a_collective_overlap_independent_compute(mesh_1d):
+    """``benchmarks.overlap.as_async`` reads XLA:CPU's synchronous collectives as a GPU's
+    latency-hiding scheduler runs them: the same step, its all-reduce beside the dot that
+    does not need it."""
+    @jax.jit
+    def f(x, w, y):
+        return jnp.sum(x @ w, axis=0), y @ y
+    spec = NamedSharding(mesh_1d, PartitionSpec("data"))
+    args = [jax.ShapeDtypeStruct((1024, 512), jnp.float32, sharding=spec),
+            jax.ShapeDtypeStruct((512, 512), jnp.float32,
+                                 sharding=NamedSharding(mesh_1d, PartitionSpec())),
+            jax.ShapeDtypeStruct((2048, 2048), jnp.float32,
+                                 sharding=NamedSharding(mesh_1d, PartitionSpec()))]
+    text = f.lower(*args).compile().as_text()
+    scheduled = as_async(text)
+    assert "all-reduce-start(" in scheduled and "all-reduce-done(" in scheduled
+    h100 = get_profile("h100")
+    inline, overlapped = simulate(text, h100), simulate(scheduled, h100)
+    assert overlapped.compute_busy_s == pytest.approx(inline.compute_busy_s)
+    assert overlapped.exposed_comm_s < inline.exposed_comm_s
