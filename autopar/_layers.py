@@ -59,6 +59,7 @@ class LayerRow:
     comm_bytes: float = 0.0
     collectives: int = 0
     params: list[ParamLeaf] = field(default_factory=list)
+    rewrites: dict[str, int] = field(default_factory=dict)  # "kind(axes)" -> ops rewritten
 
 
 # ----- layers of the parameter tree
@@ -297,8 +298,12 @@ def layer_rows(plan) -> list[LayerRow]:
     other = LayerRow(OTHER)
     labels = node_layers(plan)
     for node in graph.nodes:
-        rows.get(labels[node.id], other).compute_s += (
-            strats[node.id][choice[node.id]].compute_s * node.trip_count)
+        taken = strats[node.id][choice[node.id]]
+        row = rows.get(labels[node.id], other)
+        row.compute_s += taken.compute_s * node.trip_count
+        if taken.rewrite is not None:
+            key = f"{taken.rewrite.kind.value}({','.join(taken.rewrite.axes)})"
+            row.rewrites[key] = row.rewrites.get(key, 0) + 1
     for c in comms:
         if c.step.wire_bytes:
             row = rows.get(labels[c.node], other)

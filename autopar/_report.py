@@ -82,6 +82,9 @@ def render_text(plan, baselines: dict | None = None) -> str:
             lines.append(f"  {r.name:<20}{_fmt_bytes(r.state_bytes):>12}{_fmt_s(r.compute_s):>12}"
                          f"{_fmt_s(r.comm_s):>12}{f'{r.collectives} ({_fmt_bytes(r.comm_bytes)})':>24}")
             lines += _param_lines(r.params)
+            if r.rewrites:
+                lines.append("      overlapped: " + ", ".join(
+                    f"{n} {kind}" for kind, n in sorted(r.rewrites.items())))
     rest, outs = outside_layers(plan, layered)
     width = max([len(p) for p, _ in rest + outs] + [4])
     lines += ["", "Input shardings (other than parameters and their optimizer state):"]
@@ -267,8 +270,9 @@ def collective_groups(plan) -> dict[tuple[str, str], list[CollectiveGroup]]:
         if c.step.wire_bytes == 0:
             continue
         node = graph.nodes[c.node]
-        why = (f"partial sums of {node.prim}" if c.reason == "reduce"
-               else f"an operand of {node.prim} resharded")
+        why = {"reduce": f"partial sums of {node.prim}",
+               "overlap": f"overlapped in {node.prim}"}.get(
+                   c.reason, f"an operand of {node.prim} resharded")
         what = f"{place_words(node.where, labels[node.id], phases[node.id], star)}: {why}"
         key = (",".join(c.step.axes), c.step.kind.value, what)
         g = groups.setdefault(key, CollectiveGroup(key[1], key[0], what))

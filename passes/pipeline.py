@@ -10,7 +10,8 @@ time to ``timings_s`` and, when ``PlanOptions.verify_ir``, verifies the IR after
 do not run (plain GSPMD). When no plan fits the memory budget, the passes after trace run
 again on the program with layers rematerialized (``passes.remat``): every layer, or fewer
 when that is predicted faster and still fits (:func:`_plan_within_budget`).
-Pipeline stages and collective overlap are not in this version; see README.
+The strategies pass also adds the overlap strategies (``passes.overlap``: collective matmul,
+prefetch) when ``PlanOptions.overlap`` and ``search``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from autopar.passes.emit import build_flat_fn
 from autopar.passes.estimate import value_specs
 from autopar.passes.ir import Graph
 from autopar.passes.memory_budget import input_labels, peak_lower_bound_bytes
+from autopar.passes.overlap import with_collective_matmuls, with_prefetch
 from autopar.passes.propagate import propagate
 from autopar.passes.remat import RematPolicy, rematerialize, residual_bytes, scanned_layers
 from autopar.passes.memory_fit import over_budget_error
@@ -102,6 +104,9 @@ class PlanOptions:
     until one does; if none still fits, InfeasiblePlanError, or with ``strict_budget=False``
     a MemoryBudgetWarning and the plan that ignores the budget. ``progress``: told what the
     passes do. ``verify_ir``: check the IR after every pass (``passes.verify``).
+    ``overlap``: with ``search``, also offer the strategies that hide their communication
+    behind their compute (``passes.overlap``) where the hardware runs collectives
+    asynchronously; False: none.
     """
     mesh_ctx: MeshContext
     jax_mesh: Mesh
@@ -120,6 +125,7 @@ class PlanOptions:
     remat: bool = True
     progress: Callable[[str], None] = _quiet
     verify_ir: bool = field(default_factory=debug_requested)
+    overlap: bool = True
 
 
 @dataclass
@@ -273,6 +279,9 @@ def _strategies_message(state: _State) -> str:
 def _strategies(state: _State) -> _State:
     keys = node_keys(state.traced.graph)
     strats, fallbacks = build_strategies(state.traced.graph, state.options.mesh_ctx, keys)
+    if state.options.overlap and state.options.search:
+        strats = with_collective_matmuls(state.traced.graph, strats, state.options.mesh_ctx)
+        strats = with_prefetch(state.traced.graph, strats, state.options.mesh_ctx)
     return replace(state, keys=keys, strats=strats, fallbacks=fallbacks)
 
 
