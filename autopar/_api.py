@@ -14,12 +14,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar._cache import PlanCache, dtype_name, graph_fingerprint
 from autopar._check_memory import check_compiled_memory
+from autopar._export import logical_names
 from autopar._gc import with_gc_paused
 from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar._multiprocess import process_0_plan
 from autopar import _pipeline, _stage_plan
 from autopar._plan import Plan, in_sharding
-from autopar._sizes import parse_bytes
+from autopar._sizes import format_bytes, parse_bytes
 from autopar.baselines import baseline_kinds, baseline_kwargs, baseline_shardings
 from autopar.errors import ArgumentError, InfeasiblePlanError, PipelineError
 from autopar.passes.estimate import estimate, plan_collectives
@@ -135,7 +136,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
          time_limit_s: float = 60.0, tie_state: bool = True, axis_level_overrides=None,
          baseline_seeds: bool = True, remat: bool | str = True,
          check_memory: bool | None = None, verbose: bool | None = None,
-         pipeline="auto", _choice=None, _remat=None) -> Plan:
+         pipeline="auto", overlap: bool = True, _choice=None, _remat=None) -> Plan:
     """Plan how to run ``fn`` on ``mesh``.
 
     Args:
@@ -204,6 +205,11 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         axis on a slower link than the mesh's fastest (across nodes; every axis when nothing
         else fits) and keep the fastest plan that fits (``plan.stats["pipeline_search"]``).
         None: never pipeline.
+      overlap: True (the default): also consider strategies that hide communication behind
+        compute where the hardware runs collectives asynchronously (a GPU or TPU profile):
+        collective matmuls, an all-gather or reduce-scatter split into ring steps each
+        overlapping a chunk of its matmul (``passes.overlap``). False: none (for comparison).
+        ``plan.stats["overlap"]`` records it; the report names each rewritten op.
 
     Returns:
       A :class:`Plan`. In a multi-process run (``jax.distributed``) every process must call
@@ -229,7 +235,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                "logical_axis_rules": logical_axis_rules, "time_limit_s": time_limit_s,
                "tie_state": tie_state, "axis_level_overrides": axis_level_overrides,
                "baseline_seeds": baseline_seeds, "remat": remat, "pipeline": pipeline,
-               "_choice": _choice,
+               "overlap": overlap, "_choice": _choice,
                "_remat": _remat}
     progress = _progress(verbose)
     planned, failure = None, None
@@ -259,7 +265,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
 def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, mesh, hardware,
                in_shardings, out_shardings, search, logical_axis_rules, time_limit_s,
                tie_state, axis_level_overrides, baseline_seeds, remat, pipeline, progress,
-               _choice, _remat) -> Plan:
+               overlap, _choice, _remat) -> Plan:
     """:func:`plan` without the compiled memory check; ``target_bytes``: the budget to plan
     under when it is not ``memory_budget`` itself (lowered after a check)."""
     if target_bytes is None:
@@ -270,8 +276,8 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
                           out_shardings=out_shardings, search=search,
                           logical_axis_rules=logical_axis_rules, time_limit_s=time_limit_s,
                           tie_state=tie_state, axis_level_overrides=axis_level_overrides,
-                          baseline_seeds=baseline_seeds, remat=remat, _choice=_choice,
-                          _remat=_remat)
+                          baseline_seeds=baseline_seeds, remat=remat, overlap=overlap,
+                          _choice=_choice, _remat=_remat)
     forced = _remat if _remat is not None else _remat_option(remat)
     jax_mesh = as_auto_mesh(mesh)
     stages = _pipeline.requested(pipeline, jax_mesh)
@@ -310,7 +316,8 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
         remat_choice=None if forced is None else Remat.from_dict(forced),
         memory_budget_bytes=(target_bytes if target_bytes is not None
                              else default_memory_budget_bytes(profile)),
-        strict_budget=memory_budget is not None, remat=remat is True, progress=progress)
+        strict_budget=memory_budget is not None, remat=remat is True, progress=progress,
+        overlap=overlap)
     plan_layer = None if stages in (None, _pipeline.MARK) else _stage_plan.layer_planner(
         jax_mesh, stages.axis, profile, axis_level_overrides, plan)
     with _pipeline.planning(stages, jax_mesh, plan_layer,
@@ -323,8 +330,8 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
     marked = _pipeline.marked(context)
     if not search and target_bytes is not None and est.peak_memory_bytes > target_bytes:
         raise InfeasiblePlanError(
-            f"with search=False the propagated plan peaks at {est.peak_memory_bytes / 2**20:.1f} "
-            f"MiB per device, over memory_budget={target_bytes / 2**20:.1f} MiB; propagation "
+            f"with search=False the propagated plan peaks at {format_bytes(est.peak_memory_bytes)}"
+            f" per device, over memory_budget={format_bytes(target_bytes)}; propagation "
             "does not search for a plan that fits. Use search=True (the default) to let the "
             "ILP fit the budget, or annotate more of the program (e.g. shard the parameters).")
     traced = result.traced
@@ -343,7 +350,9 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
              "solver_status": sol.name, "source": sol.source.value,
              "timings_s": result.timings_s, **result.ilp_stats,
              "remat": result.remat.to_dict() if result.remat else None,
-             "loss_marked": marked}
+             "loss_marked": marked, "hardware_default": hardware is None,
+             "logical_axes": logical_names(example_args), "overlap": overlap,
+             "rewrites": _rewrites(graph, strats, choice)}
     device = jax_mesh.devices.flat[0]
     option_notes = choose(profile, device, compiler_option_notes(graph, device.platform))
     stats["compiler_options"] = [n.to_dict() for n in option_notes]
@@ -354,6 +363,16 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
                 (graph, strats, choice, comms),
                 compiler_options=as_options(option_notes),
                 pipeline=pipeline_record)
+
+
+def _rewrites(graph, strats, choice) -> dict[str, int]:
+    """How many nodes the plan emits as each kind of rewrite (``passes.emit.REWRITES``)."""
+    counts: dict[str, int] = {}
+    for node in graph.nodes:
+        rewrite = strats[node.id][choice[node.id]].rewrite
+        if rewrite is not None:
+            counts[rewrite.kind.value] = counts.get(rewrite.kind.value, 0) + 1
+    return counts
 
 
 def _plan_auto(fn, example_args, memory_budget, target_bytes, *, progress, **options) -> Plan:

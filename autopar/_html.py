@@ -1,180 +1,265 @@
-"""The plan's report as one self-contained HTML page: inline CSS and SVG, no external assets.
+"""The plan's report as HTML: one self-contained page (inline CSS and SVG, no external
+assets), or a fragment for notebooks. Every CSS rule is scoped under ``.autopar-report``, so
+the report does not restyle the page around it.
 
-It holds the estimate (beside baselines when given), a bar chart of predicted time per layer
-(compute and communication), a chart of predicted memory over the program, the per-layer
-parameter shardings, the collectives chosen and the fallbacks; a pipelined plan's schedule as a
-Gantt chart, one row per stage.
+It holds the plan in words, the mesh, the estimate beside baselines and the candidate plans,
+the validation (when ``plan.validate()`` ran), time per layer, memory over the program with
+its phases and the buffers live at the peak, a pipeline's schedule, each layer's parameters
+with their shapes, the collectives by mesh axis and kind, and the planner's facts.
 """
 
 from __future__ import annotations
 
 import html
 
-from autopar._layers import layer_rows, memory_over_program
-from autopar.passes.stages.schedules import Schedule, slots
+from autopar._charts import (
+    COMM,
+    COMPUTE,
+    PHASE_COLORS,
+    candidate_bars,
+    gantt,
+    layer_bars,
+    memory_chart,
+)
+from autopar._charts import mesh_diagram as _mesh_svg
+from autopar._layers import layer_rows, memory_over_program, node_layers, node_phases, peak_buffers
 from autopar._report import (
-    _collective_lines,
-    _fmt_bytes,
-    _fmt_s,
+    _option_lines,
     _pipeline_lines,
     _remat_lines,
+    _shape_str,
     _spec_str,
+    candidates,
+    collective_groups,
+    hardware_words,
+    mesh_words,
     outside_layers,
+    place_words,
 )
+from autopar._sizes import format_bytes, format_flops, format_seconds
+from autopar._summary import axis_words, summary_lines
+from autopar._validate import validation_rows
+
+ROOT_CLASS = "autopar-report"
+#: Tables of more rows than this start folded.
+_OPEN_ROWS = 40
 
 _CSS = """
-body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1100px; }
-h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
-table { border-collapse: collapse; margin: 0.5em 0; }
-td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: right; font-size: 0.9em; }
-th { background: #f1f1f1; } td.l, th.l { text-align: left; font-family: monospace; }
-.legend span { display: inline-block; width: 12px; height: 12px; margin: 0 4px 0 12px; }
-pre { background: #f7f7f7; padding: 0.6em; overflow-x: auto; font-size: 0.85em; }
+.autopar-report { font-family: system-ui, -apple-system, sans-serif; color: #222;
+  max-width: 1100px; line-height: 1.4; }
+.autopar-report h1 { font-size: 1.35em; margin: 0.2em 0 0.4em; }
+.autopar-report h2 { font-size: 1.1em; margin: 1.5em 0 0.4em; border-bottom: 1px solid #ddd;
+  padding-bottom: 2px; }
+.autopar-report table { border-collapse: collapse; margin: 0.4em 0; }
+.autopar-report td, .autopar-report th { border: 1px solid #d4d4d4; padding: 2px 8px;
+  text-align: right; font-size: 0.88em; vertical-align: top; }
+.autopar-report th { background: #f1f1f1; }
+.autopar-report td.l, .autopar-report th.l { text-align: left; }
+.autopar-report td.m { font-family: ui-monospace, monospace; text-align: left; }
+.autopar-report tr.chosen td { font-weight: bold; background: #eef3f9; }
+.autopar-report tr.flag td { background: #fde2e2; }
+.autopar-report .legend span { display: inline-block; width: 12px; height: 12px;
+  margin: 0 4px 0 14px; vertical-align: -1px; }
+.autopar-report .words { background: #f5f8fc; border-left: 4px solid #4c78a8;
+  padding: 0.5em 1em; margin: 0.5em 0; }
+.autopar-report .words li { font-family: ui-monospace, monospace; font-size: 0.9em; }
+.autopar-report .note { color: #555; font-size: 0.88em; }
+.autopar-report pre { background: #f7f7f7; padding: 0.6em; white-space: pre-wrap;
+  font-size: 0.85em; }
+.autopar-report .words ul { margin: 0.3em 0; }
+.autopar-report details { margin: 0.3em 0; }
+.autopar-report summary { cursor: pointer; }
+.autopar-report svg { display: block; max-width: 100%; height: auto; }
 """
-_COMPUTE, _COMM, _MEM = "#4c78a8", "#f58518", "#54a24b"
 
 
-def _table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
+def _table(header: list[str], rows: list[list], left: int = 1, mono: tuple[int, ...] = (),
+           row_classes: list[str] | None = None, text: tuple[int, ...] = ()) -> str:
+    """A table; columns before ``left`` and those in ``text`` or ``mono`` (monospace) are
+    left-aligned, the others (numbers) right-aligned."""
+    def cls(i, tag):
+        if i in mono and tag == "td":
+            return ' class="m"'
+        return ' class="l"' if i < left or i in text or i in mono else ""
+
     def cell(tag, i, v):
-        cls = ' class="l"' if i < left else ""
-        return f"<{tag}{cls}>{html.escape(str(v))}</{tag}>"
+        return f"<{tag}{cls(i, tag)}>{html.escape(str(v))}</{tag}>"
     out = ["<table><tr>" + "".join(cell("th", i, h) for i, h in enumerate(header)) + "</tr>"]
-    out += ["<tr>" + "".join(cell("td", i, v) for i, v in enumerate(r)) + "</tr>" for r in rows]
+    for k, r in enumerate(rows):
+        row_cls = f' class="{row_classes[k]}"' if row_classes and row_classes[k] else ""
+        out.append(f"<tr{row_cls}>" + "".join(cell("td", i, v) for i, v in enumerate(r))
+                   + "</tr>")
     return "\n".join(out) + "</table>"
 
 
-def _bars_svg(rows) -> str:
-    """Horizontal stacked bars: compute and communication time per layer."""
-    width, bar_h, label_w = 760, 18, 130
-    longest = max((r.compute_s + r.comm_s for r in rows), default=0.0) or 1.0
-    scale = (width - label_w - 90) / longest
-    parts = []
-    for i, r in enumerate(rows):
-        y = 10 + i * (bar_h + 6)
-        c, m = r.compute_s * scale, r.comm_s * scale
-        parts.append(f'<text x="{label_w - 6}" y="{y + 13}" text-anchor="end" font-size="12">'
-                     f"{html.escape(r.name)}</text>")
-        parts.append(f'<rect x="{label_w}" y="{y}" width="{c:.1f}" height="{bar_h}" '
-                     f'fill="{_COMPUTE}"><title>compute {_fmt_s(r.compute_s)}</title></rect>')
-        parts.append(f'<rect x="{label_w + c:.1f}" y="{y}" width="{m:.1f}" height="{bar_h}" '
-                     f'fill="{_COMM}"><title>communication {_fmt_s(r.comm_s)}</title></rect>')
-        parts.append(f'<text x="{label_w + c + m + 6:.1f}" y="{y + 13}" font-size="11">'
-                     f"{_fmt_s(r.compute_s + r.comm_s)}</text>")
-    height = 20 + len(rows) * (bar_h + 6)
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">'
-            + "".join(parts) + "</svg>")
+def _legend(items: list[tuple[str, str]]) -> str:
+    return ('<div class="legend">' + "".join(f'<span style="background:{c}"></span>'
+                                             f"{html.escape(t)}" for c, t in items) + "</div>")
 
 
-def _memory_svg(held: int, live: list[int]) -> str:
-    """Predicted bytes per device at each node of the program (held + live buffers)."""
-    width, height, pad = 760, 220, 50
-    total = [held + x for x in live] or [held]
-    top = max(total) or 1
-    n = max(len(total) - 1, 1)
-
-    def xy(i, v):
-        return pad + i * (width - pad - 10) / n, height - 25 - v * (height - 45) / top
-
-    pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(i, v) for i, v in enumerate(total)))
-    x0, base = xy(0, 0)
-    x1, _ = xy(n, 0)
-    _, held_y = xy(0, held)
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">'
-            f'<polygon fill="{_MEM}" fill-opacity="0.35" points="{x0:.1f},{base:.1f} {pts} '
-            f'{x1:.1f},{base:.1f}"/>'
-            f'<rect x="{x0:.1f}" y="{held_y:.1f}" width="{x1 - x0:.1f}" '
-            f'height="{base - held_y:.1f}" fill="#bbb" fill-opacity="0.5"/>'
-            f'<polyline fill="none" stroke="{_MEM}" stroke-width="1.5" points="{pts}"/>'
-            f'<line x1="{pad}" x2="{width - 10}" y1="{held_y:.1f}" y2="{held_y:.1f}" '
-            f'stroke="#999" stroke-dasharray="4 3"/>'
-            f'<text x="{pad}" y="14" font-size="11">peak {_fmt_bytes(top)}</text>'
-            f'<text x="{width - 10}" y="{held_y - 4:.1f}" font-size="11" text-anchor="end">'
-            f"held for the whole call: {_fmt_bytes(held)}</text>"
-            f'<text x="{pad}" y="{height - 6}" font-size="11">program order '
-            f"({len(total)} operations) &#8594;</text></svg>")
+def _estimate_section(plan, baselines) -> list[str]:
+    rows = [("autopar", plan)] + list((baselines or {}).items())
+    out = ["<h2>Estimate per device" + (" beside hand-written baselines" if baselines else "")
+           + "</h2>",
+           _table(["plan", "step time", "compute", "communication", "flops", "wire bytes",
+                   "peak memory"],
+                  [[name, format_seconds(p.estimate.step_time_s),
+                    format_seconds(p.estimate.compute_time_s),
+                    format_seconds(p.estimate.comm_time_s), format_flops(p.estimate.flops),
+                    format_bytes(p.estimate.comm_bytes),
+                    format_bytes(p.estimate.peak_memory_bytes)] for name, p in rows],
+                  row_classes=["chosen"] + [""] * (len(rows) - 1))]
+    found = candidates(plan.stats)
+    if len(found) > 1 and not plan.pipeline:   # priced without the pipeline's stages
+        out += ["<h2>Plans the planner compared</h2>",
+                '<p class="note">Predicted step time of each plan the planner built (the ILP\'s '
+                "and those propagated from each baseline's shardings); the fastest that fits "
+                "the memory budget is kept.</p>", candidate_bars(found)]
+    return out
 
 
-def _gantt_svg(pipeline: dict) -> str:
-    """The pipeline's schedule, one row per stage and one column per tick: forward slots in
-    blue, backward in orange, idle ticks blank."""
-    rows = slots(Schedule(pipeline["schedule"]), pipeline["stages"], pipeline["microbatches"],
-                 pipeline.get("virtual_stages", 1))
-    n = len(rows[0])
-    label_w, cell_h = 70, 22
-    cell_w = max(min((760 - label_w) / n, 48), 6)
-    parts = []
-    for s, row in enumerate(rows):
-        y = 8 + s * (cell_h + 4)
-        parts.append(f'<text x="{label_w - 6}" y="{y + 15}" text-anchor="end" font-size="12">'
-                     f"stage {s}</text>")
-        for t, slot in enumerate(row):
-            kinds = slot.split()
-            for j, kind in enumerate(kinds):
-                h = cell_h / len(kinds)
-                color = _COMPUTE if kind.startswith("F") else _COMM
-                parts.append(
-                    f'<rect x="{label_w + t * cell_w:.1f}" y="{y + j * h:.1f}" '
-                    f'width="{cell_w - 1:.1f}" height="{h:.1f}" fill="{color}">'
-                    f"<title>tick {t}: {html.escape(kind)}</title></rect>")
-            if slot and cell_w >= 30:
-                parts.append(f'<text x="{label_w + t * cell_w + 3:.1f}" y="{y + 14}" '
-                             f'font-size="10" fill="#fff">{html.escape(slot)}</text>')
-    height = 16 + len(rows) * (cell_h + 4)
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + n * cell_w + 10:.0f}" '
-            f'height="{height}">' + "".join(parts) + "</svg>")
+def _validation_section(plan) -> list[str]:
+    v = plan.stats.get("validation")
+    if not v:
+        return ["<h2>Validation</h2>", '<p class="note">Not run: <code>plan.validate()</code> '
+                "or <code>autopar report --validate</code> compiles the plan and puts this "
+                "prediction beside what XLA compiled.</p>"]
+    rows = validation_rows(v)
+    flags = ["flag" if note.startswith("<-") else "" for *_, note in rows]
+    return ["<h2>Validation: predicted beside compiled</h2>",
+            '<p class="note">Per device; ratio = predicted / compiled. Counts of one kind '
+            "differ where XLA's combiner merged collectives that were ready together.</p>",
+            _table(["measure", "predicted", "compiled", "ratio", "note"],
+                   [list(r[:4]) + [r[4].removeprefix("<- ")] for r in rows],
+                   row_classes=flags, text=(4,))]
 
 
-def _pipeline_section(plan) -> list[str]:
-    p = plan.pipeline
-    if p is None:
-        return []
-    return ["<h2>Pipeline schedule</h2>",
-            "<pre>" + html.escape("\n".join(_pipeline_lines(p)[1:])) + "</pre>",
-            (f'<div class="legend"><span style="background:{_COMPUTE}"></span>forward'
-             f'<span style="background:{_COMM}"></span>backward (ticks left to right)</div>'),
-            _gantt_svg(p)]
-
-
-def render_html(plan, baselines: dict | None = None) -> str:
-    """The report as a self-contained HTML page."""
-    mesh = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
-    rows = layer_rows(plan)
+def _memory_section(plan) -> list[str]:
     held, live = memory_over_program(plan)
-    candidates = [("autopar", plan)] + list((baselines or {}).items())
-    est = _table(["plan", "step time", "compute", "communication", "wire bytes", "peak memory"],
-                 [[name, _fmt_s(p.estimate.step_time_s), _fmt_s(p.estimate.compute_time_s),
-                   _fmt_s(p.estimate.comm_time_s), _fmt_bytes(p.estimate.comm_bytes),
-                   _fmt_bytes(p.estimate.peak_memory_bytes)] for name, p in candidates])
-    layers = _table(["layer", "state", "compute", "communication", "collectives"],
-                    [[r.name, _fmt_bytes(r.state_bytes), _fmt_s(r.compute_s), _fmt_s(r.comm_s),
-                      f"{r.collectives} ({_fmt_bytes(r.comm_bytes)})"] for r in rows])
-    params = _table(["parameter", "PartitionSpec"],
-                    [[p, _spec_str(s)] for r in rows for p, s in r.params], left=2)
-    ins, outs = outside_layers(plan, {p for r in rows for p, _ in r.params})
+    graph = plan._details[0]
+    phases = node_phases(graph)
+    at, buffers = peak_buffers(plan)
+    labels = node_layers(plan)
+    rows = []
+    for b in buffers:
+        if b.node is None:
+            rows.append([format_bytes(b.nbytes), _shape_str(b.shape), f"argument {b.path}"])
+        else:
+            node = graph.nodes[b.node]
+            where = place_words(node.where, labels[node.id], phases[node.id])
+            rows.append([format_bytes(b.nbytes), _shape_str(b.shape), f"{node.prim} in {where}"])
+    return ["<h2>Memory over the program</h2>",
+            _legend([(PHASE_COLORS[p], p) for p in ("forward", "backward", "optimizer")]
+                     + [("#999", "held for the whole call (arguments, results)")]),
+            memory_chart(held, list(live), phases, at),
+            f"<p>The largest buffers live at the predicted peak (operation {at}):</p>",
+            _table(["per device", "global shape", "what"], rows, left=0, mono=(2,))]
+
+
+
+def _layer_section(plan, rows) -> list[str]:
+    table = _table(["layer", "state", "compute", "communication", "collectives"],
+                   [[r.name, format_bytes(r.state_bytes), format_seconds(r.compute_s),
+                     format_seconds(r.comm_s), f"{r.collectives} ({format_bytes(r.comm_bytes)})"]
+                    for r in rows])
+    n_params = sum(len(r.params) for r in rows)
+    params = (f"<details{' open' if n_params <= _OPEN_ROWS else ''}><summary>{n_params} "
+              "parameters: global and per-device shapes</summary>"
+              + _table(["layer", "parameter", "global shape", "per device", "PartitionSpec"],
+                       [[r.name, p.path, _shape_str(p.shape), _shape_str(p.local_shape),
+                         _spec_str(p.spec)] for r in rows for p in r.params],
+                       left=2, mono=(1, 2, 3, 4)) + "</details>")
+    ins, outs = outside_layers(plan, {p.path for r in rows for p in r.params})
     others = _table(["value", "PartitionSpec"],
                     [[f"input {p}", _spec_str(s)] for p, s in ins]
-                    + [[f"output {p}", _spec_str(s)] for p, s in outs], left=2)
+                    + [[f"output {p}", _spec_str(s)] for p, s in outs], left=2, mono=(1,))
+    return ["<h2>Time per layer</h2>",
+            _legend([(COMPUTE, "compute"), (COMM, "communication")]), layer_bars(rows),
+            "<h2>Per layer</h2>", '<p class="note">Per device; optimizer state follows its '
+            "parameter.</p>", table,
+            "<h2>Parameter shardings</h2>", params,
+            "<h2>Other inputs and outputs</h2>", others]
+
+
+def _collective_section(plan) -> list[str]:
+    found = collective_groups(plan)
+    out = ["<h2>Collectives, by mesh axis and kind</h2>"]
+    if not found:
+        return out + ["<p>None: the plan runs no collective.</p>"]
+    for (axes, kind), groups in found.items():
+        n = sum(g.count for g in groups)
+        head = (f"{kind} over {axes}: {n} per step, "
+                f"{format_bytes(sum(g.wire_bytes for g in groups))}, "
+                f"{format_seconds(sum(g.time_s for g in groups))}")
+        out.append(f"<details open><summary>{html.escape(head)}</summary>"
+                   + _table(["count", "wire bytes", "time", "from"],
+                            [[g.count, format_bytes(g.wire_bytes), format_seconds(g.time_s),
+                              g.what] for g in groups], left=0, mono=(3,))
+                   + "</details>")
+    return out
+
+
+def _planner_section(plan) -> list[str]:
+    st = plan.stats
+    facts = [("graph nodes", st.get("nodes")), ("ILP groups", st.get("ilp_groups")),
+             ("ILP variables", st.get("ilp_variables")),
+             ("ILP constraints", st.get("ilp_constraints")),
+             ("solver status", st.get("solver_status")), ("plan taken from", st.get("source")),
+             ("ILP objective", format_seconds(st["ilp_objective_s"])
+              if st.get("ilp_objective_s") is not None else None),
+             ("memory budget", format_bytes(st["memory_budget_bytes"])
+              if st.get("memory_budget_bytes") else None)]
+    facts += [(f"time: {k}", format_seconds(v)) for k, v in (st.get("timings_s") or {}).items()]
     fallbacks = ", ".join(f"{p} ({n})" for p, n in sorted(plan.fallbacks.items())) or "none"
-    body = [
-        (f"<h1>autopar plan on mesh {html.escape(str(mesh))}, hardware "
-         f"<code>{html.escape(plan.hardware)}</code></h1>"),
-        ("<p>Predictions per device. <code>plan.validate()</code> or <code>autopar report "
-         "--validate</code> checks them against the compiled program.</p>"),
-        "<h2>Estimate" + (" beside baselines" if baselines else "") + "</h2>", est,
-        "<h2>Time per layer</h2>",
-        (f'<div class="legend"><span style="background:{_COMPUTE}"></span>compute'
-         f'<span style="background:{_COMM}"></span>communication</div>'), _bars_svg(rows),
-        *_pipeline_section(plan),
-        "<h2>Memory over the program</h2>", _memory_svg(held, live),
-        ("<pre>" + html.escape("\n".join(_remat_lines(plan.stats.get("remat"))[1:])) + "</pre>"
-         if plan.stats.get("remat") else ""),
-        "<h2>Per layer</h2>", layers,
-        "<h2>Parameter shardings</h2>", params,
-        "<h2>Other inputs and outputs</h2>", others,
-        "<h2>Collectives chosen</h2>",
-        "<pre>" + html.escape("\n".join(_collective_lines(plan))) + "</pre>",
-        (f"<h2>Fallbacks</h2><p>Primitives with no sharding rule (planned replicated): "
-         f"{html.escape(fallbacks)}</p>"),
-    ]
+    facts.append(("fallbacks (no sharding rule, replicated)", fallbacks))
+    out = ["<h2>Planner</h2>",
+           _table(["fact", "value"], [[k, v] for k, v in facts if v is not None], left=2)]
+    options = _option_lines(st.get("compiler_options"))
+    if options:
+        out.append("<pre>" + html.escape("\n".join(options[1:])) + "</pre>")
+    return out
+
+
+def _header(plan) -> list[str]:
+    sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
+    words = summary_lines(plan)
+    out = [f"<h1>autopar plan on mesh {html.escape(mesh_words(plan))}</h1>",
+           f"<p>{_code_quotes(hardware_words(plan))}. Predictions are per device.</p>",
+           '<div class="words"><b>The plan in words</b><ul>'
+           + "".join(f"<li>{html.escape(w)}</li>" for w in words) + "</ul></div>"]
+    if plan._details is not None:
+        carries = axis_words(plan)
+        ids = [d.id for d in plan.mesh.devices.flat]
+        out += ["<h2>Mesh</h2>", _mesh_svg(sizes, carries, ids)]
+    return out
+
+
+def _code_quotes(text: str) -> str:
+    """``text`` escaped, its `backquoted` parts as <code>."""
+    parts = html.escape(text).split("`")
+    return "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts))
+
+
+def render_html(plan, baselines: dict | None = None, fragment: bool = False) -> str:
+    """The report as a self-contained HTML page; ``fragment``: the ``<div>`` alone (with its
+    scoped ``<style>``), for a notebook cell."""
+    body = _header(plan) + _estimate_section(plan, baselines) + _validation_section(plan)
+    if plan._details is not None:
+        rows = layer_rows(plan)
+        body += _layer_section(plan, rows)
+        if plan.pipeline is not None:
+            body += ["<h2>Pipeline schedule</h2>",
+                     "<pre>" + html.escape("\n".join(_pipeline_lines(plan.pipeline)[1:]))
+                     + "</pre>", _legend([(COMPUTE, "forward"), (COMM, "backward")]),
+                     gantt(plan.pipeline)]
+        body += _memory_section(plan)
+        if plan.stats.get("remat"):
+            body.append("<pre>" + html.escape("\n".join(_remat_lines(plan.stats["remat"])[1:]))
+                        + "</pre>")
+        body += _collective_section(plan)
+    body += _planner_section(plan)
+    div = (f'<div class="{ROOT_CLASS}"><style>{_CSS}</style>' + "\n".join(body) + "</div>")
+    if fragment:
+        return div
     return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>autopar plan</title>"
-            f"<style>{_CSS}</style></head><body>" + "\n".join(body) + "</body></html>\n")
+            "</head><body>" + div + "</body></html>\n")

@@ -15,6 +15,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar._mesh import as_auto_mesh, on_explicit_axes
 from autopar._layers import flat_donation, memory_over_program
+from autopar._export import plain_jit_check, write_module
+from autopar._html import render_html
+from autopar._summary import summary_lines
 from autopar.errors import PlanFormatError
 from autopar.passes.estimate import Estimate
 
@@ -150,6 +153,46 @@ class Plan:
         """
         from autopar._report import render_text
         return render_text(self, baselines)
+
+    def summary(self) -> str:
+        """The plan in words, one line per group of like layers, then the inputs and the
+        optimizer state, e.g. ``block_0..block_11: Megatron TP over model(4), batch over
+        data(2)``. It opens :meth:`report`."""
+        return "\n".join(summary_lines(self))
+
+    def to_html(self, baselines: dict | None = None) -> str:
+        """The report as one self-contained HTML page (inline CSS and SVG, no external
+        assets; its CSS applies only inside its ``autopar-report`` element)."""
+        return render_html(self, baselines)
+
+    def _repr_html_(self) -> str:
+        """Notebooks show a plan as its report (the fragment, no page around it)."""
+        return render_html(self, fragment=True)
+
+    def to_python(self, path: str | os.PathLike, fn: Callable | None = None) -> str:
+        """Write a standalone Python module for plain ``jax.jit`` to ``path``: ``MESH`` (axis
+        name -> size), ``IN_SPECS`` and ``OUT_SPECS`` (PartitionSpec pytrees shaped like the
+        arguments and results), ``LOGICAL_AXIS_RULES``, ``make_mesh()``,
+        ``in_shardings(mesh)`` and ``out_shardings(mesh)``. Returns the text written.
+
+        ``fn``: the planned function. When given, both programs are compiled (nothing runs)
+        and the module says whether plain ``jax.jit`` with these shardings compiles to the
+        plan's collectives: jax infers intermediate shardings from the arguments and results,
+        so a plan that splits an intermediate otherwise is reproduced only by ``plan.jit()``.
+
+        Example::
+
+          plan.to_python("plan_specs.py")
+          # elsewhere, without autopar:
+          import plan_specs
+          mesh = plan_specs.make_mesh()
+          step = jax.jit(train_step, in_shardings=plan_specs.in_shardings(mesh),
+                         out_shardings=plan_specs.out_shardings(mesh))
+        """
+        words = summary_lines(self) if self._details is not None else None
+        verdict = plain_jit_check(self, fn)[1] if fn is not None and self._flat_fn else ""
+        return write_module(self, path, getattr(fn, "__name__", "step"), words,
+                            verdict=verdict)
 
     def validate(self) -> dict:
         """Compile the plan and put its prediction beside the compiled HLO: wire bytes, flops

@@ -1,40 +1,63 @@
-"""The plan's report: parameter shardings, the collectives chosen and why, and fallbacks."""
+"""The plan's report as text: the plan in words, the estimate, each layer's parameters with
+their shapes, the collectives by mesh axis and kind, and what the planner did."""
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
+from dataclasses import dataclass
 
 import jax
 
+from autopar._layers import (
+    OTHER,
+    Phase,
+    input_layers,
+    layer_rows,
+    node_layers,
+    node_phases,
+    same_layer_groups,
+)
+from autopar._sizes import format_bytes, format_flops, format_seconds
+from autopar._summary import summary_lines
+from autopar._validate import validation_table
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def _fmt_s(t: float) -> str:
-    return f"{t * 1e3:.3f} ms" if t >= 1e-4 else f"{t * 1e6:.1f} us"
+_fmt_bytes, _fmt_s, fmt_flops = format_bytes, format_seconds, format_flops
 
 
 def _spec_str(pspec) -> str:
     return "P(" + ", ".join(repr(e) for e in pspec) + ")"
 
 
+def _shape_str(shape) -> str:
+    return "[" + ",".join(map(str, shape)) + "]"
+
+
+def mesh_words(plan) -> str:
+    sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
+    return " x ".join(f"{a}={n}" for a, n in sizes.items()) + f" ({plan.mesh.devices.size} devices)"
+
+
+def hardware_words(plan) -> str:
+    """The profile the costs came from, and whether it was the default."""
+    if plan.stats.get("hardware_default"):
+        return (f"hardware profile `{plan.hardware}` (the default, this backend's; pass "
+                "hardware=... or --hardware to plan for another)")
+    return f"hardware profile `{plan.hardware}`"
+
+
 def render_text(plan, baselines: dict | None = None) -> str:
     """The report. ``baselines``: {name: Plan} of baseline shardings to show beside it."""
-    mesh = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
     e = plan.estimate
-    lines = [f"autopar plan on mesh {mesh}, hardware profile `{plan.hardware}`",
-             "",
-             "Estimate per device (a prediction; `validate` checks it against compiled HLO):",
-             (f"  step time    {_fmt_s(e.step_time_s)}  (compute {_fmt_s(e.compute_time_s)}, "
-              f"communication {_fmt_s(e.comm_time_s)})"),
-             f"  flops        {e.flops:.4g}",
-             f"  wire bytes   {_fmt_bytes(e.comm_bytes)}",
-             f"  peak memory  {_fmt_bytes(e.peak_memory_bytes)}"]
+    lines = [f"autopar plan on mesh {mesh_words(plan)}, {hardware_words(plan)}", ""]
+    lines += ["The plan in words:"] + [f"  {s}" for s in summary_lines(plan)]
+    lines += ["",
+              "Estimate per device (a prediction; `validate` checks it against compiled HLO):",
+              (f"  step time    {_fmt_s(e.step_time_s)}  (compute {_fmt_s(e.compute_time_s)}, "
+               f"communication {_fmt_s(e.comm_time_s)})"),
+              f"  flops        {fmt_flops(e.flops)}",
+              f"  wire bytes   {_fmt_bytes(e.comm_bytes)}",
+              f"  peak memory  {_fmt_bytes(e.peak_memory_bytes)}"]
     if plan.donate_argnums:
         lines.append(f"  donated      argument(s) {', '.join(map(str, plan.donate_argnums))}: "
                      "their buffers are reused for the results")
@@ -46,26 +69,22 @@ def render_text(plan, baselines: dict | None = None) -> str:
                      "per device as XLA compiled it (`memory_analysis()`)"
                      + (f", after {len(checks) - 1} plan(s) that compiled over the budget"
                         if len(checks) > 1 else ""))
-    if baselines:
-        lines += ["",
-                  "Beside hand-written baselines (autopar's prediction of each jax.jit program):",
-                  f"  {'plan':<16}{'step time':>12}{'compute':>12}{'comm':>12}{'peak memory':>14}"]
-        for name, p in [("autopar", plan)] + list(baselines.items()):
-            b = p.estimate
-            lines.append(f"  {name:<16}{_fmt_s(b.step_time_s):>12}{_fmt_s(b.compute_time_s):>12}"
-                         f"{_fmt_s(b.comm_time_s):>12}{_fmt_bytes(b.peak_memory_bytes):>14}")
+    lines += _baseline_lines(plan, baselines)
+    if not plan.pipeline:   # the candidates are priced without the pipeline's stages
+        lines += _candidate_lines(plan.stats)
     layered = set()
     if plan._details is not None:
-        from autopar._layers import layer_rows
         rows = layer_rows(plan)
-        layered = {path for r in rows for path, _ in r.params}
+        layered = {p.path for r in rows for p in r.params}
         lines += ["", "Per layer (per device; optimizer state follows its parameter):",
                   f"  {'layer':<20}{'state':>12}{'compute':>12}{'comm':>12}{'collectives':>24}"]
         for r in rows:
             lines.append(f"  {r.name:<20}{_fmt_bytes(r.state_bytes):>12}{_fmt_s(r.compute_s):>12}"
                          f"{_fmt_s(r.comm_s):>12}{f'{r.collectives} ({_fmt_bytes(r.comm_bytes)})':>24}")
-            width = max([len(p) for p, _ in r.params] + [4])
-            lines += [f"      {p:<{width}}  {_spec_str(spec)}" for p, spec in r.params]
+            lines += _param_lines(r.params)
+            if r.rewrites:
+                lines.append("      overlapped: " + ", ".join(
+                    f"{n} {kind}" for kind, n in sorted(r.rewrites.items())))
     rest, outs = outside_layers(plan, layered)
     width = max([len(p) for p, _ in rest + outs] + [4])
     lines += ["", "Input shardings (other than parameters and their optimizer state):"]
@@ -73,18 +92,64 @@ def render_text(plan, baselines: dict | None = None) -> str:
     lines += ["", "Output shardings (new parameters and optimizer state keep their inputs'):"]
     lines += [f"  {path:<{width}}  {_spec_str(s)}" for path, s in outs] or ["  none"]
     if plan._details is not None:
-        lines += ["", "Collectives chosen (grouped by where they come from):"]
+        lines += ["", "Collectives chosen, by mesh axis and kind (per device and step):"]
         lines += _collective_lines(plan)
     lines += _option_lines(plan.stats.get("compiler_options"))
     lines += ["", "Fallbacks (primitives with no sharding rule, planned replicated):"]
     lines += [f"  {p}: {n} use(s)" for p, n in sorted(plan.fallbacks.items())] or ["  none"]
-    st = plan.stats
-    if st:
-        lines += ["", f"Planner: {st.get('nodes')} nodes, {st.get('ilp_groups')} ILP groups, "
-                      f"{st.get('ilp_variables')} variables, {st.get('ilp_constraints')} "
-                      f"constraints; solver {st.get('solver_status')}; times "
-                      + ", ".join(f"{k} {v:.2f}s" for k, v in st.get("timings_s", {}).items())]
+    lines += _planner_lines(plan.stats)
+    if plan.stats.get("validation"):
+        lines += ["", validation_table(plan, plan.stats["validation"])]
     return "\n".join(lines)
+
+
+def _param_lines(params) -> list[str]:
+    if not params:
+        return []
+    width = max(len(p.path) for p in params)
+    shapes = [f"{_shape_str(p.shape)} -> {_shape_str(p.local_shape)}"
+              if p.shape != p.local_shape else _shape_str(p.shape) for p in params]
+    swidth = max(len(s) for s in shapes)
+    return [f"      {p.path:<{width}}  {s:<{swidth}}  {_spec_str(p.spec)}"
+            for p, s in zip(params, shapes)]
+
+
+def _baseline_lines(plan, baselines) -> list[str]:
+    if not baselines:
+        return []
+    lines = ["", "Beside hand-written baselines (autopar's prediction of each jax.jit program):",
+             f"  {'plan':<16}{'step time':>12}{'compute':>12}{'comm':>12}{'peak memory':>14}"]
+    for name, p in [("autopar", plan)] + list(baselines.items()):
+        b = p.estimate
+        lines.append(f"  {name:<16}{_fmt_s(b.step_time_s):>12}{_fmt_s(b.compute_time_s):>12}"
+                     f"{_fmt_s(b.comm_time_s):>12}{_fmt_bytes(b.peak_memory_bytes):>14}")
+    return lines
+
+
+def candidates(stats: dict) -> list[tuple[str, float, bool]]:
+    """(name, predicted step time, chosen) of each plan the planner compared, fastest first."""
+    times = stats.get("candidates_step_s") or {}
+    chosen = stats.get("solver_status")
+    return sorted(((n, t, n == chosen) for n, t in times.items()), key=lambda c: c[1])
+
+
+def _candidate_lines(stats: dict) -> list[str]:
+    found = candidates(stats)
+    if len(found) < 2:
+        return []
+    lines = ["", "Plans the planner compared (predicted step time; the fastest that fits is kept):"]
+    lines += [f"  {'*' if chosen else ' '} {name:<28}{_fmt_s(t):>12}" for name, t, chosen in found]
+    return lines
+
+
+def _planner_lines(st: dict) -> list[str]:
+    if not st:
+        return []
+    times = ", ".join(f"{k} {v:.2f} s" for k, v in st.get("timings_s", {}).items())
+    return ["", f"Planner: {st.get('nodes')} nodes, {st.get('ilp_groups')} ILP groups, "
+                f"{st.get('ilp_variables')} variables, {st.get('ilp_constraints')} constraints; "
+                f"solver {st.get('solver_status')} (plan from {st.get('source', '?')}); "
+                f"times {times}"]
 
 
 def _pipeline_lines(pipeline: dict | None) -> list[str]:
@@ -96,9 +161,9 @@ def _pipeline_lines(pipeline: dict | None) -> list[str]:
                  f"{stages}), {pipeline['schedule']}, {pipeline['microbatches']} microbatches, "
                  f"{pipeline['ticks']} ticks, predicted bubble {pipeline['bubble_fraction']:.1%}"]
     if pipeline.get("predicted_time_s") is not None:
-        peaks = ", ".join(f"{b / 2**30:.2f}" for b in pipeline["stage_peak_bytes"])
-        lines.append(f"  the pipelined layers take {pipeline['predicted_time_s'] * 1e3:.3f} ms of "
-                     f"the step; per-stage peak {peaks} GiB")
+        peaks = ", ".join(_fmt_bytes(b) for b in pipeline["stage_peak_bytes"])
+        lines.append(f"  the pipelined layers take {_fmt_s(pipeline['predicted_time_s'])} of "
+                     f"the step; per-stage peak {peaks}")
     inner = pipeline.get("inner")
     if inner is not None:
         split = [s for s in inner["layer"] if s not in (None, "()")]
@@ -137,41 +202,112 @@ def _remat_lines(remat: dict | None) -> list[str]:
 def outside_layers(plan, param_paths: set[str]) -> tuple[list, list]:
     """(path, PartitionSpec) of the inputs and of the outputs that are not in a layer (not a
     parameter, its optimizer state or its new value): the batch, step counters, the loss."""
-    names = _layer_names(param_paths)
-
-    def rest(paths, tree):
-        return [(p or "(the whole result)", s.spec)
-                for p, s in zip(paths, jax.tree_util.tree_leaves(tree))
-                if not _in_layer(p, names)]
-    return rest(plan.in_paths, plan.in_shardings), rest(plan.out_paths, plan.out_shardings)
-
-
-def _layer_names(param_paths: set[str]) -> set[str]:
-    from autopar._layers import _past_arg_index, layer_of_path
-    return {layer_of_path(_past_arg_index(p)) for p in param_paths} - {None}
-
-
-def _in_layer(path: str, names: set[str]) -> bool:
-    """A path inside a layer: a parameter, its optimizer state, or its new value."""
-    from autopar._layers import _past_arg_index, layer_of_path
-    return layer_of_path(_past_arg_index(path)) in names
+    if plan._in_tree is not None:
+        names, _ = input_layers(plan._in_tree, [a.shape for a in plan._arg_avals])
+        in_layer = {p for p, n in zip(plan.in_paths, names) if n is not None}
+    else:
+        in_layer = set(param_paths)
+    ins = [(p or "(the whole argument)", s.spec)
+           for p, s in zip(plan.in_paths, jax.tree_util.tree_leaves(plan.in_shardings))
+           if p not in in_layer]
+    outs = [(p or "(the whole result)", s.spec)
+            for p, s in zip(plan.out_paths, jax.tree_util.tree_leaves(plan.out_shardings))
+            if p not in in_layer]
+    return ins, outs
 
 
-def _collective_lines(plan) -> list[str]:
+# ----- collectives
+@dataclass
+class CollectiveGroup:
+    """Collectives of one kind over one set of axes, from one place, summed per step."""
+    kind: str
+    axes: str
+    what: str        # "backward of block_*/mlp_out: partial sums of dot_general"
+    count: int = 0
+    wire_bytes: float = 0.0
+    time_s: float = 0.0
+
+
+def _star_names(plan) -> dict[str, str]:
+    """Layer name -> how a collective's place names it: like layers share a ``stem*`` name."""
+    names, _ = input_layers(plan._in_tree, [a.shape for a in plan._arg_avals])
+    out = {}
+    for group in same_layer_groups(list(dict.fromkeys(n for n in names if n))):
+        if len(group) > 1:
+            out.update({n: re.sub(r"\d+(\]?)$", r"*\1", n) for n in group})
+    return out
+
+
+def _starred(stars: dict[str, str]):
+    """A function putting each layer name in a path as ``stars`` names it."""
+    if not stars:
+        return lambda path: path
+    pattern = re.compile(r"(?<![\w\[])(" + "|".join(
+        re.escape(n) for n in sorted(stars, key=len, reverse=True)) + r")(?![\w\[])")
+    return lambda path: pattern.sub(lambda m: stars[m.group(1)], path)
+
+
+def place_words(where: str, layer: str, phase: Phase, star=None) -> str:
+    """Where an operation comes from, in words: ``transpose(jvp(GPT))/block_1/mlp_out`` ->
+    ``backward of block_*/mlp_out``; an operation with no source path is named by its layer.
+    ``star``: :func:`_starred`'s function, naming like layers alike."""
+    parts = [p for p in where.split("/") if p]
+    if parts and "(" in parts[0]:
+        parts = parts[1:]
+    path = "/".join(parts) if parts and "/" in where else (layer if layer != OTHER else "")
+    path = star(path) if star is not None else path
+    path = path or ("the loss" if "jvp(" in where else "outside the layers")
+    return {Phase.BACKWARD: f"backward of {path}", Phase.OPTIMIZER: f"optimizer update of {path}",
+            Phase.FORWARD: path}[phase]
+
+
+def collective_groups(plan) -> dict[tuple[str, str], list[CollectiveGroup]]:
+    """(axes, kind) -> the groups of collectives over those axes of that kind, largest first."""
     graph, _, _, comms = plan._details
-    rows = defaultdict(lambda: [0, 0.0])
+    labels, phases, star = node_layers(plan), node_phases(graph), _starred(_star_names(plan))
+    groups: dict[tuple, CollectiveGroup] = {}
     for c in comms:
         if c.step.wire_bytes == 0:
             continue
         node = graph.nodes[c.node]
-        why = ("partial result of " if c.reason == "reduce" else "operand reshard for ") + node.prim
-        key = (c.step.kind.value, ",".join(c.step.axes), why, node.where or "-")
-        rows[key][0] += c.trips
-        rows[key][1] += c.step.wire_bytes * c.trips
-    if not rows:
+        why = {"reduce": f"partial sums of {node.prim}",
+               "overlap": f"overlapped in {node.prim}"}.get(
+                   c.reason, f"an operand of {node.prim} resharded")
+        what = f"{place_words(node.where, labels[node.id], phases[node.id], star)}: {why}"
+        key = (",".join(c.step.axes), c.step.kind.value, what)
+        g = groups.setdefault(key, CollectiveGroup(key[1], key[0], what))
+        g.count += c.trips
+        g.wire_bytes += c.step.wire_bytes * c.trips
+        g.time_s += c.time_s * c.trips
+    out: dict[tuple[str, str], list[CollectiveGroup]] = defaultdict(list)
+    for g in sorted(groups.values(), key=lambda g: -g.wire_bytes):
+        out[(g.axes, g.kind)].append(g)
+    return dict(sorted(out.items(), key=lambda kv: -sum(g.wire_bytes for g in kv[1])))
+
+
+#: Groups listed per (axes, kind) in the text report; the rest are summed in one line.
+_SHOWN = 6
+
+
+def _collective_lines(plan) -> list[str]:
+    found = collective_groups(plan)
+    if not found:
         return ["  none"]
+    sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
     out = []
-    for (kind, axes, why, where), (count, nbytes) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
-        out.append(f"  {kind:<15} over {axes:<12} x{count:<3} {_fmt_bytes(nbytes):>10}  "
-                   f"{why} at {where}")
+    for (axes, kind), groups in found.items():
+        n = sum(g.count for g in groups)
+        total = sum(g.wire_bytes for g in groups)
+        group_size = 1
+        for a in axes.split(","):
+            group_size *= sizes.get(a, 1)
+        out.append(f"  {kind} over {axes} (groups of {group_size}): {n} per step, "
+                   f"{_fmt_bytes(total)}, {_fmt_s(sum(g.time_s for g in groups))}")
+        for g in groups[:_SHOWN]:
+            out.append(f"    x{g.count:<3} {_fmt_bytes(g.wire_bytes):>10}  {g.what}")
+        if len(groups) > _SHOWN:
+            rest = groups[_SHOWN:]
+            out.append(f"    x{sum(g.count for g in rest):<3} "
+                       f"{_fmt_bytes(sum(g.wire_bytes for g in rest)):>10}  "
+                       f"from {len(rest)} other places")
     return out

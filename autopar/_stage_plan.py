@@ -98,7 +98,8 @@ def layer_planner(mesh: Mesh, axis: str, profile, axis_level_overrides, plan: Ca
         planned = plan(_step(layer), *args, args[1], mesh=inner_mesh, hardware=profile,
                             axis_level_overrides=overrides or None, pipeline=None,
                             remat=False, check_memory=False, verbose=False,
-                            time_limit_s=LAYER_TIME_LIMIT_S)
+                            time_limit_s=LAYER_TIME_LIMIT_S,
+                            overlap=False)  # a stage's body is emitted without rewrites
         specs = [s.spec for s in jax.tree.leaves(planned.in_shardings)]
         inner = Inner(consts=tuple(specs[:n]), carry=specs[n],
                       xs=tuple(specs[n + 1:n + 1 + len(args[2])]))

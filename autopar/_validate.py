@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from autopar._sizes import format_bytes, format_flops
 from autopar.cost_model.hlo import analyze, permute_loops
 
 #: Compiled wire bytes of a kind over this multiple of the prediction are flagged.
@@ -52,8 +53,23 @@ def flag_kinds(predicted: dict, compiled: dict) -> dict[str, str]:
     return flags
 
 
+def count_note(kind: str, predicted: tuple, compiled: tuple) -> str:
+    """Why XLA runs another number of collectives of ``kind`` than the plan counts, when the
+    bytes still agree: its combiner merges collectives that are ready together into one."""
+    (p_count, p_bytes), (count, nbytes) = predicted, compiled
+    if count == p_count or count > p_count:
+        return ""
+    if count == 0:
+        return f"XLA compiled none of the {p_count} predicted"
+    if p_bytes and abs(nbytes - p_bytes) <= (_EXCESS - 1) * p_bytes:
+        return f"XLA's {kind} combiner merged {p_count} into {count}"
+    return (f"XLA merged or removed some: {p_count} predicted, {count} compiled, "
+            f"{format_bytes(p_bytes - nbytes)} fewer bytes")
+
+
 def validate(plan) -> dict:
-    """Compile the plan and return predicted and compiled measures side by side.
+    """Compile the plan and return predicted and compiled measures side by side; the result
+    is also kept as ``plan.stats["validation"]``, for the report and the plan's JSON.
 
     Keys: ``wire_bytes``, ``flops``, ``peak_memory_bytes`` as (predicted, compiled) per
     device; ``by_kind``: kind -> ((predicted count, bytes), (compiled count, bytes));
@@ -65,17 +81,21 @@ def validate(plan) -> dict:
     predicted = predicted_by_kind(plan._details[3])
     compiled = {k.value: v for k, v in summary.by_kind().items()}
     flags = flag_kinds(predicted, compiled)
-    return {
+    result = {
         "wire_bytes": (plan.estimate.comm_bytes, summary.wire_bytes),
         "flops": (plan.estimate.flops, summary.flops),
         "peak_memory_bytes": (plan.estimate.peak_memory_bytes, summary.peak_memory_bytes),
         "by_kind": {k: (tuple(predicted.get(k, (0, 0.0))), tuple(compiled.get(k, (0, 0.0))))
                     for k in sorted(set(predicted) | set(compiled))},
         "flags": flags,
+        "notes": {k: count_note(k, predicted.get(k, (0, 0.0)), compiled.get(k, (0, 0.0)))
+                  for k in sorted(set(predicted) | set(compiled))},
         "unexpected_kinds": sorted(flags),
         "pipeline": _pipeline(plan.pipeline, compiled_program.as_text(),
                               summary.peak_memory_bytes),
     }
+    plan.stats = {**plan.stats, "validation": result}   # this plan's own: copies share stats
+    return result
 
 
 def _pipeline(pipeline: dict | None, hlo_text: str, peak_bytes: int) -> dict | None:
@@ -94,25 +114,39 @@ def _ratio(predicted: float, compiled: float) -> str:
     return f"{predicted / compiled:.3f}" if compiled else "-"
 
 
+_NAMES = {"wire_bytes": "wire bytes", "flops": "flops", "peak_memory_bytes": "peak memory"}
+_UNITS = {"wire_bytes": format_bytes, "flops": format_flops,
+          "peak_memory_bytes": format_bytes}
+
+
+def validation_rows(v: dict) -> list[tuple[str, str, str, str, str]]:
+    """(measure, predicted, compiled, ratio, note) per line of the validation."""
+    rows = []
+    for name, fmt in _UNITS.items():
+        p, c = v[name]
+        rows.append((_NAMES[name], fmt(p), fmt(c), _ratio(p, c), ""))
+    for kind, ((pn, pb), (cn, cb)) in v["by_kind"].items():
+        note = v["flags"].get(kind) or (v.get("notes") or {}).get(kind, "")
+        if kind in v["flags"]:
+            note = "<- " + note
+        rows.append((f"{kind}s", f"{pn} moving {format_bytes(pb)}",
+                     f"{cn} moving {format_bytes(cb)}", _ratio(pb, cb), note))
+    if v.get("pipeline"):
+        p = v["pipeline"]
+        rows.append(("pipeline tick loops", str(p["ticks"][0]), str(p["ticks"][1]), "",
+                     f"predicted bubble {p['bubble_fraction']:.1%} of the tick loops"))
+        pp, cp = p["stage_peak_bytes"]
+        rows.append(("per-stage peak", format_bytes(pp), format_bytes(cp), _ratio(pp, cp), ""))
+    return rows
+
+
 def validation_table(plan, result: dict | None = None) -> str:
     """:func:`validate` as text (``result``: an earlier ``validate(plan)``, to skip compiling)."""
     v = result if result is not None else validate(plan)
-    lines = ["Validation: predicted vs compiled (per device)",
-             f"  {'measure':<30}{'predicted':>18}{'compiled':>18}{'ratio':>8}"]
-    for name in ("wire_bytes", "flops", "peak_memory_bytes"):
-        p, c = v[name]
-        lines.append(f"  {name:<30}{p:>18.4g}{c:>18.4g}{_ratio(p, c):>8}")
-    for kind, ((pn, pb), (cn, cb)) in v["by_kind"].items():
-        mark = f"  <- {v['flags'][kind]}" if kind in v["flags"] else ""
-        lines.append(f"  {kind + ' (count, wire bytes)':<30}{f'{pn}, {pb:.4g}':>18}"
-                     f"{f'{cn}, {cb:.4g}':>18}{_ratio(pb, cb):>8}{mark}")
-    if v.get("pipeline"):
-        p = v["pipeline"]
-        lines.append(f"  {'pipeline tick loops':<30}{str(p['ticks'][0]):>18}"
-                     f"{str(p['ticks'][1]):>18}")
-        pp, cp = p["stage_peak_bytes"]
-        lines.append(f"  {'per-stage peak bytes':<30}{pp:>18.4g}{cp:>18.4g}{_ratio(pp, cp):>8}")
-        lines.append(f"  predicted bubble {p['bubble_fraction']:.1%} of the tick loops")
+    lines = ["Validation: predicted vs compiled (per device; ratio = predicted / compiled)",
+             f"  {'measure':<22}{'predicted':>22}{'compiled':>22}{'ratio':>8}"]
+    for name, p, c, ratio, note in validation_rows(v):
+        lines.append(f"  {name:<22}{p:>22}{c:>22}{ratio:>8}" + (f"  {note}" if note else ""))
     if v["flags"]:
         lines.append("  XLA runs collectives the plan did not predict: "
                      + ", ".join(v["unexpected_kinds"])

@@ -198,6 +198,38 @@ def cmd_report(args) -> int:
     return 0
 
 
+# ----- export
+def cmd_export(args) -> int:
+    """Plan FILE.py:NAME and write the plan as a standalone module for plain ``jax.jit``."""
+    import math
+
+    from autopar._meshspec import parse_mesh_spec
+    mesh = parse_mesh_spec(args.mesh)
+    if args.simulate_devices:
+        simulate_cpu_devices(args.simulate_devices)
+    elif os.environ.get("JAX_PLATFORMS") == "cpu":
+        simulate_cpu_devices(math.prod(mesh.values()))
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise CLIError(f"cannot write `{args.out}`: folder `{out_dir}` does not exist")
+    import autopar
+    from autopar.cost_model.hardware import get_profile
+    get_profile(args.hardware)  # fail early on an unknown name
+    fn, example_args = _load_target(args.target)
+    plan = autopar.plan(fn, *example_args, mesh=mesh, hardware=args.hardware,
+                        memory_budget=args.memory_budget, time_limit_s=args.time_limit,
+                        verbose=not args.quiet)
+    if not args.quiet:
+        print("[autopar] compiling the plan and plain jax.jit with its shardings to compare",
+              file=sys.stderr, flush=True)
+    text = plan.to_python(args.out, fn=fn)
+    _say(plan.summary())
+    _say(next(line for line in text.splitlines() if line.startswith("Checked when written")))
+    _say(f"wrote {args.out}: MESH, IN_SPECS, OUT_SPECS; run with jax.jit(fn, "
+         "in_shardings=m.in_shardings(mesh), out_shardings=m.out_shardings(mesh))")
+    return 0
+
+
 # ----- profile
 def cmd_profile(args) -> int:
     import math
@@ -264,6 +296,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run on N simulated CPU devices")
     rep.add_argument("--quiet", action="store_true", help="no progress lines")
     rep.set_defaults(run=cmd_report)
+    exp = sub.add_parser("export", help="plan FILE.py:NAME and write the plan as a Python "
+                                        "module (MESH, IN_SPECS, OUT_SPECS) for plain jax.jit")
+    exp.add_argument("target", help="FILE.py:NAME or MODULE:NAME, as for `report`")
+    exp.add_argument("--mesh", required=True, help="e.g. data=2,model=4")
+    exp.add_argument("--out", required=True, help="the .py file to write")
+    exp.add_argument("--hardware", default="h100", help="profile name or profile JSON path")
+    exp.add_argument("--memory-budget", type=_size, default=None, metavar="SIZE",
+                     help="per-device memory the plan must fit in, e.g. 40GiB")
+    exp.add_argument("--time-limit", type=_positive_seconds, default=60.0, metavar="SECONDS",
+                     help="each ILP solve's time limit (default 60)")
+    exp.add_argument("--simulate-devices", type=int, default=0, metavar="N",
+                     help="run on N simulated CPU devices")
+    exp.add_argument("--quiet", action="store_true", help="no progress lines")
+    exp.set_defaults(run=cmd_export)
     prof = sub.add_parser("profile", help="measure this machine's matmuls, memory and "
                                           "collectives and write a hardware profile JSON")
     prof.add_argument("--mesh", required=True, help="e.g. data=2,model=4 (the axes to measure)")

@@ -420,6 +420,12 @@ class HardwareProfile:
         )
 
     @property
+    def async_collectives(self) -> bool:
+        """Whether collectives run beside compute (GPU and TPU streams), so that splitting one
+        into steps can hide it; XLA:CPU (the ``host`` level) runs every collective in line."""
+        return all(lvl.kind is not LevelKind.HOST for lvl in self.levels)
+
+    @property
     def innermost(self) -> LinkLevel:
         """The fastest, innermost interconnect level."""
         return self.levels[0]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
@@ -153,8 +154,10 @@ class Emitter:
         xs = [self.feed([x], scope, [a], n, [0])[0] for x, a, n in
               zip(invals[nc + ncar:], eqn.invars[nc + ncar:], nodes["scan_in"])]
         carry_outs, y_outs = body.jaxpr.outvars[:ncar], body.jaxpr.outvars[ncar:]
+        ahead = _Ahead(self, nodes["scan_in"], xs, p["length"], p["reverse"])
 
         def step(carry, x):
+            carry, x = ahead.take(carry, x)
             x = [self.pin(v, self.value_specs[self.graph.nodes[n].outs[0]])
                  for v, n in zip(x, nodes["scan_in"])]
             outs = self.run(body.jaxpr, body.consts, consts + list(carry) + list(x), body_scope)
@@ -162,11 +165,11 @@ class Emitter:
                    for v, a, n in zip(outs[:ncar], carry_outs, nodes["carry"])]
             ys = [self.feed([v], body_scope, [a], n, [0])[0]
                   for v, a, n in zip(outs[ncar:], y_outs, nodes["scan_out"])]
-            return new, ys
+            return ahead.give(new), ys
 
-        carry, ys = jax.lax.scan(step, init, xs, length=p["length"], reverse=p["reverse"],
-                                 unroll=p["unroll"])
-        return self.pin_results(scope, eqn.outvars, list(carry) + list(ys))
+        carry, ys = jax.lax.scan(step, ahead.init(init), ahead.scanned(xs), length=p["length"],
+                                 reverse=p["reverse"], unroll=p["unroll"])
+        return self.pin_results(scope, eqn.outvars, list(carry)[:ncar] + list(ys))
 
     def emit_while(self, eqn, invals, scope, i):
         p = eqn.params
@@ -203,6 +206,55 @@ class Emitter:
 
         fns = [branch(b, c) for b, c in enumerate(eqn.params["branches"])]
         return self.pin_results(scope, eqn.outvars, list(jax.lax.switch(index, fns, *ops)))
+
+
+class _Ahead:
+    """A scan's prefetched inputs (``RewriteKind.PREFETCH`` on their ``scan_in`` node): each
+    is taken out of the scanned inputs, its first iteration's slice moved to the spec the
+    body takes it in before the loop, and each iteration moves the next one's while the body
+    runs, carrying it (with the iteration's number) to the next iteration."""
+
+    def __init__(self, emitter: Emitter, scan_in: list[int], xs: list, length: int,
+                 reverse: bool):
+        self.emitter, self.xs, self.length, self.reverse = emitter, xs, length, reverse
+        self.specs = [emitter.value_specs[emitter.graph.nodes[n].outs[0]] for n in scan_in]
+        self.sliced = [Spec(emitter.node_in_specs[n][0].dims[1:]) for n in scan_in]
+        self.ks = [k for k, n in enumerate(scan_in) if getattr(
+            emitter.node_rewrites.get(n), "kind", None) is RewriteKind.PREFETCH]
+        self.t = None
+
+    def _slice(self, k: int, t):
+        """Iteration ``t``'s slice of input ``k``, moved (gathered) to the body's spec."""
+        at = self.length - 1 - t if self.reverse else t
+        x = lax.dynamic_index_in_dim(self.xs[k], at, 0, keepdims=False)
+        return self.emitter.pin(self.emitter.pin(x, self.sliced[k]), self.specs[k])
+
+    def init(self, carry: list) -> list:
+        if not self.ks:
+            return carry
+        return list(carry) + [jnp.int32(0)] + [self._slice(k, 0) for k in self.ks]
+
+    def scanned(self, xs: list) -> list:
+        return [x for k, x in enumerate(xs) if k not in self.ks]
+
+    def take(self, carry, x) -> tuple[list, list]:
+        """(the body's carry, its scanned inputs, the prefetched ones in place)."""
+        if not self.ks:
+            return list(carry), list(x)
+        ncar = len(carry) - 1 - len(self.ks)
+        self.t = carry[ncar]
+        ahead = dict(zip(self.ks, carry[ncar + 1:]))
+        scanned = iter(x)
+        return (list(carry[:ncar]),
+                [ahead[k] if k in ahead else next(scanned) for k in range(len(self.specs))])
+
+    def give(self, carry: list) -> list:
+        """The new carry, with the next iteration's slices (the last iteration takes its own
+        again: its prefetch is not used)."""
+        if not self.ks:
+            return carry
+        nxt = jnp.minimum(self.t + 1, self.length - 1)
+        return list(carry) + [self.t + 1] + [self._slice(k, nxt) for k in self.ks]
 
 
 def build_flat_fn(traced: Traced, value_specs, node_in_specs, mesh,

@@ -34,7 +34,8 @@ class ChosenComm:
     step: CommStep
     trips: int
     node: int
-    reason: str   # "reduce" (a partial result) or "reshard" (an operand in another spec)
+    reason: str   # "reduce" (a partial result), "reshard" (an operand in another spec) or
+    #               "overlap" (a step of a rewrite that overlaps its compute: exposed part)
     time_s: float = 0.0  # one execution, on the plan's mesh and profile
     value: int | None = None  # the value a reshard moves (None for a reduction)
 
@@ -57,8 +58,12 @@ def _collectives(graph: Graph, strats, choice, mesh) -> list[ChosenComm]:
     moved = set()
     for node in graph.nodes:
         s = strats[node.id][choice[node.id]]
-        out += [ChosenComm(c, node.trip_count, node.id, "reduce", c.time_s(mesh.levels))
-                for c in s.collectives]
+        if s.rewrite is not None:  # run beside its compute: only its exposed part is charged
+            out += [ChosenComm(c, node.trip_count, node.id, "overlap",
+                               s.comm_s / len(s.collectives)) for c in s.collectives]
+        else:
+            out += [ChosenComm(c, node.trip_count, node.id, "reduce", c.time_s(mesh.levels))
+                    for c in s.collectives]
         for pos, vid in enumerate(node.ins):
             if vid is None or (vid, s.in_specs[pos]) in moved:
                 continue

@@ -122,8 +122,9 @@ class IlpBuilder:
 
     def _strategy_s(self, st: Strategy) -> float:
         if id(st) not in self._strategy_cache:
-            self._strategy_cache[id(st)] = st.compute_s + sum(
-                self._step_s(step) for step in st.collectives)
+            self._strategy_cache[id(st)] = st.compute_s + (
+                st.comm_s if st.rewrite is not None  # its exposed communication, latency in
+                else sum(self._step_s(step) for step in st.collectives))
         return self._strategy_cache[id(st)]
 
     def _step_s(self, step) -> float:
@@ -145,7 +146,7 @@ class IlpBuilder:
                 trips = self.g.nodes[n].trip_count
                 for i, j in enumerate(self.groups.index_map[n]):
                     for step in strats[j].collectives:
-                        if step.kind is not None:
+                        if step.kind is not None and strats[j].rewrite is None:
                             key = combiner_key(step, trips, depths[n])
                             steps.setdefault(key, step)
                             xs_of.setdefault(key, {}).setdefault(g, set()).add(

@@ -111,6 +111,8 @@ def reduction_bytes(graph: Graph, node, strategy, axis_sizes) -> int:
     steps = strategy.collectives
     if not steps:
         return 0
+    if strategy.rewrite is not None:  # its steps in turn: one arriving while one is used
+        return 2 * max(step.out_bytes for step in steps)
     outs = [step.out_bytes for step in steps]
     if outs[-1] <= value_bytes(graph, node.outs[0], strategy.out_specs[0], axis_sizes):
         outs.pop()

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from autopar._sizes import format_bytes
 from autopar.errors import InfeasiblePlanError
 from autopar.passes.dedup import Groups
 from autopar.passes.highs import solve_milp
@@ -74,7 +75,7 @@ class _Refit:
         b = self.builder
         found = _smallest_peak(b.g, b.strats, b.groups, b.mesh, self.budget, self.time_limit_s,
                                self.start)
-        self.progress(f"least peak found: {found[0] / 2**20:.1f} MiB")
+        self.progress(f"least peak found: {format_bytes(found[0])}")
         return found
 
     def penalty(self) -> np.ndarray:
@@ -162,7 +163,7 @@ def _penalties(refit: _Refit, ilp: tuple, limit_s: float, objective_us: float):
         peak, new_row, _ = refit.attempt(res)
         slower = float(c @ res.x) / max(objective_us, 1e-9) - 1
         progress(f"memory penalty {lam:.3g} us per budget: {took:.2f}s, peak "
-                 f"{peak / 2**20:.1f} MiB, {slower:+.1%} time")
+                 f"{format_bytes(peak)}, {slower:+.1%} time")
         if peak <= budget.budget_bytes:
             best = res
             break
@@ -215,7 +216,7 @@ def _hard_rows(refit: _Refit, cutoff_us: float, objective_us: float, time_limit_
             return None
         peak, _, choice = refit.attempt(res)
         progress(f"memory rows as constraints ({rows}): {took:.2f}s, peak "
-                 f"{peak / 2**20:.1f} MiB, {float(c @ res.x) / objective_us - 1:+.1%} time")
+                 f"{format_bytes(peak)}, {float(c @ res.x) / objective_us - 1:+.1%} time")
         if peak <= budget.budget_bytes:
             return res
         budget.cuts += [cut for cut in peaks_over(builder.g, builder.strats, choice, builder.mesh,
@@ -265,7 +266,7 @@ def _smallest_peak(graph: Graph, strats, groups: Groups, mesh: MeshContext,
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return format_bytes(n)
 
 
 #: What shrinks each part of a peak, for the InfeasiblePlanError message.

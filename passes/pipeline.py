@@ -10,7 +10,8 @@ time to ``timings_s`` and, when ``PlanOptions.verify_ir``, verifies the IR after
 do not run (plain GSPMD). When no plan fits the memory budget, the passes after trace run
 again on the program with layers rematerialized (``passes.remat``): every layer, or fewer
 when that is predicted faster and still fits (:func:`_plan_within_budget`).
-Pipeline stages and collective overlap are not in this version; see README.
+The strategies pass also adds the overlap strategies (``passes.overlap``: collective matmul,
+prefetch) when ``PlanOptions.overlap`` and ``search``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from jax.sharding import Mesh
 
+from autopar._sizes import format_bytes
 from autopar.cost_model.spec import Spec
 from autopar.errors import MemoryBudgetWarning, RematWarning
 from autopar.passes import candidates
@@ -34,6 +36,7 @@ from autopar.passes.emit import build_flat_fn
 from autopar.passes.estimate import estimate, plan_collectives, value_specs
 from autopar.passes.ir import Graph
 from autopar.passes.memory_budget import input_labels, peak_lower_bound_bytes
+from autopar.passes.overlap import with_collective_matmuls, with_prefetch
 from autopar.passes.propagate import propagate
 from autopar.passes.remat import RematPolicy, rematerialize, residual_bytes, scanned_layers
 from autopar.passes.memory_fit import over_budget_error
@@ -101,6 +104,9 @@ class PlanOptions:
     until one does; if none still fits, InfeasiblePlanError, or with ``strict_budget=False``
     a MemoryBudgetWarning and the plan that ignores the budget. ``progress``: told what the
     passes do. ``verify_ir``: check the IR after every pass (``passes.verify``).
+    ``overlap``: with ``search``, also offer the strategies that hide their communication
+    behind their compute (``passes.overlap``) where the hardware runs collectives
+    asynchronously; False: none.
     """
     mesh_ctx: MeshContext
     jax_mesh: Mesh
@@ -119,6 +125,7 @@ class PlanOptions:
     remat: bool = True
     progress: Callable[[str], None] = _quiet
     verify_ir: bool = field(default_factory=debug_requested)
+    overlap: bool = True
 
 
 @dataclass
@@ -272,6 +279,9 @@ def _strategies_message(state: _State) -> str:
 def _strategies(state: _State) -> _State:
     keys = node_keys(state.traced.graph)
     strats, fallbacks = build_strategies(state.traced.graph, state.options.mesh_ctx, keys)
+    if state.options.overlap and state.options.search:
+        strats = with_collective_matmuls(state.traced.graph, strats, state.options.mesh_ctx)
+        strats = with_prefetch(state.traced.graph, strats, state.options.mesh_ctx)
     return replace(state, keys=keys, strats=strats, fallbacks=fallbacks)
 
 
@@ -424,8 +434,8 @@ def _needs_remat(state: _State) -> bool:
     bound = peak_lower_bound_bytes(state.traced.graph, devices, o.mesh_ctx.results_held)
     if bound > budget:
         o.progress(f"memory: every plan without rematerialization peaks at "
-                   f"{bound / 2**20:.1f} MiB or more, over the budget of "
-                   f"{budget / 2**20:.1f} MiB")
+                   f"{format_bytes(bound)} or more, over the budget of "
+                   f"{format_bytes(budget)}")
     return bound > budget
 
 

@@ -14,6 +14,7 @@ import warnings
 import numpy as np
 import scipy.optimize
 
+from autopar._sizes import format_bytes
 from autopar.errors import InfeasiblePlanError, SolverFallbackWarning
 from autopar.passes.background import Deferred
 from autopar.passes.dedup import Groups
@@ -125,8 +126,8 @@ def _fit(builder: IlpBuilder, budget: BudgetRows, solution: Solution, time_limit
     peak, t, copies = plan_peak(graph, strats, solution.choice, mesh)
     if peak <= budget.budget_bytes:
         return solution
-    progress(f"memory: the plan peaks at {peak / 2**20:.1f} MiB at node {t}, over the budget "
-             f"of {budget.budget_bytes / 2**20:.1f} MiB")
+    progress(f"memory: the plan peaks at {format_bytes(peak)} at node {t}, over the budget "
+             f"of {format_bytes(budget.budget_bytes)}")
     budget.cuts.append((t, copies))
     (least, least_choice), fitted = fit_budget(builder, budget, time_limit_s, solution.choice,
                                                solution.solve_time_s, solution.objective_us,

@@ -97,6 +97,12 @@ class MeshContext:
 class RewriteKind(enum.Enum):
     """How a node is emitted when its strategy does not run the primitive as it is
     (``passes.emit.REWRITES`` maps each kind to its emitter)."""
+    # passes.overlap.collective_matmul: an operand gathered, or the partial sums scattered,
+    # in ring steps each overlapping a chunk's matmul
+    ALL_GATHER_MATMUL = "all-gather matmul"
+    MATMUL_REDUCE_SCATTER = "matmul reduce-scatter"
+    # passes.overlap.prefetch: a scanned input gathered one iteration ahead (emit_scan)
+    PREFETCH = "prefetch"
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,9 @@ class Rewrite:
 
 @dataclass(frozen=True)
 class Strategy:
+    """One way to run a node. With a ``rewrite``, ``collectives`` run beside the node's own
+    compute: ``comm_s`` is the part no compute hides, and is what the ILP and the estimate
+    charge (the collectives still count for wire bytes)."""
     in_specs: tuple[Spec | None, ...]   # None for a literal operand
     out_specs: tuple[Spec, ...]
     flops: float                        # per device, one run
@@ -130,6 +139,8 @@ class Strategy:
         ins = ",".join("lit" if s is None else str(s) for s in self.in_specs)
         outs = ",".join(str(s) for s in self.out_specs)
         red = "".join(f" +{c}" for c in self.collectives)
+        if self.rewrite is not None:
+            red = f" [{self.rewrite.kind.value}({','.join(self.rewrite.axes)})]"
         return f"{outs} <- {ins}{red}"
 
 

@@ -1,9 +1,9 @@
-"""``autopar._sizes.parse_bytes``: sizes as ``memory_budget`` and ``--memory-budget`` take
-them."""
+"""``autopar._sizes``: sizes as ``memory_budget`` and ``--memory-budget`` take them, and
+sizes, times and flops as the report prints them."""
 
 import pytest
 
-from autopar._sizes import parse_bytes
+from autopar._sizes import format_bytes, format_flops, format_seconds, parse_bytes
 
 
 @pytest.mark.parametrize("text, nbytes", [
@@ -17,3 +17,17 @@ def test_sizes(text, nbytes):
 def test_what_is_not_a_size_says_what_to_write(text):
     with pytest.raises(ValueError, match="is not a size: give bytes or a number with a unit"):
         parse_bytes(text)
+
+
+@pytest.mark.parametrize("n, text", [(0, "0 B"), (1023, "1023 B"), (10 * 1024, "10.0 KiB"),
+                                     (2.7 * 2**20, "2.7 MiB"), (1.5 * 2**30, "1.50 GiB"),
+                                     (72e9, "67.1 GiB")])
+def test_sizes_print_in_the_unit_that_fits(n, text):
+    assert format_bytes(n) == text
+
+
+def test_seconds_and_flops_print_in_the_unit_that_fits():
+    assert [format_seconds(t) for t in (26.9e-6, 1.263e-3, 2.5)] == ["26.9 us", "1.263 ms",
+                                                                     "2.500 s"]
+    assert [format_flops(n) for n in (4.578e7, 2.761e11, 500)] == ["45.8 MFLOP", "276 GFLOP",
+                                                                   "500 FLOP"]

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import autopar
-from autopar._validate import flag_kinds, validate, validation_table
+from autopar._validate import count_note, flag_kinds, validate, validation_table
 from autopar.cost_model.hlo import analyze
 from autopar.models import gpt, mlp
 
@@ -38,9 +38,34 @@ def test_validate_puts_every_measure_beside_the_compiled_one(gpt_plan):
         assert count <= p_count and nbytes == pytest.approx(p_bytes, rel=0.10), kind
     assert v["flags"] == {} and v["unexpected_kinds"] == []
     table = validation_table(gpt_plan, v)
-    for name in ["wire_bytes", "flops", "peak_memory_bytes", *compiled]:
+    for name in ["wire bytes", "flops", "peak memory", *compiled]:
         assert name in table
     assert "did not predict" not in table
+    assert "MFLOP" in table and "KiB" in table   # units that fit, not 4.578e+07
+    merged = [k for k, ((pn, _), (cn, _)) in v["by_kind"].items() if 0 < cn < pn]
+    for kind in merged:   # a count XLA's combiner lowered is explained where it shows
+        assert f"XLA's {kind} combiner merged" in table
+
+
+def test_validation_goes_into_the_report_json_and_html(gpt_plan):
+    v = validate(gpt_plan)
+    assert gpt_plan.stats["validation"] is v
+    assert "Validation: predicted vs compiled" in gpt_plan.report()
+    saved = autopar.Plan.from_json(gpt_plan.to_json())
+    assert saved.stats["validation"]["by_kind"].keys() == v["by_kind"].keys()
+    page = gpt_plan.to_html()
+    assert "Validation: predicted beside compiled" in page and "predicted" in page
+
+
+@pytest.mark.parametrize("predicted, compiled, note", [
+    ((51, 1000.0), (12, 1000.0), "XLA's all-reduce combiner merged 51 into 12"),
+    ((4, 100.0), (4, 100.0), ""),
+    ((4, 100.0), (0, 0.0), "XLA compiled none of the 4 predicted"),
+    ((4, 2048.0), (2, 1024.0), "XLA merged or removed some: 4 predicted, 2 compiled, "
+                               "1.0 KiB fewer bytes"),
+])
+def test_count_notes(predicted, compiled, note):
+    assert count_note("all-reduce", predicted, compiled) == note
 
 
 def _without_kind(plan, kind: str):

@@ -1,0 +1,199 @@
+"""plan.to_python and `autopar export`: the plan as a standalone module that plain jax.jit runs.
+
+The module gives only the shardings of the arguments and results; jax infers the rest. So a
+plan is reproduced by plain jax.jit where the plan's intermediate shardings are those jax
+infers, which ``plain_jit_check`` tells (the module says so when written with ``fn``).
+"""
+
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import autopar
+from autopar._export import logical_rules, plain_jit_check
+from autopar.cost_model.hlo import analyze
+
+from .export_target import mlp_step
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MESH = {"data": 2, "model": 4}
+
+
+def _load(path):
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _imports(path) -> set[str]:
+    tree = ast.parse(Path(path).read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    return names | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+
+
+def _collectives(compiled):
+    return sorted((c.kind.value, c.group_size, c.in_bytes, c.out_bytes, c.trip_count)
+                  for c in analyze(compiled).collectives)
+
+
+@pytest.fixture(scope="module")
+def mlp_plan():
+    step, args = mlp_step()
+    return step, args, autopar.plan(step, *args, mesh=MESH, hardware="h100")
+
+
+def test_exported_plan_runs_under_plain_jit_as_planned(mlp_plan, tmp_path):
+    step, args, plan = mlp_plan
+    path = tmp_path / "plan_specs.py"
+    text = plan.to_python(path, fn=step)
+    assert "plain jax.jit with these shardings compiles to the plan's collectives" in text
+    assert not any(name.startswith("autopar") for name in _imports(path))
+    specs = _load(str(path))
+    assert specs.MESH == MESH
+    assert specs.IN_SPECS[0]["w1"] == jax.sharding.PartitionSpec(None, "model")
+    mesh = specs.make_mesh()
+    plain = jax.jit(step, in_shardings=specs.in_shardings(mesh),
+                    out_shardings=specs.out_shardings(mesh))
+    assert _collectives(plain.lower(*args).compile()) == _collectives(plan.compile())
+    assert len(_collectives(plan.compile())) >= 2   # Megatron: the plan communicates
+    got = plain(*jax.device_put(args, specs.in_shardings(mesh)))
+    want = plan.jit()(*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+class _State(NamedTuple):   # defined in a test module: importable, so written as code
+    w: jax.Array
+    count: jax.Array
+
+
+def test_named_tuples_are_written_as_code(tmp_path):
+    def step(state, x):
+        return _State(state.w - 0.1 * jnp.mean(x @ state.w), state.count + 1), jnp.sum(x)
+    args = (_State(jnp.ones((64, 64)), jnp.zeros((), jnp.int32)), jnp.ones((64, 64)))
+    plan = autopar.plan(step, *args, mesh=MESH, hardware="h100")
+    path = tmp_path / "specs.py"
+    text = plan.to_python(path)
+    assert "_State(" in text and "IN_SPECS = " in text
+    specs = _load(str(path))
+    assert isinstance(specs.IN_SPECS[0], _State)
+    out = jax.jit(step, in_shardings=specs.in_shardings(), out_shardings=specs.out_shardings())(
+        *args)
+    assert float(out[1]) == 64 * 64
+
+
+def test_trees_not_writable_as_code_are_written_flat(tmp_path):
+    class Local(NamedTuple):   # defined in a function: no import reaches it
+        w: jax.Array
+
+    def step(state, x):
+        return Local(state.w * 2), x + 1
+    args = (Local(jnp.ones((8, 8))), jnp.ones((8,)))
+    plan = autopar.plan(step, *args, mesh=MESH, hardware="h100")
+    path = tmp_path / "flat_specs.py"
+    text = plan.to_python(path)
+    assert "IN_SPECS_FLAT = [" in text and "# [0].w" in text
+    specs = _load(str(path))
+    run = jax.jit(step, in_shardings=specs.in_shardings(like=args),
+                  out_shardings=specs.out_shardings(like=jax.eval_shape(step, *args)))
+    np.testing.assert_array_equal(np.asarray(run(*args)[0].w), 2 * np.ones((8, 8)))
+
+
+def test_cli_export_writes_the_module(tmp_path):
+    out = tmp_path / "mlp_specs.py"
+    target = os.path.join(os.path.dirname(os.path.abspath(__file__)), "export_target.py")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-m", "autopar.cli", "export", f"{target}:mlp_step",
+                        "--mesh", "data=2,model=4", "--out", str(out), "--simulate-devices", "8",
+                        "--quiet"], capture_output=True, text=True, cwd=ROOT, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "w1: column-parallel over model(4)" in r.stdout and f"wrote {out}" in r.stdout
+    assert "Checked when written" in r.stdout
+    text = out.read_text()
+    assert "MESH = {'data': 2, 'model': 4}" in text and "OUT_SPECS = " in text
+    compile(text, str(out), "exec")
+
+
+def test_check_says_when_plain_jit_differs(mlp_plan, monkeypatch):
+    step, _, plan = mlp_plan
+    from autopar import _export
+    real = _export.analyze
+    calls = []
+
+    def fewer(compiled):   # the first compile is plain jax.jit's: pretend it lost a collective
+        summary = real(compiled)
+        calls.append(summary)
+        if len(calls) == 1:
+            return summary.__class__(**{**summary.__dict__,
+                                        "collectives": summary.collectives[1:]})
+        return summary
+    monkeypatch.setattr(_export, "analyze", fewer)
+    same, said = plain_jit_check(plan, step)
+    assert not same and "other collectives than the plan" in said
+
+
+@pytest.mark.parametrize("names, specs, rules, unclean", [
+    ([["embed", "mlp"], ["mlp", "embed"]], [P(None, "model"), P("model")],
+     [("embed", None), ("mlp", "model")], []),
+    ([["embed", "mlp"], ["mlp", "embed"]], [P(None, "model"), P()], None, ["mlp"]),
+    ([["batch", None]], [P(("data", "model"))], [("batch", ("data", "model"))], []),
+    ([None, None], [P(), P()], None, []),
+])
+def test_logical_rules(names, specs, rules, unclean):
+    assert logical_rules(names, specs) == (rules, unclean)
+
+
+class _Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        w1 = self.param("w1", nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                                            ("embed", "mlp")), (64, 256))
+        w2 = self.param("w2", nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                                            ("mlp", "embed")), (256, 64))
+        return jax.nn.relu(x @ w1) @ w2
+
+
+def test_logical_axis_rules_from_flax_metadata(tmp_path):
+    model, x = _Mlp(), jnp.ones((16, 64))
+    params = model.init(jax.random.key(0), x)   # boxed: nn.LogicallyPartitioned
+
+    def step(params, x):
+        return jax.grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(params)
+    rules = [("embed", None), ("mlp", "model")]
+    plan = autopar.plan(step, params, x, mesh=MESH, hardware="h100", logical_axis_rules=rules)
+    text = plan.to_python(tmp_path / "rules_specs.py")
+    assert _load(str(tmp_path / "rules_specs.py")).LOGICAL_AXIS_RULES == rules, text
+
+
+def test_exported_train_state_specs_compute_the_plans_numbers(tmp_path):
+    """optax's NamedTuple states are written as code and rebuilt; plain jax.jit with the
+    exported shardings computes what plan.jit() computes (whether or not it compiles to the
+    same collectives: the module says which)."""
+    from autopar.models import gpt
+    fn, args = gpt.make_train_step(gpt.TINY)
+    plan = autopar.plan(fn, *args, mesh=MESH, hardware="h100")
+    path = tmp_path / "gpt_specs.py"
+    text = plan.to_python(path, fn=fn)
+    assert "ScaleByAdamState(" in text and "Checked when written" in text
+    specs = _load(str(path))
+    mesh = specs.make_mesh()
+    plain = jax.jit(fn, in_shardings=specs.in_shardings(mesh),
+                    out_shardings=specs.out_shardings(mesh))
+    same = _collectives(plain.lower(*args).compile()) == _collectives(plan.compile())
+    assert ("compiles to the plan's collectives" in text) == same
+    got, want = plain(*jax.device_put(args, specs.in_shardings(mesh))), plan.jit()(*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=1e-5)

@@ -1,0 +1,154 @@
+"""The plan in words (plan.summary()) and the layers the report finds in a parameter tree."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autopar
+from autopar._layers import OTHER, input_layers, layer_rows
+from autopar._summary import DimRole, LayerFacts, describe
+
+SIZES = {"data": 2, "model": 4}
+
+
+def _names(args) -> dict[str, str | None]:
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    names, _ = input_layers(tree, [np.shape(x) for x in leaves])
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    return dict(zip(paths, names))
+
+
+_A = np.zeros((4, 4))
+_BLOCK = {"attn": {"kernel": _A}, "mlp": {"kernel": _A},
+          "LayerNorm_0": {"scale": np.zeros(4)}, "LayerNorm_1": {"scale": np.zeros(4)}}
+
+
+@pytest.mark.parametrize("params, optimizer_state, expected", [
+    # flax lm1b: blocks nested under params['decoder']; the optimizer state follows
+    ({"params": {"decoder": {"embed": {"embedding": np.zeros((16, 4))},
+                             "encoderdecoderblock_0": _BLOCK, "encoderdecoderblock_1": _BLOCK,
+                             "encoderdecoder_norm": {"scale": np.zeros(4)}}}},
+     True,
+     {"[0]['params']['decoder']['encoderdecoderblock_1']['attn']['kernel']":
+          "encoderdecoderblock_1",
+      "[0]['params']['decoder']['embed']['embedding']": "embed",
+      "[1]['mu']['params']['decoder']['encoderdecoderblock_0']['mlp']['kernel']":
+          "encoderdecoderblock_0"}),
+    # an encoder and a decoder, each with numbered blocks: opened into them
+    ({"encoder": {"block_0": _BLOCK, "block_1": _BLOCK, "norm": {"scale": np.zeros(4)}},
+      "decoder": {"block_0": _BLOCK, "block_1": _BLOCK}, "shared": np.zeros((16, 4))},
+     False,
+     {"[0]['encoder']['block_1']['attn']['kernel']": "encoder/block_1",
+      "[0]['decoder']['block_0']['mlp']['kernel']": "decoder/block_0",
+      "[0]['encoder']['norm']['scale']": "encoder/norm", "[0]['shared']": "shared"}),
+    # a list of layers (nnx, Equinox, keras)
+    ({"embed": {"e": _A}, "layers": [_BLOCK, _BLOCK]}, False,
+     {"[0]['layers'][1]['attn']['kernel']": "layers[1]", "[0]['embed']['e']": "embed"}),
+    # haiku's flat module names
+    ({"lm/~/embed": {"embeddings": _A}, "lm/~/block_0/~/mlp": {"w": _A},
+      "lm/~/block_1/~/mlp": {"w": _A}}, False,
+     {"[0]['lm/~/block_1/~/mlp']['w']": "block_1", "[0]['lm/~/embed']['embeddings']": "embed"}),
+])
+def test_layers_at_any_depth(params, optimizer_state, expected):
+    args = (params, {"mu": params}, np.zeros(3)) if optimizer_state else (params, np.zeros(3))
+    names = _names(args)
+    for path, name in expected.items():
+        assert names[path] == name, path
+    assert names[f"[{len(args) - 1}]"] is None   # the batch is in no layer
+
+
+def test_train_state_layers_are_its_params():
+    state = {"params": {"block_0": _BLOCK, "block_1": _BLOCK},
+             "opt_state": ({"mu": {"block_0": _BLOCK, "block_1": _BLOCK}},), "step": np.zeros(())}
+    names = _names((state, np.zeros(3)))
+    assert names["[0]['params']['block_1']['mlp']['kernel']"] == "block_1"
+    assert names["[0]['opt_state'][0]['mu']['block_0']['attn']['kernel']"] == "block_0"
+    assert names["[0]['step']"] is None
+
+
+_C, _R, _E, _V, _O = (DimRole.COLUMN, DimRole.ROW, DimRole.EXPERT, DimRole.VOCAB,
+                      DimRole.OTHER)
+
+
+@pytest.mark.parametrize("roles, batch, expected", [
+    ({"model": {_C, _R, _O}}, ("data",), "Megatron TP over model(4), batch over data(2)"),
+    ({"data": {_C, _R}}, ("data",), "FSDP over data(2)"),
+    ({"model": {_C}}, (), "column-parallel over model(4)"),
+    ({"model": {_E, _C}}, ("data",), "expert-parallel over model(4), batch over data(2)"),
+    ({"model": {_V}}, (), "vocab-parallel over model(4)"),
+    ({}, ("data", "model"), "batch over data(2) x model(4)"),
+    ({}, (), "replicated"),
+])
+def test_describe(roles, batch, expected):
+    facts = LayerFacts({a: frozenset(r) for a, r in roles.items()}, batch, ())
+    assert describe(facts, SIZES) == expected
+
+
+def _mlp_step():
+    def loss_fn(params, x, y):
+        h = jax.nn.relu(x @ params["w1"])
+        return jnp.mean((h @ params["w2"] - y) ** 2)
+
+    def step(params, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+    params = {"w1": jax.ShapeDtypeStruct((512, 2048), jnp.float32),
+              "w2": jax.ShapeDtypeStruct((2048, 512), jnp.float32)}
+    x = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+    return step, (params, x, x)
+
+
+def test_summary_says_megatron_and_batch():
+    step, args = _mlp_step()
+    plan = autopar.plan(step, *args, mesh=SIZES, hardware="h100")
+    assert plan.summary().splitlines()[:2] == [
+        "w1: column-parallel over model(4), batch over data(2)",
+        "w2: row-parallel over model(4), batch over data(2)"]
+    assert plan.report().split("\n\n")[1].startswith("The plan in words:\n  w1: column-parallel")
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(x.shape[-1])(nn.relu(nn.Dense(4 * x.shape[-1])(x)))
+
+
+class _Decoder(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = _Block(name=f"encoderdecoderblock_{i}")(x)
+        return nn.Dense(8, name="logitdense")(x)
+
+
+class _NestedLM(nn.Module):   # lm1b's layout: params['decoder']['encoderdecoderblock_N']
+    @nn.compact
+    def __call__(self, x):
+        return _Decoder(name="decoder")(x)
+
+
+def test_nested_blocks_get_their_own_rows():
+    model, tx = _NestedLM(), optax.adam(1e-3)
+    x = jnp.ones((16, 32))
+    params = model.init(jax.random.key(0), x)
+
+    def step(params, opt_state, x):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state)
+        return optax.apply_updates(params, updates), opt_state, loss
+    plan = autopar.plan(step, params, tx.init(params), x, mesh=SIZES, hardware="h100")
+    rows = {r.name: r for r in layer_rows(plan)}
+    assert set(rows) == {"encoderdecoderblock_0", "encoderdecoderblock_1", "logitdense", OTHER}
+    assert len(rows["encoderdecoderblock_0"].params) == 4
+    blocks = rows["encoderdecoderblock_0"].compute_s + rows["encoderdecoderblock_1"].compute_s
+    assert blocks > 2 * rows[OTHER].compute_s
+    assert plan.summary().startswith("encoderdecoderblock_0..encoderdecoderblock_1: ")
+
+
+def test_describe_names_pipeline_stages():
+    facts = LayerFacts({"stage": frozenset({_O, _C}), "model": frozenset({_C, _R})}, ("data",), ())
+    assert describe(facts, {"stage": 4, "data": 2, "model": 2}, stage_axis="stage") == (
+        "pipeline stages over stage(4), Megatron TP over model(2), batch over data(2)")

@@ -1,0 +1,248 @@
+"""Collective overlap (``passes.overlap``): each collective-matmul decomposition computes the
+dot it replaces, forward and gradients, on a 2-D mesh (manual over ``model``, ``data``
+automatic); plans with the rewrites (collective matmul, FSDP prefetch) match one device; the
+compiled program of a realistic-width plan holds the ring loops."""
+
+import dataclasses
+import functools
+import json
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+
+import autopar
+from autopar.cost_model.hardware import get_profile
+from autopar.cost_model.hlo_ir import array_dims, parse_module
+from autopar.cost_model.spec import Spec
+from autopar.cost_model.timeline import simulate
+from autopar.errors import ShardingConflictWarning, SolverFallbackWarning
+from autopar.models import bert, mlp
+from autopar.passes.overlap import regions
+from autopar.passes.overlap.collective_matmul import CollectiveMatmul, Mode, forced
+from tests.autopar.test_random_programs import MESHES as RANDOM_MESHES
+from benchmarks.overlap import as_async
+from tests.autopar.test_random_programs import make_case, random_hints
+
+M, R, D = ("model",), ("data",), ()
+MATMUL = (((1,), (0,)), ((), ()))            # (B, K) @ (K, F)
+SEQ_MATMUL = (((2,), (0,)), ((), ()))        # (B, S, K) @ (K, F)
+
+#: name -> (dimension numbers, lhs shape, rhs shape, CollectiveMatmul fields but bidirectional)
+CASES = {
+    # sequence-parallel activations gathered into a column-split weight's matmul
+    "gather lhs free": (SEQ_MATMUL, (4, 16, 8), (8, 16), dict(
+        mode=Mode.GATHER_FREE, in_specs=(Spec((R, M, D)), Spec((D, M))),
+        out_spec=Spec((R, D, M)), operand=0, dim=1, out_dim=1)),
+    # a column-split weight gathered beside row-split activations
+    "gather rhs free": (MATMUL, (16, 8), (8, 16), dict(
+        mode=Mode.GATHER_FREE, in_specs=(Spec((M, D)), Spec((D, M))),
+        out_spec=Spec((M, D)), operand=1, dim=1, out_dim=1)),
+    # an FSDP weight (split on its contracting dim) gathered beside row-split activations
+    "gather rhs contracting": (MATMUL, (16, 16), (16, 8), dict(
+        mode=Mode.GATHER_CONTRACTING, in_specs=(Spec((M, D)), Spec((M, D))),
+        out_spec=Spec((M, D)), operand=1, dim=0, other_dim=1)),
+    # a row-split weight's partial sums scattered into the sequence
+    "scatter lhs free": (SEQ_MATMUL, (4, 16, 8), (8, 16), dict(
+        mode=Mode.SCATTER, in_specs=(Spec((R, D, M)), Spec((M, D))),
+        out_spec=Spec((R, M, D)), out_dim=1, slices=((0, 1),))),
+    # partial sums scattered into the columns
+    "scatter rhs free": (MATMUL, (8, 16), (16, 16), dict(
+        mode=Mode.SCATTER, in_specs=(Spec((D, M)), Spec((M, D))),
+        out_spec=Spec((D, M)), out_dim=1, slices=((1, 1),))),
+}
+
+
+def _placed(mesh, spec: Spec, x):
+    return jax.device_put(x, NamedSharding(mesh, spec.to_partition_spec()))
+
+
+def test_regions_match_the_dot(mesh_2d):
+    """Every case, one- and bidirectional, in one program (one compile): forward, gradients
+    through the custom VJP, and no all-gather, reduce-scatter or all-reduce compiled."""
+    regs, dots, args, refs = [], [], [], []
+    keys = iter(jax.random.split(jax.random.key(0), 4 * len(CASES)))
+    for dn, lhs_shape, rhs_shape, fields in CASES.values():
+        dot = functools.partial(lax.dot_general, dimension_numbers=dn,
+                                precision=lax.Precision.HIGHEST)
+        for bidirectional in (False, True):
+            cm = CollectiveMatmul(axis="model", bidirectional=bidirectional, **fields)
+            regs.append(regions.region(cm, dot, mesh_2d, regions._auto(cm.out_spec, "model")))
+            dots.append(dot)
+            a, b = (jax.random.normal(next(keys), lhs_shape),
+                    jax.random.normal(next(keys), rhs_shape))
+            refs.append((a, b))
+            args.append(tuple(_placed(mesh_2d, sp, x) for sp, x in zip(cm.in_specs, (a, b))))
+
+    def run(fs, args):
+        return [f(a, b) for f, (a, b) in zip(fs, args)]
+
+    def loss(fs, args):
+        return sum(jnp.sum(jnp.sin(y)) * (i + 1) for i, y in enumerate(run(fs, args)))
+
+    forward = jax.jit(functools.partial(run, regs)).lower(args).compile()
+    for got, dot, (a, b) in zip(forward(args), dots, refs):
+        np.testing.assert_allclose(got, dot(a, b), rtol=1e-5, atol=1e-5)
+    text = forward.as_text()
+    assert "collective-permute" in text
+    assert not re.search(r"\b(all-gather|reduce-scatter|all-reduce)(-start)?\(", text)
+    grads = jax.jit(jax.grad(functools.partial(loss, regs)))(args)
+    expected = jax.grad(functools.partial(loss, dots))(refs)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _matches_one_device(fn, args, mesh, **kw):
+    expected = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SolverFallbackWarning)
+        warnings.simplefilter("ignore", ShardingConflictWarning)
+        with forced():
+            plan = autopar.plan(fn, *args, mesh=mesh, hardware="h100", **kw)
+    got = jax.tree_util.tree_leaves(plan.jit()(*args))
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-5)
+    return plan
+
+
+@pytest.mark.parametrize("name, mesh", [
+    ("bert", {"data": 2, "model": 4}), ("mlp", {"data": 2, "model": 2, "expert": 2})])
+def test_models_with_every_rewrite_match_one_device(name, mesh):
+    """Train steps whose every dot that can be a collective matmul is one (forced); the 1-D
+    mesh is among the random programs' (and the realistic BERT's below)."""
+    module = {"bert": bert, "mlp": mlp}[name]
+    fn, args = module.make_train_step(module.TINY)
+    plan = _matches_one_device(fn, args, mesh, time_limit_s=20)
+    assert plan.stats["overlap"] is True
+    assert sum(plan.stats["rewrites"].values()) >= 4, plan.stats["rewrites"]
+
+
+def test_random_programs_with_rewrites_match_one_device():
+    taken = 0
+    for seed in (0, 1, 5, 9):
+        fn, args = make_case(seed)
+        mesh = RANDOM_MESHES[seed % len(RANDOM_MESHES)]
+        plan = _matches_one_device(fn, args, mesh,
+                                   in_shardings=tuple(random_hints(args, mesh, seed)))
+        taken += sum(plan.stats["rewrites"].values())
+    assert taken >= 3
+
+
+def test_overlap_off_and_cpu_offer_no_rewrite():
+    """``overlap=False`` turns every rewrite off, and the cpu profile (collectives in line)
+    never offers one, even forced."""
+    fn, args = mlp.make_train_step(mlp.TINY)
+    mesh = {"data": 2, "model": 4}
+    with forced():
+        on = autopar.plan(fn, *args, mesh=mesh, hardware="h100")
+        off = autopar.plan(fn, *args, mesh=mesh, hardware="h100", overlap=False)
+        cpu = autopar.plan(fn, *args, mesh=mesh, hardware="cpu")
+    assert on.stats["rewrites"] and on.stats["overlap"] is True
+    assert off.stats["rewrites"] == {} and off.stats["overlap"] is False
+    assert cpu.stats["rewrites"] == {}
+    assert json.loads(on.to_json())["stats"]["rewrites"] == on.stats["rewrites"]
+    assert "overlapped:" in on.report()
+
+
+def _ring_loops(text: str) -> list[str]:
+    """Bodies of while loops that run a collective-permute beside a dot (or a fusion
+    calling one)."""
+    module = parse_module(text)
+
+    def has_dot(computation: str, seen: set) -> bool:
+        for ins in module.computations.get(computation, ()):
+            if ins.opcode == "dot":
+                return True
+            for callee in ins.called("calls") + ins.called("to_apply"):
+                if callee not in seen and has_dot(callee, seen | {callee}):
+                    return True
+        return False
+
+    loops = []
+    for instructions in module.computations.values():
+        for ins in instructions:
+            if ins.opcode != "while":
+                continue
+            body = ins.called("body")[0]
+            ops = {i.opcode for i in module.computations[body]}
+            if {"collective-permute", "collective-permute-start"} & ops and has_dot(body, {body}):
+                loops.append(body)
+    return loops
+
+
+def test_wide_bert_compiles_to_ring_loops():
+    """At realistic width on an 8-way model axis (compiled from shapes, nothing runs), the
+    plan's big dots are collective matmuls: the compiled program runs collective-permutes in
+    loops beside its dots, and gathers or reduces no weight."""
+    config = dataclasses.replace(bert.REALISTIC, vocab=8192, seq=512, hidden=4096, heads=32,
+                                 layers=1, batch=8)
+    fn, args = bert.make_train_step(config, abstract=True)
+    plan = autopar.plan(fn, *args, mesh={"model": 8}, hardware="h100", verbose=False)
+    rewritten = sum(plan.stats["rewrites"].values())
+    assert rewritten >= 4, plan.stats["rewrites"]
+    text = plan.compile().as_text()
+    assert len(_ring_loops(text)) >= rewritten
+    weights = {tuple(leaf.shape) for leaf in jax.tree.leaves(args[0]) if len(leaf.shape) == 2}
+    module = parse_module(text)
+    moved = [array_dims(ins.result_type)[1] for instructions in module.computations.values()
+             for ins in instructions
+             if ins.opcode in ("all-gather", "all-reduce", "all-gather-start", "all-reduce-start")
+             and array_dims(ins.result_type)]
+    assert not weights & set(moved), (weights & set(moved))
+
+
+def _fsdp_step():
+    """A train step over a scanned stack of weights (each layer ``tanh(h @ w)``)."""
+    def loss(ws, x):
+        h, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.mean(h ** 2)
+
+    def step(ws, x):
+        value, grads = jax.value_and_grad(loss)(ws, x)
+        return ws - 0.1 * grads, value
+    ws = jax.random.normal(jax.random.key(0), (4, 64, 64)) / 8
+    x = jax.random.normal(jax.random.key(1), (32, 64))
+    return step, (ws, x)
+
+
+def test_fsdp_prefetch_matches_one_device():
+    """Weights FSDP-sharded over the stack's rows: the forward and backward scans take each
+    layer's weight gathered one iteration ahead; the step, and the gradient of a user who
+    differentiates the planned program, match one device."""
+    step, (ws, x) = _fsdp_step()
+    plan = _matches_one_device(step, (ws, x), {"data": 8},
+                               in_shardings=(PartitionSpec(None, "data"), PartitionSpec("data")))
+    assert plan.stats["rewrites"].get("prefetch", 0) >= 2, plan.stats["rewrites"]
+    program = jax.jit(plan._flat_fn, in_shardings=jax.tree.leaves(plan.in_shardings))
+    with jax.sharding.use_abstract_mesh(plan.mesh.abstract_mesh):
+        got = jax.jit(jax.grad(lambda ws, x: program(ws, x)[1]))(ws, x)
+    np.testing.assert_allclose(got, jax.grad(lambda ws, x: step(ws, x)[1])(ws, x),
+                               rtol=2e-3, atol=2e-5)
+
+
+def test_as_async_lets_a_collective_overlap_independent_compute(mesh_1d):
+    """``benchmarks.overlap.as_async`` reads XLA:CPU's synchronous collectives as a GPU's
+    latency-hiding scheduler runs them: the same step, its all-reduce beside the dot that
+    does not need it."""
+    @jax.jit
+    def f(x, w, y):
+        return jnp.sum(x @ w, axis=0), y @ y
+    spec = NamedSharding(mesh_1d, PartitionSpec("data"))
+    args = [jax.ShapeDtypeStruct((1024, 512), jnp.float32, sharding=spec),
+            jax.ShapeDtypeStruct((512, 512), jnp.float32,
+                                 sharding=NamedSharding(mesh_1d, PartitionSpec())),
+            jax.ShapeDtypeStruct((2048, 2048), jnp.float32,
+                                 sharding=NamedSharding(mesh_1d, PartitionSpec()))]
+    text = f.lower(*args).compile().as_text()
+    scheduled = as_async(text)
+    assert "all-reduce-start(" in scheduled and "all-reduce-done(" in scheduled
+    h100 = get_profile("h100")
+    inline, overlapped = simulate(text, h100), simulate(scheduled, h100)
+    assert overlapped.compute_busy_s == pytest.approx(inline.compute_busy_s)
+    assert overlapped.exposed_comm_s < inline.exposed_comm_s
