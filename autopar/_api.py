@@ -22,7 +22,8 @@ from autopar._multiprocess import process_0_plan
 from autopar import _axis_roles, _pipeline, _stage_plan
 from autopar._plan import Plan
 from autopar._sizes import parse_bytes
-from autopar.baselines import baseline_kinds, baseline_kwargs, baseline_shardings
+from autopar.baselines import (baseline_kinds, baseline_kwargs, baseline_shardings,
+                               structure_of_jaxpr)
 from autopar.errors import ArgumentError, InfeasiblePlanError, PipelineError
 from autopar.passes.estimate import estimate, plan_collectives
 from autopar.cost_model.hardware import axis_levels, get_profile
@@ -66,10 +67,12 @@ def _state_ties(traced) -> list[tuple[int, int]]:
 def _baseline_seeds(example_args, jax_mesh, sizes):
     """seeds_of for run_pipeline: (kind -> a Spec per flat input leaf, the input shardings of
     each hand-written baseline that applies to these arguments; the same for data
-    parallelism over each single mesh axis of a mesh with several, "batch over <axis>")."""
-    def specs_of(traced, kind, name, **kwargs):
+    parallelism over each single mesh axis of a mesh with several, "batch over <axis>").
+    The baselines read the program's structure (``autopar._tp_structure``) from its trace."""
+    def specs_of(traced, kind, name, structure, **kwargs):
         try:
-            tree = baseline_shardings(kind, example_args, jax_mesh, **kwargs)
+            tree = baseline_shardings(kind, example_args, jax_mesh, structure=structure,
+                                      **kwargs)
         except ArgumentError:  # the arguments or the mesh do not suit this baseline
             return None
         specs = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -79,10 +82,15 @@ def _baseline_seeds(example_args, jax_mesh, sizes):
                 for s, a in zip(specs, traced.in_avals)]
 
     def of(traced) -> tuple[dict, dict]:
-        seeds = {kind: specs_of(traced, kind, kind, **baseline_kwargs(jax_mesh, kind))
-                 for kind in baseline_kinds(jax_mesh, example_args)}
+        args = traced.in_tree.children()
+        structure = (structure_of_jaxpr(traced.closed_jaxpr, args[0].num_leaves)
+                     if len(args) >= 2 else None)
+        seeds = {kind: specs_of(traced, kind, kind, structure,
+                                **baseline_kwargs(jax_mesh, kind))
+                 for kind in baseline_kinds(jax_mesh, example_args, structure)}
         axes = jax_mesh.axis_names if len(jax_mesh.axis_names) > 1 else ()
-        batch = {f"batch over {a}": specs_of(traced, "dp", f"batch over {a}", batch_axes=(a,))
+        batch = {f"batch over {a}": specs_of(traced, "dp", f"batch over {a}", structure,
+                                             batch_axes=(a,))
                  for a in axes}
         return ({k: v for k, v in seeds.items() if v is not None},
                 {k: v for k, v in batch.items() if v is not None})
@@ -496,7 +504,7 @@ class Parallelized:
         if (last is not None and last[1] == tree and last[0] == (static, static_kw)
                 and last[2].same_static(leaves)):
             try:  # nothing changed since the last call: straight to the program
-                out = last[3](last[2].arrays_of(leaves))
+                out = last[3].fast(last[2].arrays_of(leaves))
                 self.plan = last[3].plan
                 return out
             except (SignatureChanged, ValueError, TypeError):
@@ -507,7 +515,7 @@ class Parallelized:
             self._cache[key] = (split, self._program(args, static, static_kw, split, key[2]))
         program = self._cache[key][1]
         self.plan = program.plan
-        placed = as_planned(split.arrays, program.flat_shardings)
+        placed = as_planned(split.arrays, program.flat_shardings, program.host_ok)
         out = (program(placed) if program.compiled_once else
                program.first_call(placed, self._kwargs.get("verbose")))
         self._last = ((static, static_kw), tree, split, program)

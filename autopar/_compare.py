@@ -140,7 +140,8 @@ def compare(fn, args, mesh, *, hardware=None, kinds=None, plan=None, dtype=None,
         plan = _api.plan(fn, *args, mesh=jax_mesh, hardware=profile, **plan_kwargs)
     planning_s = time.perf_counter() - start
     results = {"autopar": measure("autopar", plan.compile(), profile, dtype)}
-    for kind in kinds if kinds is not None else baseline_kinds(jax_mesh, args):
+    structure = baselines.structure_of(fn, args) if len(args) >= 2 else None
+    for kind in kinds if kinds is not None else baseline_kinds(jax_mesh, args, structure):
         results[kind] = measure(kind, compile_baseline(fn, args, jax_mesh, kind), profile,
                                 dtype)
     return plan, results, planning_s

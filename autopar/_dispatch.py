@@ -93,12 +93,15 @@ def signature(split: Split) -> tuple:
             tuple((tuple(np.shape(x)), dtype_name(d)) for x, d in zip(split.arrays, dtypes)))
 
 
-def as_planned(leaves: list, flat_shardings: list) -> list:
+def as_planned(leaves: list, flat_shardings: list, host_ok: frozenset = frozenset()) -> list:
     """``leaves`` with those not yet in their planned shardings put there, by one
     ``jax.device_put``: host arrays on the first call, arrays placed otherwise. Leaves already
-    placed (the previous step's results, each call after the first) are passed as they are."""
+    placed (the previous step's results, each call after the first) are passed as they are,
+    and so are host arrays at ``host_ok`` (a batch from a host loader: ``jax.jit`` moves it,
+    keyed as it will be on every call)."""
     todo = [i for i, (x, s) in enumerate(zip(leaves, flat_shardings))
-            if not (isinstance(x, jax.Array) and in_sharding(x, s))]
+            if not (isinstance(x, jax.Array) and in_sharding(x, s))
+            and not (i in host_ok and isinstance(x, np.ndarray))]
     if todo:
         leaves = list(leaves)
         placed = jax.device_put([leaves[i] for i in todo], [flat_shardings[i] for i in todo])
@@ -136,6 +139,19 @@ class Program:
         self._abstract_mesh = plan.mesh.abstract_mesh
         self._out_tree = plan._out_tree
         self.compiled_once = False
+        # Leaves no result replaces (the batch): a host array there stays one (as_planned).
+        graph = plan._details[0]
+        out_shapes = [tuple(graph.values[graph.nodes[n].ins[0]].shape)
+                      for n in graph.output_nodes]
+        replaced = set(zip(plan.out_paths, out_shapes))
+        self.host_ok = frozenset(i for i, (p, a) in enumerate(zip(plan.in_paths,
+                                                                   plan._arg_avals))
+                                 if (p, tuple(a.shape)) not in replaced)
+
+    def fast(self, leaves: list):
+        """Run on ``leaves`` of the planned tree as they are: what ``jax.jit`` checks (shapes,
+        dtypes, shardings) is checked by its own dispatch, nothing more here."""
+        return self(leaves)
 
     def __call__(self, leaves: list):
         with jax.sharding.use_abstract_mesh(self._abstract_mesh):  # Auto axes, as planned
