@@ -272,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "function returning "
                                     "(fn, example_args_tuple)")
     rep.add_argument("--mesh", required=True, help="e.g. data=2,model=4")
-    rep.add_argument("--hardware", default="h100", help="profile name or profile JSON path")
+    rep.add_argument("--hardware", default=None,
+                     help="profile name or profile JSON path (default: this backend's, as plan())")
     rep.add_argument("--json", help="write the plan as JSON to this path")
     rep.add_argument("--html", help="write a self-contained HTML report to this path")
     rep.add_argument("--no-baselines", action="store_true",
