@@ -208,7 +208,8 @@ class _Walker:
     def first_elementwise(self, eqn, t) -> None:
         """A bias: the first elementwise op a weight meets, beside a column's split result."""
         shapes = {tuple(v.aval.shape) for v in eqn.invars if hasattr(v, "aval")}
-        if len(eqn.outvars) != 1 or tuple(eqn.outvars[0].aval.shape) not in shapes:
+        if (len(eqn.invars) < 2 or len(eqn.outvars) != 1  # a cast or a copy is not a use
+                or tuple(eqn.outvars[0].aval.shape) not in shapes):
             return
         for v in eqn.invars:
             o = self.get(self.origin, v)

@@ -18,6 +18,7 @@ MESH = {"data": 2, "model": 4}
 
 
 @pytest.mark.parametrize("module, config", [(gpt, gpt.TINY), (gpt, gpt.TINY_SCAN),
+                                            (gpt, gpt.Config(dtype=jnp.bfloat16)),  # casts
                                             (moe, moe.TINY), (llama_nnx, llama_nnx.TINY)])
 @pytest.mark.parametrize("kind", ["megatron", "megatron_vocab", "expert"])
 def test_the_graph_finds_what_the_names_said_on_the_bundled_models(module, config, kind):
