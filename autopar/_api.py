@@ -342,12 +342,8 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
         return _axis_roles.batch_leaves(traced, _state_ties(traced) if tie_state else [])
 
     def preferences_of(traced) -> dict:
-        """The ILP's tie break by axis names: input leaf -> its penalty per spec."""
-        if not axis_roles.batch:
-            return {}
-        batch = set(batch_of(traced))
-        return {i: axis_roles.penalty if i in batch else axis_roles.state_penalty
-                for i in range(len(traced.in_avals))}
+        """The ILP's tie break by axis names (node -> a penalty per strategy)."""
+        return _axis_roles.preferences(traced.graph, batch_of(traced), axis_roles)
 
     traced_fn = traced_under_rules(fn, logical_axis_rules, jax_mesh)
     options = PlanOptions(

@@ -75,6 +75,36 @@ def batch_leaves(traced, ties: Sequence[tuple[int, int]]) -> list[int]:
             if i not in tied and len(traced.in_avals[i].shape) >= 1]
 
 
+#: With ``batch_axes=`` given, a reader of the batch that takes it split otherwise costs this
+#: many tie-break units (``passes.ilp.PREFERENCE``): about a tenth of the largest cost, a
+#: request the plan pays for rather than a tie break.
+EXPLICIT_WEIGHT = 1e4
+
+
+def preferences(graph, leaves: Sequence[int], axis_roles: AxisRoles) -> dict:
+    """The ILP's preferences (node id -> a penalty per strategy): each input by its role
+    (:meth:`AxisRoles.penalty` for the batch ``leaves``, :meth:`AxisRoles.state_penalty` for
+    the rest); with explicit roles also every reader of the batch, by the spec it reads the
+    batch in, at :data:`EXPLICIT_WEIGHT`: so the batch stays on its axes past the inputs."""
+    if not axis_roles.batch:
+        return {}
+    batch = set(leaves)
+    out = {}
+    for i, node in enumerate(graph.input_nodes):
+        role = axis_roles.penalty if i in batch else axis_roles.state_penalty
+        out[node] = lambda st, role=role: role(st.out_specs[0])
+    if not axis_roles.explicit:
+        return out
+    values = {graph.nodes[graph.input_nodes[i]].outs[0] for i in leaves}
+    for reader in graph.nodes:
+        positions = [pos for pos, v in enumerate(reader.ins) if v in values]
+        if positions and reader.id not in out:
+            out[reader.id] = lambda st, positions=positions: EXPLICIT_WEIGHT * sum(
+                axis_roles.penalty(st.in_specs[p]) for p in positions
+                if st.in_specs[p] is not None)
+    return out
+
+
 def pin_batch(specs: list, traced, leaves: Sequence[int], batch: tuple[str, ...],
               sizes: dict[str, int]) -> list:
     """``specs`` (a Spec or None per input leaf) with each batch leaf left free (None) split

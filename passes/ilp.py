@@ -28,10 +28,10 @@ through the same cost functions:
   ``m >= `` each reader's indicator of that pair carries its cost
   (:meth:`IlpBuilder._add_shared_value`); a reader with more than ``MAX_SHARED_VALUE_PAIRS``
   pairs is charged alone (an over-estimate).
-* Preferences. Among plans the costs cannot tell apart, one whose inputs take the specs
-  the caller prefers (``preferences``: input node -> a penalty per spec, e.g. the batch on
-  the mesh axis named ``data``): a cost of at most :data:`PREFERENCE` of the largest cost
-  per unit, so far below any real difference (:meth:`IlpBuilder.add_preferences`).
+* Preferences. Among plans the costs cannot tell apart, one whose nodes take the strategies
+  the caller prefers (``preferences``: node -> a penalty per strategy, e.g. the batch on the
+  mesh axis named ``data``): a cost of at most :data:`PREFERENCE` of the largest cost per
+  unit, so far below any real difference (:meth:`IlpBuilder.add_preferences`).
 * Large edges. When the two sides have more than ``MAX_EXACT_EDGE_PAIRS`` spec pairs (most
   tensors on a 3-D mesh), the same construction runs once per mesh axis over the dimension that
   axis splits on each side, with the cost of moving that axis alone: an approximation of the
@@ -108,8 +108,8 @@ class IlpBuilder:
         return self
 
     def add_preferences(self) -> None:
-        """Each preferred node's penalty of the spec a strategy gives its result, at a cost
-        per unit far below the ILP's own (:data:`PREFERENCE`): a tie break between plans."""
+        """Each preferred node's penalty of each of its strategies, at a cost per unit far
+        below the ILP's own (:data:`PREFERENCE`): a tie break between plans."""
         if not self.preferences:
             return
         cost = np.array(self.cost)
@@ -120,7 +120,7 @@ class IlpBuilder:
         for n, penalty in self.preferences.items():
             g = self.groups.group_of[n]
             for i, j in enumerate(self.groups.index_map[n]):
-                self.cost[self.offset[g] + i] += unit * penalty(self.strats[n][j].out_specs[0])
+                self.cost[self.offset[g] + i] += unit * penalty(self.strats[n][j])
 
     def add_groups(self) -> None:
         for g, size in self.groups.sizes.items():

@@ -101,7 +101,7 @@ class PlanOptions:
     until one does; if none still fits, InfeasiblePlanError, or with ``strict_budget=False``
     a MemoryBudgetWarning and the plan that ignores the budget. ``progress``: told what the
     passes do. ``verify_ir``: check the IR after every pass (``passes.verify``).
-    ``preferences_of``: input leaf index -> a penalty per spec, the ILP's tie break
+    ``preferences_of``: node id -> a penalty per strategy, the ILP's tie break
     (``passes.ilp``; the mesh axes' names).
     """
     mesh_ctx: MeshContext
@@ -111,7 +111,7 @@ class PlanOptions:
     hint_labels_of: LabelsOf | None = None
     ties_of: TiesOf | None = None
     seeds_of: SeedsOf | None = None
-    preferences_of: Callable[[Traced], dict[int, Callable[[Spec], float]]] | None = None
+    preferences_of: Callable[[Traced], dict[int, Callable[[Strategy], float]]] | None = None
     time_limit_s: float = 60.0
     search: bool = True
     choice: tuple[int, ...] | None = None
@@ -344,8 +344,7 @@ def _solve(state: _State) -> _State:
 def _ilp(state: _State) -> Solution:
     """The ILP's plan, then the best of it and the candidate plans."""
     o, graph, stats = state.options, state.traced.graph, state.ilp_stats
-    preferences = None if o.preferences_of is None else {
-        graph.input_nodes[i]: penalty for i, penalty in o.preferences_of(state.traced).items()}
+    preferences = None if o.preferences_of is None else o.preferences_of(state.traced)
     solution = solve(graph, state.strats, state.groups, o.mesh_ctx, time_limit_s=o.time_limit_s,
                      preferences=preferences,
                      memory_budget_bytes=o.memory_budget_bytes, warm=state.candidates.plans,

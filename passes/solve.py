@@ -41,7 +41,7 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
     marked ``fits_budget=False`` (``passes.memory_fit.over_budget_error`` says why).
     ``while_solving``: work started in the background once the ILP is built, to run while
     HiGHS solves it (``passes.background``), as the budget's rows are. ``preferences``:
-    node -> a penalty per spec of its result, a tie break (``passes.ilp``)."""
+    node -> a penalty per strategy, a tie break (``passes.ilp``)."""
     builder = IlpBuilder(graph, strats, groups, mesh, preferences).build()
     c, A, lb, ub, integer = builder.matrices()
     rows = (None if memory_budget_bytes is None else
