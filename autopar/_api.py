@@ -507,6 +507,11 @@ class Parallelized:
                 pass  # new shapes, or arguments placed elsewhere: the full path below
         split = Split.of(leaves, tree)
         key = (static, static_kw, signature(split))
+        try:
+            hash(key)
+        except TypeError as e:
+            raise ArgumentError(f"`{self.__name__}`: a leaf of its arguments that is not an "
+                                f"array is static and must be hashable: {e}") from None
         if key not in self._cache:
             self._cache[key] = (split, self._program(args, static, static_kw, split, key[2]))
         program = self._cache[key][1]
