@@ -21,6 +21,7 @@ from autopar.errors import ArgumentError as ArgumentError
 from autopar.errors import AutoparError as AutoparError
 from autopar.errors import AutoparWarning as AutoparWarning
 from autopar.errors import CLIError as CLIError
+from autopar.errors import HardwareWarning as HardwareWarning
 from autopar.errors import InfeasiblePlanError as InfeasiblePlanError
 from autopar.errors import MemoryBudgetWarning as MemoryBudgetWarning
 from autopar.errors import MeshError as MeshError
