@@ -107,10 +107,13 @@ def reduction_bytes(graph: Graph, node, strategy, axis_sizes) -> int:
     ``strategy``, besides its result: the partial result itself (a contraction split over its
     summed dim makes a full-size partial sum on every device) and each collective's output
     but the last when that is the result. Where XLA:CPU emulates a reduce-scatter, its
-    all-reduce's full-size output is sliced into the result, so it counts too."""
+    all-reduce's full-size output is sliced into the result, so it counts too. A strategy
+    with ``scratch_bytes`` (a region priced whole) holds those instead."""
     steps = strategy.collectives
     if not steps:
-        return 0
+        return strategy.scratch_bytes
+    if strategy.scratch_bytes:  # a region's own buffers (passes.sequence_parallel)
+        return strategy.scratch_bytes
     outs = [step.out_bytes for step in steps]
     if outs[-1] <= value_bytes(graph, node.outs[0], strategy.out_specs[0], axis_sizes):
         outs.pop()

@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from autopar.cost_model.spec import Spec
 from autopar.errors import MemoryBudgetWarning, RematWarning
 from autopar.passes import candidates
+from autopar.passes import sequence_parallel  # noqa: F401  (registers attention's strategies)
 from autopar.passes.annotate import annotate
 from autopar.passes.cluster import cluster
 from autopar.passes.dedup import Groups, node_keys, structural_colors, tie_groups
