@@ -16,6 +16,7 @@ import jax
 from autopar.passes.estimate import plan_timeline, value_specs
 from autopar.passes.liveness import value_bytes
 from autopar.passes.remat import layer_of_path
+from autopar.passes.sequence_parallel import attention_label
 
 OTHER = "other"
 
@@ -30,6 +31,7 @@ class LayerRow:
     comm_bytes: float = 0.0
     collectives: int = 0
     params: list[tuple[str, object]] = field(default_factory=list)  # (path, PartitionSpec)
+    attention: list[str] = field(default_factory=list)  # its attention nodes' strategies
 
 
 def _past_arg_index(path: str) -> str:
@@ -71,6 +73,9 @@ def layer_rows(plan) -> list[LayerRow]:
 
     for node in graph.nodes:
         row_of(node).compute_s += strats[node.id][choice[node.id]].compute_s * node.trip_count
+        label = attention_label(node, strats[node.id][choice[node.id]])
+        if label is not None:
+            row_of(node).attention.append(label)
     for c in comms:
         if c.step.wire_bytes:
             row = row_of(graph.nodes[c.node])

@@ -66,6 +66,7 @@ def render_text(plan, baselines: dict | None = None) -> str:
                          f"{_fmt_s(r.comm_s):>12}{f'{r.collectives} ({_fmt_bytes(r.comm_bytes)})':>24}")
             width = max([len(p) for p, _ in r.params] + [4])
             lines += [f"      {p:<{width}}  {_spec_str(spec)}" for p, spec in r.params]
+            lines += [f"      attention {label}" for label in r.attention]
     rest, outs = outside_layers(plan, layered)
     width = max([len(p) for p, _ in rest + outs] + [4])
     lines += ["", "Input shardings (other than parameters and their optimizer state):"]

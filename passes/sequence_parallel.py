@@ -297,3 +297,26 @@ def _emit(emitter, eqn, invals, rewrite: Rewrite) -> list:
 
 REWRITES[RewriteKind.ULYSSES_ATTENTION] = _emit
 REWRITES[RewriteKind.RING_ATTENTION] = _emit
+
+
+def attention_label(node, strategy: Strategy) -> str | None:
+    """How ``strategy`` splits attention node ``node`` (``"forward: ring(x) + batch(y)"``),
+    or None when ``node`` is no attention."""
+    if node.primitive not in attn.ATTENTION_PRIMITIVES:
+        return None
+    q = strategy.in_specs[0]
+    p = dict(strategy.rewrite.params) if strategy.rewrite is not None else {}
+    manual = (p.get("ulysses"), p.get("ring"))
+    parts = [f"{kind}({axis})" for kind, axis in zip(("ulysses", "ring"), manual) if axis]
+    rest = [a for a in q.dims[1] if a not in manual]
+    for kind, axes in (("query-seq", rest), ("heads", q.dims[2]), ("batch", q.dims[0])):
+        if axes:
+            parts.append(f"{kind}({','.join(axes)})")
+    side = "backward" if node.primitive is attn.attention_bwd_p else "forward"
+    return f"{side}: {' + '.join(parts) or 'replicated'}"
+
+
+def attention_labels(graph, strats, choice) -> list[str]:
+    """:func:`attention_label` of every attention node of a plan, in graph order."""
+    labels = (attention_label(n, strats[n.id][choice[n.id]]) for n in graph.nodes)
+    return [label for label in labels if label is not None]
