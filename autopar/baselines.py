@@ -46,6 +46,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.errors import ArgumentError
+from autopar._context_baselines import ContextBaseline, compile_context_baseline  # noqa: F401
 
 __all__ = [
     "Baseline",

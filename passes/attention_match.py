@@ -38,19 +38,25 @@ _TRACE_KEY = trace_context_state(
     "Whether autopar recognizes attention in autopar.value_and_grad losses (set by autopar).")
 
 
+def _planned(q, k, v, kv_mask, causal: bool, scale: float):
+    return attention(q, k, v, kv_mask, causal=causal, scale=scale)
+
+
 @contextlib.contextmanager
-def recognizing():
-    """Within this block, ``autopar.value_and_grad`` recognizes attention in its loss."""
-    token = _ACTIVE.set(True)
+def recognizing(replacement=_planned):
+    """Within this block, ``autopar.value_and_grad`` recognizes attention in its loss and
+    computes it by ``replacement(q, k, v, kv_mask, causal, scale)`` (default:
+    :func:`passes.attention.attention`, which autopar plans)."""
+    token = _ACTIVE.set(replacement)
     try:
-        with _TRACE_KEY(True):
+        with _TRACE_KEY(replacement):
             yield
     finally:
         _ACTIVE.reset(token)
 
 
 def active() -> bool:
-    return _ACTIVE.get()
+    return bool(_ACTIVE.get())
 
 
 @dataclass(frozen=True)
@@ -271,9 +277,9 @@ def interpret(jaxpr, consts, args, rewrite: bool) -> list:
         eqn = jaxpr.eqns[i]
         if i in matches:
             m = matches[i]
-            out = attention(read(m.q), read(m.k), read(m.v),
-                            None if m.kv_mask is None else read(m.kv_mask), causal=m.causal,
-                            scale=m.scale)
+            out = (_ACTIVE.get() or _planned)(
+                read(m.q), read(m.k), read(m.v), None if m.kv_mask is None else read(m.kv_mask),
+                m.causal, m.scale)
             outs = [out.astype(eqn.outvars[0].aval.dtype)]
         else:
             outs = _equation(eqn, [read(a) for a in eqn.invars], rewrite)

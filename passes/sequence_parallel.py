@@ -167,14 +167,13 @@ def positions(seq: int, seq_axes, sizes: dict, index: dict, gathered: str | None
 class _Region:
     """What one region's body needs: its axes and their sizes, the roles, the settings."""
 
-    def __init__(self, emitter, eqn, rewrite: Rewrite):
+    def __init__(self, mesh, rewrite: Rewrite, *, causal: bool, scale: float, seq: int):
         p = dict(rewrite.params)
         self.seq_axes = rewrite.axes
         self.u, self.r = p["ulysses"], p["ring"]
-        self.sizes = dict(emitter.sizes_items)
-        self.causal, self.scale = eqn.params["causal"], eqn.params["scale"]
-        self.seq = eqn.invars[0].aval.shape[1]
-        self.mesh = emitter.mesh
+        self.sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+        self.causal, self.scale, self.seq = causal, scale, seq
+        self.mesh = mesh
 
     def index(self):
         return {a: lax.axis_index(a) for a in self.seq_axes}
@@ -232,8 +231,13 @@ class _Region:
 _Q_SPEC, _MASK_SPEC, _LSE_SPEC = (4, 1), (2, 1), (3, 2)
 
 
-def emit_forward(emitter, eqn, invals, rewrite: Rewrite) -> list:
-    reg = _Region(emitter, eqn, rewrite)
+def region(mesh, rewrite: Rewrite, *, causal: bool, scale: float, seq: int) -> _Region:
+    """The settings of one attention region on ``mesh``; ``seq``: the whole sequence."""
+    return _Region(mesh, rewrite, causal=causal, scale=scale, seq=seq)
+
+
+def forward_region(reg: _Region):
+    """``(q, k, v, kv_mask) -> (o, lse)`` as one shard_map, all sequence-sharded."""
     kw = dict(causal=reg.causal, scale=reg.scale)
 
     def body(q, k, v, mask):
@@ -254,12 +258,11 @@ def emit_forward(emitter, eqn, invals, rewrite: Rewrite) -> list:
         (o,) = reg.to_seq(o.astype(dtype))
         return o, reg.lse_to_seq(lse)
 
-    f = reg.region(body, (_Q_SPEC, _Q_SPEC, _Q_SPEC, _MASK_SPEC), (_Q_SPEC, _LSE_SPEC))
-    return list(f(*invals))
+    return reg.region(body, (_Q_SPEC, _Q_SPEC, _Q_SPEC, _MASK_SPEC), (_Q_SPEC, _LSE_SPEC))
 
 
-def emit_backward(emitter, eqn, invals, rewrite: Rewrite) -> list:
-    reg = _Region(emitter, eqn, rewrite)
+def backward_region(reg: _Region):
+    """``(q, k, v, kv_mask, o, lse, do) -> (dq, dk, dv)`` as one shard_map."""
     kw = dict(causal=reg.causal, scale=reg.scale)
 
     def body(q, k, v, mask, o, lse, do):
@@ -284,15 +287,15 @@ def emit_backward(emitter, eqn, invals, rewrite: Rewrite) -> list:
                                                 (zeros(q), k, v, mask, zeros(k), zeros(v)))
         return reg.to_seq(*(x.astype(t) for x, t in zip((dq, dk, dv), dtypes)))
 
-    f = reg.region(body, (_Q_SPEC,) * 3 + (_MASK_SPEC, _Q_SPEC, _LSE_SPEC, _Q_SPEC),
-                   (_Q_SPEC,) * 3)
-    return list(f(*invals))
+    return reg.region(body, (_Q_SPEC,) * 3 + (_MASK_SPEC, _Q_SPEC, _LSE_SPEC, _Q_SPEC),
+                      (_Q_SPEC,) * 3)
 
 
 def _emit(emitter, eqn, invals, rewrite: Rewrite) -> list:
-    if eqn.primitive is attn.attention_bwd_p:
-        return emit_backward(emitter, eqn, invals, rewrite)
-    return emit_forward(emitter, eqn, invals, rewrite)
+    reg = region(emitter.mesh, rewrite, causal=eqn.params["causal"], scale=eqn.params["scale"],
+                 seq=eqn.invars[0].aval.shape[1])
+    make = backward_region if eqn.primitive is attn.attention_bwd_p else forward_region
+    return list(make(reg)(*invals))
 
 
 REWRITES[RewriteKind.ULYSSES_ATTENTION] = _emit
