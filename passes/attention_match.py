@@ -321,8 +321,39 @@ def _count(jaxpr) -> int:
     return n
 
 
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, jcore.ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, jcore.Jaxpr):
+                yield item
+
+
+def _may_have(jaxpr) -> bool:
+    """A cheap test before :func:`recognize` retraces: some ``transpose(dot(.., div))`` whose
+    probabilities nothing else reads (a differentiated program's backward reads them)."""
+    uses = collections.Counter(a for e in jaxpr.eqns for a in e.invars
+                               if isinstance(a, jcore.Var))
+    prod = {v: e for e in jaxpr.eqns for v in e.outvars}
+
+    def single(atom, name):
+        e = prod.get(atom) if isinstance(atom, jcore.Var) else None
+        return e if e is not None and e.primitive.name == name and uses[atom] == 1 else None
+
+    for eqn in jaxpr.eqns:
+        dot = eqn.primitive is lax.transpose_p and single(eqn.invars[0], "dot_general")
+        for atom in dot.invars if dot else ():
+            conv = single(atom, "convert_element_type")
+            if single(conv.invars[0] if conv else atom, "div"):
+                return True
+    return any(_may_have(sub) for eqn in jaxpr.eqns for sub in _sub_jaxprs(eqn))
+
+
 def recognize(closed):
     """(``closed`` with its attentions replaced, how many), or (None, 0) when it has none."""
+    if not _may_have(closed.jaxpr):
+        return None, 0
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
     flat = jax.make_jaxpr(lambda *a: interpret(closed.jaxpr, closed.consts, a, False))(*avals)
     n = _count(flat.jaxpr)
