@@ -11,6 +11,9 @@ estimate alike (``passes.sequence_parallel`` builds the strategies from it).
   through HBM: :data:`SCORE_PASSES` passes of float32 scores, as a roofline.
 * Ulysses over ``n`` devices: an all-to-all of each sequence-sharded operand into
   head-sharded and of each result back, ``(n-1)/n`` of its bytes on the wire.
+* Causal: the lower triangle of ``b x b`` block pairs, ``(b + 1) / 2b`` of them
+  (:func:`causal_share`); a causal ring alone first stripes the sequence (an all-to-all each
+  way, priced as Ulysses').
 * Ring over ``n`` devices: ``n - 1`` forward steps (``n`` backward, where dK/dV travel home)
   that each send the K, V and mask block (and dK, dV) to the next device while the block in
   hand is computed; a step takes the slower of the two. The collective is one
@@ -47,6 +50,7 @@ class AttentionShape:
     head_dim: int
     itemsize: int
     backward: bool
+    causal: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,11 +88,12 @@ def attention_cost(shape: AttentionShape, split: AttentionSplit, profile, levels
     -> link level); ``block_k``: the keys per block of the kernel on one device."""
     s = shape
     passes = 5 if s.backward else 2
-    flops = 2.0 * passes * s.batch * s.heads * s.seq * s.seq * s.head_dim / split.work
     rows = s.seq // split.seq * (split.ulysses[1] if split.ulysses else 1)
     heads = s.heads // split.heads // (split.ulysses[1] if split.ulysses else 1)
     batch = s.batch // split.batch
-    scores = s.batch * s.heads * s.seq * s.seq / split.work
+    share = causal_share(s, split, rows // block_k)
+    flops = 2.0 * passes * s.batch * s.heads * s.seq * s.seq * s.head_dim / split.work * share
+    scores = s.batch * s.heads * s.seq * s.seq / split.work * share
     score_bytes = scores * _F32 * SCORE_PASSES[s.backward]
     compute_s = roofline_s(flops, score_bytes, profile, dtype, contraction=True,
                            dims=(rows, block_k, s.head_dim))
@@ -104,6 +109,9 @@ def attention_cost(shape: AttentionShape, split: AttentionSplit, profile, levels
         steps += _ulysses_steps(split.ulysses, q_bytes, kv_bytes, mask_bytes, s)
         moved = (3 * q_bytes + 2 * kv_bytes) if s.backward else (2 * q_bytes + kv_bytes)
         scratch += moved + (q_bytes + 2 * kv_bytes if s.backward else q_bytes)
+    if split.ring and s.causal and not split.ulysses:  # striped: an all-to-all each way
+        steps += _ulysses_steps(split.ring, q_bytes, kv_bytes, mask_bytes, s)
+        scratch += (3 * q_bytes + 2 * kv_bytes) if s.backward else (2 * q_bytes + kv_bytes)
     if split.ring:
         axis, n = split.ring
         per_step = 2 * kv_bytes + mask_bytes
@@ -121,6 +129,14 @@ def attention_cost(shape: AttentionShape, split: AttentionSplit, profile, levels
         scratch += 2 * per_step
     return AttentionCost(flops=flops, compute_s=compute_s, collectives=tuple(steps),
                          scratch_bytes=int(scratch))
+
+
+def causal_share(shape: AttentionShape, split: AttentionSplit, blocks: int) -> float:
+    """The share of the block pairs a device computes: the lower triangle of ``blocks``
+    blocks under a causal mask (a Ulysses x ring hybrid computes them all)."""
+    if not shape.causal or blocks <= 1 or (split.ulysses and split.ring):
+        return 1.0
+    return (blocks + 1) / (2 * blocks)
 
 
 def _ulysses_steps(ulysses, q_bytes, kv_bytes, mask_bytes, s: AttentionShape):

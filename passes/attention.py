@@ -90,9 +90,69 @@ def _blocks(x, n: int, axis: int = 1):
     return jnp.moveaxis(x.reshape(shape), axis, 0)
 
 
-def local_forward(q, k, v, kv_mask, q_pos, k_pos, *, causal: bool, scale: float):
-    """(o float32, lse) of ``q`` over all of ``k``/``v``, one block of keys at a time."""
+def _pairs(n: int):
+    """(query block, key block) of the lower triangle, row by row."""
+    rows, cols = zip(*[(i, j) for i in range(n) for j in range(i + 1)])
+    return jnp.asarray(rows, jnp.int32), jnp.asarray(cols, jnp.int32)
+
+
+def _cut(x, i, b: int, axis: int = 1):
+    return lax.dynamic_slice_in_dim(x, i * b, b, axis)
+
+
+def _put(x, blk, i, b: int, axis: int = 1):
+    return lax.dynamic_update_slice_in_dim(x, blk, i * b, axis)
+
+
+def triangular_forward(q, k, v, kv_mask, q_pos, k_pos, *, scale: float):
+    """:func:`local_forward` of causal attention whose key block ``j`` lies wholly after query
+    block ``i`` when ``j > i`` (positions increase along the rows, as in a contiguous or a
+    striped sequence): only the lower triangle of block pairs is computed."""
+    b = block_size(k.shape[1])
+    bsz, sq, h, d = q.shape
+    init = (jnp.zeros((bsz, sq, h, d), jnp.float32), jnp.full((bsz, h, sq), -jnp.inf))
+
+    def step(carry, pair):
+        o, lse = carry
+        i, j = pair
+        o_b, lse_b = forward_block(_cut(q, i, b), _cut(k, j, b), _cut(v, j, b),
+                                   _cut(kv_mask, j, b), _cut(q_pos, i, b, 0),
+                                   _cut(k_pos, j, b, 0), causal=True, scale=scale)
+        o_i, lse_i = merge(_cut(o, i, b), _cut(lse, i, b, 2), o_b, lse_b)
+        return (_put(o, o_i, i, b), _put(lse, lse_i, i, b, 2)), None
+
+    (o, lse), _ = lax.scan(step, init, _pairs(sq // b))
+    return o, lse
+
+
+def triangular_backward(q, k, v, kv_mask, q_pos, k_pos, lse, do, delta, *, scale: float):
+    """:func:`local_backward` over the lower triangle of block pairs (see
+    :func:`triangular_forward`)."""
+    b = block_size(k.shape[1])
+    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
+
+    def step(carry, pair):
+        dq, dk, dv = carry
+        i, j = pair
+        dq_b, dk_b, dv_b = backward_block(
+            _cut(q, i, b), _cut(k, j, b), _cut(v, j, b), _cut(kv_mask, j, b),
+            _cut(q_pos, i, b, 0), _cut(k_pos, j, b, 0), _cut(lse, i, b, 2), _cut(do, i, b),
+            _cut(delta, i, b, 2), causal=True, scale=scale)
+        return (_put(dq, _cut(dq, i, b) + dq_b, i, b), _put(dk, _cut(dk, j, b) + dk_b, j, b),
+                _put(dv, _cut(dv, j, b) + dv_b, j, b)), None
+
+    (dq, dk, dv), _ = lax.scan(step, (zeros(q), zeros(k), zeros(v)), _pairs(q.shape[1] // b))
+    return dq, dk, dv
+
+
+def local_forward(q, k, v, kv_mask, q_pos, k_pos, *, causal: bool, scale: float,
+                  triangular: bool = False):
+    """(o float32, lse) of ``q`` over all of ``k``/``v``, one block of keys at a time;
+    ``triangular``: causal, with positions increasing alike along q and k
+    (:func:`triangular_forward`)."""
     n = k.shape[1] // block_size(k.shape[1])
+    if triangular and causal and n > 1 and q.shape[1] == k.shape[1]:
+        return triangular_forward(q, k, v, kv_mask, q_pos, k_pos, scale=scale)
     if n == 1:
         return forward_block(q, k, v, kv_mask, q_pos, k_pos, causal=causal, scale=scale)
     b, sq, h, d = q.shape
@@ -135,9 +195,11 @@ def row_delta(o, do):
 
 
 def local_backward(q, k, v, kv_mask, q_pos, k_pos, lse, do, delta, *, causal: bool,
-                   scale: float):
+                   scale: float, triangular: bool = False):
     """(dq, dk, dv) in float32 over all of ``k``/``v``, one block of keys at a time."""
     n = k.shape[1] // block_size(k.shape[1])
+    if triangular and causal and n > 1 and q.shape[1] == k.shape[1]:
+        return triangular_backward(q, k, v, kv_mask, q_pos, k_pos, lse, do, delta, scale=scale)
     kw = dict(causal=causal, scale=scale)
     if n == 1:
         return backward_block(q, k, v, kv_mask, q_pos, k_pos, lse, do, delta, **kw)
@@ -159,7 +221,8 @@ def local_backward(q, k, v, kv_mask, q_pos, k_pos, lse, do, delta, *, causal: bo
 def _reference_fwd(q, k, v, kv_mask, *, causal, scale, strategy):
     del strategy
     pos_q, pos_k = jnp.arange(q.shape[1]), jnp.arange(k.shape[1])
-    o, lse = local_forward(q, k, v, kv_mask, pos_q, pos_k, causal=causal, scale=scale)
+    o, lse = local_forward(q, k, v, kv_mask, pos_q, pos_k, causal=causal, scale=scale,
+                           triangular=True)
     return [o.astype(q.dtype), lse]
 
 
@@ -167,7 +230,7 @@ def _reference_bwd(q, k, v, kv_mask, o, lse, do, *, causal, scale, strategy):
     del strategy
     pos_q, pos_k = jnp.arange(q.shape[1]), jnp.arange(k.shape[1])
     dq, dk, dv = local_backward(q, k, v, kv_mask, pos_q, pos_k, lse, do, row_delta(o, do),
-                                causal=causal, scale=scale)
+                                causal=causal, scale=scale, triangular=True)
     return [dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)]
 
 

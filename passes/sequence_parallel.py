@@ -46,7 +46,8 @@ def _shape(node) -> AttentionShape:
     (b, s, h, d), dtype = node.in_avals[0]
     return AttentionShape(batch=b, seq=s, heads=h, kv_heads=node.in_avals[1][0][2],
                           head_dim=d, itemsize=itemsize(dtype),
-                          backward=node.primitive is attn.attention_bwd_p)
+                          backward=node.primitive is attn.attention_bwd_p,
+                          causal=node.params["causal"])
 
 
 def _split(roles: dict[str, str], sizes: dict[str, int]) -> AttentionSplit:
@@ -174,15 +175,44 @@ class _Region:
         self.sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
         self.causal, self.scale, self.seq = causal, scale, seq
         self.mesh = mesh
+        # A causal ring alone runs on a striped sequence (device d holds d, d+n, ...) so that
+        # every step is a lower triangle: the same work on every device, half skipped.
+        self.striped = causal and self.r is not None and self.u is None
+        self.triangular = causal and not (self.u and self.r)
 
     def index(self):
         return {a: lax.axis_index(a) for a in self.seq_axes}
+
+    def q_positions(self, index):
+        return self.k_positions(index, 0)
 
     def k_positions(self, index, step):
         if self.r is not None:
             n = self.sizes[self.r]
             index = {**index, self.r: (index[self.r] - step) % n}
+        if self.striped:
+            n = self.sizes[self.r]
+            return jnp.arange(self.seq // n, dtype=jnp.int32) * n + index[self.r]
         return positions(self.seq, self.seq_axes, self.sizes, index, self.u)
+
+    def stripe(self, x, axis: int = 1):
+        """A contiguous chunk of the sequence (dim ``axis``) -> this device's stripe."""
+        if not self.striped:
+            return x
+        n, x = self.sizes[self.r], jnp.moveaxis(x, axis, 1)
+        shape = x.shape
+        x = jnp.swapaxes(x.reshape(shape[0], shape[1] // n, n, *shape[2:]), 1, 2)
+        x = lax.all_to_all(x, self.r, split_axis=1, concat_axis=1, tiled=True)
+        return jnp.moveaxis(x.reshape(shape), 1, axis)
+
+    def unstripe(self, x, axis: int = 1):
+        if not self.striped:
+            return x
+        n, x = self.sizes[self.r], jnp.moveaxis(x, axis, 1)
+        shape = x.shape
+        x = x.reshape(shape[0], n, shape[1] // n, *shape[2:])
+        x = jnp.swapaxes(lax.all_to_all(x, self.r, split_axis=1, concat_axis=1, tiled=True), 1, 2)
+        return jnp.moveaxis(x.reshape(shape), 1, axis)
 
     def to_heads(self, *xs):
         """Sequence-sharded over the Ulysses axis -> head-sharded (dim 2)."""
@@ -238,14 +268,14 @@ def region(mesh, rewrite: Rewrite, *, causal: bool, scale: float, seq: int) -> _
 
 def forward_region(reg: _Region):
     """``(q, k, v, kv_mask) -> (o, lse)`` as one shard_map, all sequence-sharded."""
-    kw = dict(causal=reg.causal, scale=reg.scale)
+    kw = dict(causal=reg.causal, scale=reg.scale, triangular=reg.triangular)
 
     def body(q, k, v, mask):
         dtype = q.dtype
-        q, k, v = reg.to_heads(q, k, v)
-        mask = reg.full_mask(mask)
+        q, k, v = (reg.stripe(x) for x in reg.to_heads(q, k, v))
+        mask = reg.stripe(reg.full_mask(mask))
         index = reg.index()
-        q_pos = positions(reg.seq, reg.seq_axes, reg.sizes, index, reg.u)
+        q_pos = reg.q_positions(index)
         o, lse = attn.local_forward(q, k, v, mask, q_pos, reg.k_positions(index, 0), **kw)
         if reg.r is not None:
             def step(t, carry):
@@ -255,23 +285,23 @@ def forward_region(reg: _Region):
                                                 **kw)
                 return (*attn.merge(o, lse, o_b, lse_b), k, v, mask)
             o, lse, *_ = lax.fori_loop(1, reg.sizes[reg.r], step, (o, lse, k, v, mask))
-        (o,) = reg.to_seq(o.astype(dtype))
-        return o, reg.lse_to_seq(lse)
+        (o,) = reg.to_seq(reg.unstripe(o.astype(dtype)))
+        return o, reg.lse_to_seq(reg.unstripe(lse, 2))
 
     return reg.region(body, (_Q_SPEC, _Q_SPEC, _Q_SPEC, _MASK_SPEC), (_Q_SPEC, _LSE_SPEC))
 
 
 def backward_region(reg: _Region):
     """``(q, k, v, kv_mask, o, lse, do) -> (dq, dk, dv)`` as one shard_map."""
-    kw = dict(causal=reg.causal, scale=reg.scale)
+    kw = dict(causal=reg.causal, scale=reg.scale, triangular=reg.triangular)
 
     def body(q, k, v, mask, o, lse, do):
         dtypes = (q.dtype, k.dtype, v.dtype)
-        q, k, v, o, do = reg.to_heads(q, k, v, o, do)
-        lse, mask = reg.lse_to_heads(lse), reg.full_mask(mask)
+        q, k, v, o, do = (reg.stripe(x) for x in reg.to_heads(q, k, v, o, do))
+        lse, mask = reg.stripe(reg.lse_to_heads(lse), 2), reg.stripe(reg.full_mask(mask))
         delta = attn.row_delta(o, do)
         index = reg.index()
-        q_pos = positions(reg.seq, reg.seq_axes, reg.sizes, index, reg.u)
+        q_pos = reg.q_positions(index)
         if reg.r is None:
             dq, dk, dv = attn.local_backward(q, k, v, mask, q_pos, reg.k_positions(index, 0),
                                              lse, do, delta, **kw)
@@ -285,7 +315,7 @@ def backward_region(reg: _Region):
             zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
             dq, _, _, _, dk, dv = lax.fori_loop(0, reg.sizes[reg.r], step,
                                                 (zeros(q), k, v, mask, zeros(k), zeros(v)))
-        return reg.to_seq(*(x.astype(t) for x, t in zip((dq, dk, dv), dtypes)))
+        return reg.to_seq(*(reg.unstripe(x.astype(t)) for x, t in zip((dq, dk, dv), dtypes)))
 
     return reg.region(body, (_Q_SPEC,) * 3 + (_MASK_SPEC, _Q_SPEC, _LSE_SPEC, _Q_SPEC),
                       (_Q_SPEC,) * 3)

@@ -64,9 +64,11 @@ def test_kernels_equal_plain_attention(causal, groups, padded, monkeypatch):
 
 @pytest.mark.parametrize("strategy,causal,groups,padded,collective", [
     ("ulysses", True, 2, True, "all_to_all"),
-    ("ring", False, 1, False, "collective_permute"),
+    ("ring", True, 1, True, "collective_permute"),
 ])
-def test_forced_strategy_on_8_devices(strategy, causal, groups, padded, collective):
+def test_forced_strategy_on_8_devices(strategy, causal, groups, padded, collective,
+                                      monkeypatch):
+    monkeypatch.setattr(attn, "BLOCK_K", 16)  # several key blocks per device
     q, k, v, w = _qkv(2, 256, 8 * groups, 8)
     mask = _padding(2, 256) if padded else jnp.ones((2, 256), bool)
     step = _value_and_grads(
@@ -105,11 +107,12 @@ def _projected_loss(batch, seq, kv_heads, groups, causal, mask):
 
 @pytest.mark.parametrize("shape,attention,causal,groups,padded", [
     ((2, 4), "ulysses", True, 2, False),
-    ((2, 2, 2), "ring", True, 1, True),
-    ((2, 2, 2), None, False, 2, True),
+    ((2, 2, 2), "ring", False, 1, True),
+    ((2, 2, 2), None, True, 2, True),
 ])
 def test_recognized_attention_planned_on_2d_and_3d_meshes(shape, attention, causal, groups,
-                                                          padded):
+                                                          padded, monkeypatch):
+    monkeypatch.setattr(attn, "BLOCK_K", 32)
     names = ("a", "b", "c")[:len(shape)]
     mask = _padding(2, 256) if padded else jnp.ones((2, 256), bool)
     loss, params, x = _projected_loss(2, 256, 4, groups, causal, mask)
