@@ -19,6 +19,8 @@ estimate alike (``passes.sequence_parallel`` builds the strategies from it).
   hand is computed; a step takes the slower of the two. The collective is one
   collective-permute step carrying every step's bytes; ``compute_s`` is the rest of the
   overlapped time, so ``compute_s + comm`` is the region's time.
+* Loop overhead: every step of the kernels' block loop launches :data:`KERNELS_PER_STEP`
+  kernels, each at least the profile's launch overhead.
 * Scratch: the score blocks of the kernel, its float32 accumulators, and the copies each
   strategy makes (Ulysses' head-sharded operands and results; the ring's blocks in flight).
 """
@@ -36,6 +38,9 @@ from autopar.cost_model.hlo import CollectiveKind
 #: forward writes the scores, reads them for the row max and again for exp, writes the
 #: probabilities and reads them into the value matmul; the backward does that and more.
 SCORE_PASSES = (5, 10)
+#: Kernels one step of the kernels' loop launches (forward, backward), each paying the
+#: profile's launch overhead: many small blocks cost more than few large ones.
+KERNELS_PER_STEP = (8, 14)
 _F32 = 4
 
 
@@ -91,17 +96,22 @@ def attention_cost(shape: AttentionShape, split: AttentionSplit, profile, levels
     rows = s.seq // split.seq * (split.ulysses[1] if split.ulysses else 1)
     heads = s.heads // split.heads // (split.ulysses[1] if split.ulysses else 1)
     batch = s.batch // split.batch
-    share = causal_share(s, split, rows // block_k)
+    blocks = max(rows // block_k, 1)
+    share = causal_share(s, split, blocks)
     flops = 2.0 * passes * s.batch * s.heads * s.seq * s.seq * s.head_dim / split.work * share
     scores = s.batch * s.heads * s.seq * s.seq / split.work * share
     score_bytes = scores * _F32 * SCORE_PASSES[s.backward]
+    triangular = share < 1.0
+    steps_run = (blocks * (blocks + 1) // 2 if triangular else blocks) * (
+        split.ring[1] if split.ring else 1)
     compute_s = roofline_s(flops, score_bytes, profile, dtype, contraction=True,
                            dims=(rows, block_k, s.head_dim))
+    compute_s += steps_run * KERNELS_PER_STEP[s.backward] * profile.launch_overhead_s
     q_bytes = batch * (s.seq // split.seq) * (s.heads // split.heads) * s.head_dim * s.itemsize
     kv_bytes = q_bytes * s.kv_heads // s.heads
     mask_bytes = batch * s.seq // split.seq
     steps: list[CommStep] = []
-    block = batch * heads * rows * block_k * _F32
+    block = batch * heads * (block_k if triangular else rows) * block_k * _F32
     scratch = block * (5 if s.backward else 3) + q_bytes // s.itemsize * _F32 * 2
     if s.backward:
         scratch += 2 * kv_bytes // s.itemsize * _F32

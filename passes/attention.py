@@ -31,13 +31,18 @@ from autopar.errors import ArgumentError
 
 #: Strategies :func:`attention` (``strategy=``) and ``autopar.plan(attention=...)`` may force.
 STRATEGIES = ("ulysses", "ring", "heads", "batch", "replicated")
-#: Keys per block of the kernels' online softmax (a block divides the key length).
-BLOCK_K = 1024
+#: At most this many keys per block of the kernels' online softmax.
+BLOCK_K = 8192
+#: At most this many float32 scores per block (batch x heads x block x block): 512 MiB.
+SCORE_BLOCK_ELEMENTS = 2 ** 27
 
 
-def block_size(n: int, target: int | None = None) -> int:
-    """The largest divisor of ``n`` at most ``target`` (default :data:`BLOCK_K`)."""
-    target = BLOCK_K if target is None else target
+def block_size(n: int, rows: int = 1) -> int:
+    """Keys per block for ``n`` keys and ``rows`` (batch x heads) score rows of each: the
+    largest divisor of ``n`` whose square block of scores stays within
+    :data:`SCORE_BLOCK_ELEMENTS`, at most :data:`BLOCK_K` (fewer heads, larger blocks: fewer
+    loop steps for the same work)."""
+    target = min(BLOCK_K, max(1, math.isqrt(SCORE_BLOCK_ELEMENTS // max(rows, 1))))
     if n <= target:
         return n
     return max(d for d in range(1, target + 1) if n % d == 0)
@@ -108,7 +113,7 @@ def triangular_forward(q, k, v, kv_mask, q_pos, k_pos, *, scale: float):
     """:func:`local_forward` of causal attention whose key block ``j`` lies wholly after query
     block ``i`` when ``j > i`` (positions increase along the rows, as in a contiguous or a
     striped sequence): only the lower triangle of block pairs is computed."""
-    b = block_size(k.shape[1])
+    b = block_size(k.shape[1], q.shape[0] * q.shape[2])
     bsz, sq, h, d = q.shape
     init = (jnp.zeros((bsz, sq, h, d), jnp.float32), jnp.full((bsz, h, sq), -jnp.inf))
 
@@ -128,7 +133,7 @@ def triangular_forward(q, k, v, kv_mask, q_pos, k_pos, *, scale: float):
 def triangular_backward(q, k, v, kv_mask, q_pos, k_pos, lse, do, delta, *, scale: float):
     """:func:`local_backward` over the lower triangle of block pairs (see
     :func:`triangular_forward`)."""
-    b = block_size(k.shape[1])
+    b = block_size(k.shape[1], q.shape[0] * q.shape[2])
     zeros = lambda x: jnp.zeros(x.shape, jnp.float32)  # noqa: E731
 
     def step(carry, pair):
@@ -150,7 +155,7 @@ def local_forward(q, k, v, kv_mask, q_pos, k_pos, *, causal: bool, scale: float,
     """(o float32, lse) of ``q`` over all of ``k``/``v``, one block of keys at a time;
     ``triangular``: causal, with positions increasing alike along q and k
     (:func:`triangular_forward`)."""
-    n = k.shape[1] // block_size(k.shape[1])
+    n = k.shape[1] // block_size(k.shape[1], q.shape[0] * q.shape[2])
     if triangular and causal and n > 1 and q.shape[1] == k.shape[1]:
         return triangular_forward(q, k, v, kv_mask, q_pos, k_pos, scale=scale)
     if n == 1:
@@ -197,7 +202,7 @@ def row_delta(o, do):
 def local_backward(q, k, v, kv_mask, q_pos, k_pos, lse, do, delta, *, causal: bool,
                    scale: float, triangular: bool = False):
     """(dq, dk, dv) in float32 over all of ``k``/``v``, one block of keys at a time."""
-    n = k.shape[1] // block_size(k.shape[1])
+    n = k.shape[1] // block_size(k.shape[1], q.shape[0] * q.shape[2])
     if triangular and causal and n > 1 and q.shape[1] == k.shape[1]:
         return triangular_backward(q, k, v, kv_mask, q_pos, k_pos, lse, do, delta, scale=scale)
     kw = dict(causal=causal, scale=scale)

@@ -105,15 +105,23 @@ def attention_strategies(node, graph, mesh: MeshContext) -> list[Strategy]:
                 sizes[a] == 1 and r != _R for a, r in by_axis.items()):
             continue
         ins, outs, manual = _specs(by_axis, shape.backward)
-        local_k = shape.seq // split.seq * (split.ulysses[1] if split.ulysses else 1)
         cost = attention_cost(shape, split, mesh.profile, mesh.levels, dtype,
-                              attn.block_size(local_k))
+                              _kernel_block(shape, split))
         out.append(Strategy(ins, outs, cost.flops, cost.compute_s,
                             sum(c.time_s(mesh.levels) for c in cost.collectives),
                             cost.collectives, _rewrite(split, manual), cost.scratch_bytes))
     if not out:
         raise ArgumentError(_no_strategy_message(shape, forced, sizes))
     return out
+
+
+def _kernel_block(shape: AttentionShape, split: AttentionSplit) -> int:
+    """The keys per block the kernel picks: it sees its operands local over a region's manual
+    axes only (whole over the others, as XLA partitions them), and whole without a region."""
+    u = split.ulysses[1] if split.ulysses else 1
+    if not (split.ulysses or split.ring):
+        return attn.block_size(shape.seq, shape.batch * shape.heads)
+    return attn.block_size(shape.seq // split.seq * u, shape.batch * shape.heads // u)
 
 
 def _rewrite(split: AttentionSplit, manual: tuple[str, ...]) -> Rewrite | None:
