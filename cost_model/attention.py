@@ -1,7 +1,7 @@
 """The price of one attention node under a strategy: time, collectives and scratch memory.
 
-One function, :func:`attention_cost`, prices every attention strategy (batch, heads, query
-sequence, Ulysses, ring, and Ulysses x ring), for the ILP's strategy costs and the plan's
+One function, :func:`attention_cost`, prices every attention strategy (batch, heads,
+Ulysses, ring, and Ulysses x ring), for the ILP's strategy costs and the plan's
 estimate alike (``passes.sequence_parallel`` builds the strategies from it).
 
 * Compute: 2 matmuls forward, 5 backward (the probabilities are recomputed from the saved
@@ -60,18 +60,17 @@ class AttentionShape:
 
 @dataclass(frozen=True)
 class AttentionSplit:
-    """How a strategy splits it: the number of devices over batch, heads and the query
-    sequence alone (keys gathered), and the (axis, size) of Ulysses and of the ring."""
+    """How a strategy splits it: the number of devices over batch and heads, and the
+    (axis, size) of Ulysses and of the ring."""
     batch: int = 1
     heads: int = 1
-    query_seq: int = 1
     ulysses: tuple[str, int] | None = None
     ring: tuple[str, int] | None = None
 
     @property
     def seq(self) -> int:
         """Devices the sequence is split over at the strategy's boundary."""
-        return self.query_seq * (self.ulysses[1] if self.ulysses else 1) * (
+        return (self.ulysses[1] if self.ulysses else 1) * (
             self.ring[1] if self.ring else 1)
 
     @property

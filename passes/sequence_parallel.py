@@ -2,8 +2,9 @@
 ``jax.shard_map`` regions that run the rewritten ones.
 
 Each mesh axis takes one role for an attention node: replicate, split the batch, split the
-heads (tensor parallel), split the query sequence alone (keys gathered; forward only), or
-carry one of the two rewrites, each at most once:
+heads (tensor parallel), or carry one of the two rewrites, each at most once (splitting the
+query sequence alone, keys gathered, is left out: XLA partitions the kernels' block loop over
+a split sequence by gathering in every step, 438 GB on the wire for the (2, 4) 32k Llama):
 
 * **Ulysses** over axis ``u``: operands arrive sequence-sharded; an all-to-all turns them
   head-sharded (the axis must divide the kv heads), the whole sequence is attended, and an
@@ -39,7 +40,7 @@ from autopar.passes.strategies import (STRATEGY_BUILDERS, MeshContext, Rewrite, 
                                        Strategy)
 
 # Roles of one mesh axis.
-_R, _B, _H, _Q, _U, _G = "replicate", "batch", "heads", "query", "ulysses", "ring"
+_R, _B, _H, _U, _G = "replicate", "batch", "heads", "ulysses", "ring"
 
 
 def _shape(node) -> AttentionShape:
@@ -54,22 +55,20 @@ def _split(roles: dict[str, str], sizes: dict[str, int]) -> AttentionSplit:
     def prod(role):
         return math.prod(sizes[a] for a, r in roles.items() if r == role)
     one = {r: (a, sizes[a]) for a, r in roles.items() if r in (_U, _G)}
-    return AttentionSplit(batch=prod(_B), heads=prod(_H), query_seq=prod(_Q),
-                          ulysses=one.get(_U), ring=one.get(_G))
+    return AttentionSplit(batch=prod(_B), heads=prod(_H), ulysses=one.get(_U),
+                          ring=one.get(_G))
 
 
-def _allowed(roles: tuple[str, ...], backward: bool) -> bool:
-    manual = [r for r in roles if r in (_U, _G)]
-    return (roles.count(_U) <= 1 and roles.count(_G) <= 1
-            and not (manual and (_Q in roles or (_U in roles and _H in roles)))
-            and not (backward and _Q in roles))
+def _allowed(roles: tuple[str, ...]) -> bool:
+    """One Ulysses and one ring axis at most; Ulysses splits the heads, so no heads axis."""
+    return roles.count(_U) <= 1 and roles.count(_G) <= 1 and not (_U in roles and _H in roles)
 
 
 def _forced(roles: tuple[str, ...], forced: str | None) -> bool:
     if forced is None:
         return True
     return {"ulysses": _U in roles, "ring": _G in roles,
-            "heads": _H in roles and not set(roles) & {_U, _G, _Q},
+            "heads": _H in roles and not set(roles) & {_U, _G},
             "batch": set(roles) <= {_B, _R} and _B in roles,
             "replicated": set(roles) == {_R}}[forced]
 
@@ -78,14 +77,14 @@ def _specs(roles: dict[str, str], backward: bool):
     """(in_specs, out_specs, the region's sequence axes) of the roles (axes in mesh order)."""
     def axes(*wanted):
         return tuple(a for a, r in roles.items() if r in wanted)
-    b, h, seq, kv_seq = axes(_B), axes(_H), axes(_Q, _U, _G), axes(_U, _G)
+    b, h, seq = axes(_B), axes(_H), axes(_U, _G)
     q = Spec((b, seq, h, ()))
-    kv = Spec((b, kv_seq, h, ()))
-    mask = Spec((b, kv_seq))
+    kv = Spec((b, seq, h, ()))
+    mask = Spec((b, seq))
     lse = Spec((b, h, seq))
     if backward:
-        return (q, kv, kv, mask, q, lse, q), (q, kv, kv), kv_seq
-    return (q, kv, kv, mask), (q, lse), kv_seq
+        return (q, kv, kv, mask, q, lse, q), (q, kv, kv), seq
+    return (q, kv, kv, mask), (q, lse), seq
 
 
 def attention_strategies(node, graph, mesh: MeshContext) -> list[Strategy]:
@@ -96,8 +95,8 @@ def attention_strategies(node, graph, mesh: MeshContext) -> list[Strategy]:
     sizes = dict(mesh.axis_sizes)
     dtype = node.in_avals[0][1]
     out = []
-    for roles in itertools.product((_R, _B, _H, _Q, _U, _G), repeat=len(mesh.axis_names)):
-        if not (_allowed(roles, shape.backward) and _forced(roles, forced)):
+    for roles in itertools.product((_R, _B, _H, _U, _G), repeat=len(mesh.axis_names)):
+        if not (_allowed(roles) and _forced(roles, forced)):
             continue
         by_axis = dict(zip(mesh.axis_names, roles))
         split = _split(by_axis, sizes)
@@ -349,8 +348,7 @@ def attention_label(node, strategy: Strategy) -> str | None:
     p = dict(strategy.rewrite.params) if strategy.rewrite is not None else {}
     manual = (p.get("ulysses"), p.get("ring"))
     parts = [f"{kind}({axis})" for kind, axis in zip(("ulysses", "ring"), manual) if axis]
-    rest = [a for a in q.dims[1] if a not in manual]
-    for kind, axes in (("query-seq", rest), ("heads", q.dims[2]), ("batch", q.dims[0])):
+    for kind, axes in (("heads", q.dims[2]), ("batch", q.dims[0])):
         if axes:
             parts.append(f"{kind}({','.join(axes)})")
     side = "backward" if node.primitive is attn.attention_bwd_p else "forward"

@@ -2,6 +2,7 @@
 forced or chosen, computes what one device computes, forward and gradients; bad requests are
 AutoparErrors; the memory budget finds a sequence-parallel plan where nothing else fits."""
 
+import functools
 import re
 
 import jax
@@ -162,11 +163,12 @@ def test_bad_requests_name_the_problem_and_the_fix():
 
 def test_memory_budget_finds_sequence_parallel_attention():
     # one kv head and a batch of one: neither heads nor batch split; only the sequence can
-    step, args = _abstract_step(32768, heads=8, kv_heads=1)
-    free = autopar.plan(step, *args, mesh={"x": 8}, hardware="h100", attention="replicated",
-                        pipeline=None)
-    budget = free.estimate.peak_memory_bytes // 2
-    fitted = autopar.plan(step, *args, mesh={"x": 8}, hardware="h100", memory_budget=budget,
-                          check_memory=False, pipeline=None)
+    step, args = _abstract_step(32768, heads=32, kv_heads=1, head_dim=128)
+    plan = functools.partial(autopar.plan, step, *args, mesh={"x": 8}, hardware="h100",
+                             pipeline=None)
+    replicated, ring = plan(attention="replicated"), plan(attention="ring")
+    assert ring.estimate.peak_memory_bytes < replicated.estimate.peak_memory_bytes
+    budget = (ring.estimate.peak_memory_bytes + replicated.estimate.peak_memory_bytes) // 2
+    fitted = plan(memory_budget=budget, check_memory=False)
     assert fitted.estimate.peak_memory_bytes <= budget
-    assert "ring(x)" in " ".join(fitted.stats["attention"])
+    assert all(label.endswith("ring(x)") for label in fitted.stats["attention"])
