@@ -77,6 +77,7 @@ def test_forced_strategy_on_8_devices(strategy, causal, groups, padded, collecti
         mask, w)
     plan = autopar.plan(step, q, k, v, mesh={"x": 8}, pipeline=None)
     assert all(label.endswith(f"{strategy}(x)") for label in plan.stats["attention"])
+    assert f"attention backward: {strategy}(x)" in plan.report()   # the per-layer table
     want = jax.jit(_value_and_grads(
         lambda q, k, v, m: attn.reference(q, k, v, m, causal=causal), mask, w))(q, k, v)
     _close(plan.jit()(q, k, v), want)
@@ -159,6 +160,9 @@ def test_bad_requests_name_the_problem_and_the_fix():
         autopar.plan(step, *args, mesh={"x": 8}, attention="ring", pipeline=None)
     with pytest.raises(autopar.ArgumentError, match="`attention='rings'`"):
         autopar.plan(step, *args, mesh={"x": 8}, attention="rings", pipeline=None)
+    q = jnp.zeros((1, 64, 6, 16))
+    with pytest.raises(autopar.ArgumentError, match="kv_heads must divide"):
+        autopar.attention(q, jnp.zeros((1, 64, 4, 16)), jnp.zeros((1, 64, 4, 16)))
 
 
 def test_memory_budget_finds_sequence_parallel_attention():
