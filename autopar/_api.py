@@ -29,7 +29,9 @@ from autopar.errors import ArgumentError, InfeasiblePlanError, PipelineError
 from autopar.passes.estimate import estimate, plan_collectives
 from autopar.cost_model.hardware import axis_levels, get_profile
 from autopar.passes.annotate import flatten_hints, to_spec
+from autopar.passes.attention import STRATEGIES as ATTENTION_STRATEGIES
 from autopar.passes.backend_options import as_options, choose
+from autopar.passes.sequence_parallel import attention_labels
 from autopar.passes.emit import compiler_option_notes
 from autopar.passes.flax_metadata import check as check_metadata
 from autopar.passes.flax_metadata import merge as merge_hints
@@ -98,6 +100,14 @@ def _baseline_seeds(example_args, jax_mesh, sizes):
     return of
 
 
+def _attention_option(attention):
+    if attention is not None and attention not in ATTENTION_STRATEGIES:
+        raise ArgumentError(f"`attention={attention!r}` is not an attention strategy; use one "
+                            f"of {', '.join(map(repr, ATTENTION_STRATEGIES))} or None "
+                            "(autopar chooses per layer).")
+    return attention
+
+
 def _remat_option(remat) -> dict | None:
     """``plan(remat=...)`` as a forced :class:`passes.pipeline.Remat` (as a dict), or None."""
     if isinstance(remat, bool):
@@ -146,7 +156,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
          time_limit_s: float = 60.0, tie_state: bool = True, axis_level_overrides=None,
          baseline_seeds: bool = True, remat: bool | str = True,
          check_memory: bool | None = None, verbose: bool | None = None,
-         pipeline="auto", overlap: bool = True, batch_axes=None) -> Plan:
+         pipeline="auto", overlap: bool = True, batch_axes=None, attention=None) -> Plan:
     """Plan how to run ``fn`` on ``mesh``.
 
     Args:
@@ -229,6 +239,10 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         axes named ``data``, ``batch``, ``dp`` or ``fsdp``, and model dims on ``model``,
         ``tensor``, ``tp`` or ``expert``. ``plan.stats["axis_roles"]`` says which axes split
         the batch, with a ``note`` when the plan splits it over other axes.
+      attention: how every attention node is split (``autopar.attention``, or attention
+        autopar recognizes; see ``docs/context_parallel.md``): ``"ulysses"``, ``"ring"``,
+        ``"heads"``, ``"batch"`` or ``"replicated"``; None (the default): the ILP chooses per
+        layer. ``ArgumentError`` when the shapes or the mesh cannot take the one asked.
 
     Returns:
       A :class:`Plan`. In a multi-process run (``jax.distributed``) every process must call
@@ -254,7 +268,8 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                "logical_axis_rules": logical_axis_rules, "time_limit_s": time_limit_s,
                "tie_state": tie_state, "axis_level_overrides": axis_level_overrides,
                "baseline_seeds": baseline_seeds, "remat": remat, "pipeline": pipeline,
-               "overlap": overlap, "batch_axes": batch_axes}
+               "overlap": overlap, "batch_axes": batch_axes,
+               "attention": _attention_option(attention)}
     choice, forced_remat = _FORCED.get()
     return _plan_checked(fn, example_args, memory_budget, check_memory, verbose, options,
                          choice, forced_remat)
@@ -299,7 +314,7 @@ def _plan_checked(fn, example_args, memory_budget, check_memory, verbose, option
 def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, mesh, hardware,
                in_shardings, out_shardings, search, logical_axis_rules, time_limit_s,
                tie_state, axis_level_overrides, baseline_seeds, remat, pipeline, batch_axes,
-               progress, overlap, choice, forced_remat) -> Plan:
+               progress, overlap, choice, forced_remat, attention=None) -> Plan:
     """:func:`plan` without the compiled memory check; ``target_bytes``: the budget to plan
     under when it is not ``memory_budget`` itself (lowered after a check)."""
     if target_bytes is None:
@@ -311,7 +326,8 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
                           logical_axis_rules=logical_axis_rules, time_limit_s=time_limit_s,
                           tie_state=tie_state, axis_level_overrides=axis_level_overrides,
                           baseline_seeds=baseline_seeds, remat=remat, overlap=overlap,
-                          batch_axes=batch_axes, choice=choice, forced_remat=forced_remat)
+                          batch_axes=batch_axes, attention=attention, choice=choice,
+                          forced_remat=forced_remat)
     forced = forced_remat if forced_remat is not None else _remat_option(remat)
     jax_mesh = as_auto_mesh(mesh)
     stages = _pipeline.requested(pipeline, jax_mesh)
@@ -321,7 +337,7 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
     on_cpu = jax_mesh.devices.flat[0].platform == "cpu"
     mesh_ctx = MeshContext(tuple(jax_mesh.axis_names), sizes, levels, profile,
                            emulated_reduce_scatter=on_cpu, upcast_16bit_collectives=on_cpu,
-                           results_held=on_cpu)
+                           results_held=on_cpu, attention=attention)
 
     meta = metadata_hints(example_args, logical_axis_rules)
     check_metadata(meta, example_args, sizes)
@@ -406,6 +422,7 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
     device = jax_mesh.devices.flat[0]
     option_notes = choose(profile, device, compiler_option_notes(graph, device.platform))
     stats["compiler_options"] = [n.to_dict() for n in option_notes]
+    stats["attention"] = attention_labels(graph, strats, choice)
     return Plan(jax_mesh, shardings(graph.input_nodes, traced.in_tree, "in"),
                 shardings(graph.output_nodes, traced.out_tree, "out"), est, profile.name,
                 _paths(traced.in_tree), _paths(traced.out_tree), result.fallbacks, stats,

@@ -50,6 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar._tp_structure import Structure, structure_of, structure_of_jaxpr
 from autopar.errors import ArgumentError
+from autopar._context_baselines import ContextBaseline, compile_context_baseline  # noqa: F401
 
 __all__ = [
     "Baseline",

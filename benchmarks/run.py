@@ -34,7 +34,8 @@ _PLANNING_MODULE = "benchmarks.planning_time"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
-    p.add_argument("--suite", choices=("sharding", "planning", "pipeline", "dispatch"),
+    p.add_argument("--suite", choices=("sharding", "planning", "pipeline", "dispatch",
+                                       "long-context"),
                    default="sharding",
                    help="sharding: autopar vs baselines from compiled HLO (default); planning: "
                         "planning-time scaling (benchmarks/planning_time.py); pipeline: a 26B "
@@ -153,6 +154,11 @@ def main(argv=None) -> int:
         return run_planning_suite(rest)
     if args.suite == "dispatch":
         return run_dispatch_suite()
+    if args.suite == "long-context":  # benchmarks/long_context.py; --cases from its CASES
+        _simulate(8)
+        from benchmarks import long_context
+        cases = [] if args.cases == "two-node,one-node" else args.cases.split(",")
+        return long_context.main(cases, args.hardware, args.out)
     if args.suite == "pipeline":
         cases = [c.strip() for c in args.cases.split(",") if c.strip()]
         _simulate(16)   # before jax is imported

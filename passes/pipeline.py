@@ -29,6 +29,7 @@ from autopar._sizes import format_bytes
 from autopar.cost_model.spec import Spec
 from autopar.errors import MemoryBudgetWarning, RematWarning
 from autopar.passes import candidates
+from autopar.passes import sequence_parallel  # noqa: F401  (registers attention's strategies)
 from autopar.passes.annotate import annotate
 from autopar.passes.cluster import cluster
 from autopar.passes.dedup import Groups, node_keys, structural_colors, tie_groups
