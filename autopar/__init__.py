@@ -13,6 +13,7 @@ from autopar._api import plan as plan
 from autopar._plan import Plan as Plan
 from autopar._compare import compare as compare
 from autopar._grad import grad as grad
+from autopar.passes.attention import attention as attention
 from autopar._mesh import simulate_cpu_devices as simulate_cpu_devices
 from autopar._grad import value_and_grad as value_and_grad
 from autopar._pipeline import Pipeline as Pipeline
@@ -21,6 +22,7 @@ from autopar.errors import ArgumentError as ArgumentError
 from autopar.errors import AutoparError as AutoparError
 from autopar.errors import AutoparWarning as AutoparWarning
 from autopar.errors import CLIError as CLIError
+from autopar.errors import HardwareWarning as HardwareWarning
 from autopar.errors import InfeasiblePlanError as InfeasiblePlanError
 from autopar.errors import MemoryBudgetWarning as MemoryBudgetWarning
 from autopar.errors import MeshError as MeshError

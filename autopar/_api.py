@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import sys
 import time
@@ -12,21 +13,25 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from autopar._cache import PlanCache, dtype_name, graph_fingerprint
+from autopar._cache import PlanCache, graph_fingerprint
 from autopar._check_memory import check_compiled_memory
+from autopar._dispatch import Program, SignatureChanged, Split, as_planned, signature
 from autopar._export import logical_names
 from autopar._gc import with_gc_paused
 from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar._multiprocess import process_0_plan
-from autopar import _pipeline, _stage_plan
-from autopar._plan import Plan, in_sharding
+from autopar import _axis_roles, _pipeline, _stage_plan
+from autopar._plan import Plan
 from autopar._sizes import format_bytes, parse_bytes
-from autopar.baselines import baseline_kinds, baseline_kwargs, baseline_shardings
+from autopar.baselines import (baseline_kinds, baseline_kwargs, baseline_shardings,
+                               structure_of_jaxpr)
 from autopar.errors import ArgumentError, InfeasiblePlanError, PipelineError
 from autopar.passes.estimate import estimate, plan_collectives
 from autopar.cost_model.hardware import axis_levels, get_profile
 from autopar.passes.annotate import flatten_hints, to_spec
+from autopar.passes.attention import STRATEGIES as ATTENTION_STRATEGIES
 from autopar.passes.backend_options import as_options, choose
+from autopar.passes.sequence_parallel import attention_labels
 from autopar.passes.emit import compiler_option_notes
 from autopar.passes.flax_metadata import check as check_metadata
 from autopar.passes.flax_metadata import merge as merge_hints
@@ -65,10 +70,12 @@ def _state_ties(traced) -> list[tuple[int, int]]:
 def _baseline_seeds(example_args, jax_mesh, sizes):
     """seeds_of for run_pipeline: (kind -> a Spec per flat input leaf, the input shardings of
     each hand-written baseline that applies to these arguments; the same for data
-    parallelism over each single mesh axis of a mesh with several, "batch over <axis>")."""
-    def specs_of(traced, kind, name, **kwargs):
+    parallelism over each single mesh axis of a mesh with several, "batch over <axis>").
+    The baselines read the program's structure (``autopar._tp_structure``) from its trace."""
+    def specs_of(traced, kind, name, structure, **kwargs):
         try:
-            tree = baseline_shardings(kind, example_args, jax_mesh, **kwargs)
+            tree = baseline_shardings(kind, example_args, jax_mesh, structure=structure,
+                                      **kwargs)
         except ArgumentError:  # the arguments or the mesh do not suit this baseline
             return None
         specs = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -78,14 +85,27 @@ def _baseline_seeds(example_args, jax_mesh, sizes):
                 for s, a in zip(specs, traced.in_avals)]
 
     def of(traced) -> tuple[dict, dict]:
-        seeds = {kind: specs_of(traced, kind, kind, **baseline_kwargs(jax_mesh, kind))
-                 for kind in baseline_kinds(jax_mesh, example_args)}
+        args = traced.in_tree.children()
+        structure = (structure_of_jaxpr(traced.closed_jaxpr, args[0].num_leaves)
+                     if len(args) >= 2 else None)
+        seeds = {kind: specs_of(traced, kind, kind, structure,
+                                **baseline_kwargs(jax_mesh, kind))
+                 for kind in baseline_kinds(jax_mesh, example_args, structure)}
         axes = jax_mesh.axis_names if len(jax_mesh.axis_names) > 1 else ()
-        batch = {f"batch over {a}": specs_of(traced, "dp", f"batch over {a}", batch_axes=(a,))
+        batch = {f"batch over {a}": specs_of(traced, "dp", f"batch over {a}", structure,
+                                             batch_axes=(a,))
                  for a in axes}
         return ({k: v for k, v in seeds.items() if v is not None},
                 {k: v for k, v in batch.items() if v is not None})
     return of
+
+
+def _attention_option(attention):
+    if attention is not None and attention not in ATTENTION_STRATEGIES:
+        raise ArgumentError(f"`attention={attention!r}` is not an attention strategy; use one "
+                            f"of {', '.join(map(repr, ATTENTION_STRATEGIES))} or None "
+                            "(autopar chooses per layer).")
+    return attention
 
 
 def _remat_option(remat) -> dict | None:
@@ -136,7 +156,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
          time_limit_s: float = 60.0, tie_state: bool = True, axis_level_overrides=None,
          baseline_seeds: bool = True, remat: bool | str = True,
          check_memory: bool | None = None, verbose: bool | None = None,
-         pipeline="auto", overlap: bool = True, _choice=None, _remat=None) -> Plan:
+         pipeline="auto", overlap: bool = True, batch_axes=None, attention=None) -> Plan:
     """Plan how to run ``fn`` on ``mesh``.
 
     Args:
@@ -146,7 +166,9 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         real call. Nothing is executed while planning.
       mesh: a ``jax.sharding.Mesh`` (any axis types) or a dict ``{"data": 2, "model": 4}``.
       hardware: a profile name (``"h100"``, ``"tpu-v5e"``, ...), a HardwareProfile, or a path to
-        a profile JSON from ``autopar profile``. Default: the current backend's profile.
+        a profile JSON from ``autopar profile``. Default (None, as in ``autopar.compare`` and
+        the CLI's ``report``): the current backend's profile (``cpu`` on CPU devices; an
+        accelerator without one gets the nearest, with a warning).
       memory_budget: per-device bytes the plan's peak memory must fit in (as
         ``plan.estimate.peak_memory_bytes`` predicts it), or a size such as ``"40GiB"`` or
         ``"64GB"`` (``autopar._sizes``). Default: the profile's HBM capacity
@@ -210,6 +232,17 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         collective matmuls, an all-gather or reduce-scatter split into ring steps each
         overlapping a chunk of its matmul (``passes.overlap``). False: none (for comparison).
         ``plan.stats["overlap"]`` records it; the report names each rewritten op.
+      batch_axes: the mesh axes that carry the batch (a name or names): the leading dim of
+        every batch argument (each argument after the first that no result replaces) is
+        split over them, unless ``in_shardings`` says otherwise. Default None: by the axis
+        names, as a tie break only: among plans predicted equally fast, the batch goes on
+        axes named ``data``, ``batch``, ``dp`` or ``fsdp``, and model dims on ``model``,
+        ``tensor``, ``tp`` or ``expert``. ``plan.stats["axis_roles"]`` says which axes split
+        the batch, with a ``note`` when the plan splits it over other axes.
+      attention: how every attention node is split (``autopar.attention``, or attention
+        autopar recognizes; see ``docs/context_parallel.md``): ``"ulysses"``, ``"ring"``,
+        ``"heads"``, ``"batch"`` or ``"replicated"``; None (the default): the ILP chooses per
+        layer. ``ArgumentError`` when the shapes or the mesh cannot take the one asked.
 
     Returns:
       A :class:`Plan`. In a multi-process run (``jax.distributed``) every process must call
@@ -235,14 +268,30 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                "logical_axis_rules": logical_axis_rules, "time_limit_s": time_limit_s,
                "tie_state": tie_state, "axis_level_overrides": axis_level_overrides,
                "baseline_seeds": baseline_seeds, "remat": remat, "pipeline": pipeline,
-               "overlap": overlap, "_choice": _choice,
-               "_remat": _remat}
+               "overlap": overlap, "batch_axes": batch_axes,
+               "attention": _attention_option(attention)}
+    choice, forced_remat = _FORCED.get()
+    return _plan_checked(fn, example_args, memory_budget, check_memory, verbose, options,
+                         choice, forced_remat)
+
+
+#: (choice, remat) a plan cache's entry gives :func:`plan` to take instead of solving;
+#: (None, None) otherwise. Set only by :meth:`Parallelized._plan`, around one call.
+_FORCED: contextvars.ContextVar = contextvars.ContextVar("autopar_forced_solution",
+                                                         default=(None, None))
+
+
+def _plan_checked(fn, example_args, memory_budget, check_memory, verbose, options,
+                  choice=None, forced_remat=None) -> Plan:
+    """:func:`plan` after its arguments are checked; ``choice`` and ``forced_remat``: a
+    solution to take instead of solving (a plan cache's entry, process 0's plan)."""
+    options = {**options, "choice": choice, "forced_remat": forced_remat}
     progress = _progress(verbose)
     planned, failure = None, None
     try:
         planned = _plan_once(fn, example_args, memory_budget, progress=progress, **options)
         if check_memory is None:
-            check_memory = memory_budget is not None and _choice is None
+            check_memory = memory_budget is not None and choice is None
         if check_memory:
             budget = (memory_budget if memory_budget is not None
                       else default_memory_budget_bytes(get_profile(hardware)))
@@ -257,28 +306,29 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
     return process_0_plan(
         planned, lambda choice, remat: _plan_once(
             fn, example_args, memory_budget, progress=progress,
-            **{**options, "_choice": choice, "_remat": remat}),
+            **{**options, "choice": choice, "forced_remat": remat}),
         progress, failure)
 
 
 @with_gc_paused
 def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, mesh, hardware,
                in_shardings, out_shardings, search, logical_axis_rules, time_limit_s,
-               tie_state, axis_level_overrides, baseline_seeds, remat, pipeline, progress,
-               overlap, _choice, _remat) -> Plan:
+               tie_state, axis_level_overrides, baseline_seeds, remat, pipeline, batch_axes,
+               progress, overlap, choice, forced_remat, attention=None) -> Plan:
     """:func:`plan` without the compiled memory check; ``target_bytes``: the budget to plan
     under when it is not ``memory_budget`` itself (lowered after a check)."""
     if target_bytes is None:
         target_bytes = memory_budget
-    if pipeline == "auto" and _choice is None:
+    if pipeline == "auto" and choice is None:
         return _plan_auto(fn, example_args, memory_budget, target_bytes, progress=progress,
                           mesh=mesh, hardware=hardware, in_shardings=in_shardings,
                           out_shardings=out_shardings, search=search,
                           logical_axis_rules=logical_axis_rules, time_limit_s=time_limit_s,
                           tie_state=tie_state, axis_level_overrides=axis_level_overrides,
                           baseline_seeds=baseline_seeds, remat=remat, overlap=overlap,
-                          _choice=_choice, _remat=_remat)
-    forced = _remat if _remat is not None else _remat_option(remat)
+                          batch_axes=batch_axes, attention=attention, choice=choice,
+                          forced_remat=forced_remat)
+    forced = forced_remat if forced_remat is not None else _remat_option(remat)
     jax_mesh = as_auto_mesh(mesh)
     stages = _pipeline.requested(pipeline, jax_mesh)
     sizes = axis_sizes(jax_mesh)
@@ -287,7 +337,7 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
     on_cpu = jax_mesh.devices.flat[0].platform == "cpu"
     mesh_ctx = MeshContext(tuple(jax_mesh.axis_names), sizes, levels, profile,
                            emulated_reduce_scatter=on_cpu, upcast_16bit_collectives=on_cpu,
-                           results_held=on_cpu)
+                           results_held=on_cpu, attention=attention)
 
     meta = metadata_hints(example_args, logical_axis_rules)
     check_metadata(meta, example_args, sizes)
@@ -301,8 +351,21 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
             labels[what] = [f"{what}{p}" for p in paths]
             if what == "in_shardings":  # explicit hints over flax metadata
                 hs, labels[what] = merge_hints(hs, meta, paths, [len(a.shape) for a in avals])
-            return [to_spec(h, a.shape, sizes, n) for h, a, n in zip(hs, avals, labels[what])]
+            specs = [to_spec(h, a.shape, sizes, n) for h, a, n in zip(hs, avals, labels[what])]
+            if what == "in_shardings" and axis_roles.explicit:
+                specs = _axis_roles.pin_batch(specs, traced, batch_of(traced), axis_roles.batch,
+                                              sizes)
+            return specs
         return of
+
+    axis_roles = _axis_roles.roles(jax_mesh.axis_names, batch_axes)
+
+    def batch_of(traced) -> list[int]:
+        return _axis_roles.batch_leaves(traced, _state_ties(traced) if tie_state else [])
+
+    def preferences_of(traced) -> dict:
+        """The ILP's tie break by axis names (node -> a penalty per strategy)."""
+        return _axis_roles.preferences(traced.graph, batch_of(traced), axis_roles)
 
     traced_fn = traced_under_rules(fn, logical_axis_rules, jax_mesh)
     options = PlanOptions(
@@ -311,8 +374,9 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
         hint_labels_of=lambda _: (labels.get("in_shardings"), labels.get("out_shardings")),
         ties_of=_state_ties if tie_state else None,
         seeds_of=_baseline_seeds(example_args, jax_mesh, sizes) if baseline_seeds else None,
+        preferences_of=preferences_of,
         time_limit_s=time_limit_s, search=search,
-        choice=None if _choice is None else tuple(_choice),
+        choice=None if choice is None else tuple(choice),
         remat_choice=None if forced is None else Remat.from_dict(forced),
         memory_budget_bytes=(target_bytes if target_bytes is not None
                              else default_memory_budget_bytes(profile)),
@@ -352,10 +416,13 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
              "remat": result.remat.to_dict() if result.remat else None,
              "loss_marked": marked, "hardware_default": hardware is None,
              "logical_axes": logical_names(example_args), "overlap": overlap,
-             "rewrites": _rewrites(graph, strats, choice)}
+             "rewrites": _rewrites(graph, strats, choice),
+             "axis_roles": _axis_roles.check(graph, strats, choice, batch_of(traced), axis_roles,
+                                             sizes)}
     device = jax_mesh.devices.flat[0]
     option_notes = choose(profile, device, compiler_option_notes(graph, device.platform))
     stats["compiler_options"] = [n.to_dict() for n in option_notes]
+    stats["attention"] = attention_labels(graph, strats, choice)
     return Plan(jax_mesh, shardings(graph.input_nodes, traced.in_tree, "in"),
                 shardings(graph.output_nodes, traced.out_tree, "out"), est, profile.name,
                 _paths(traced.in_tree), _paths(traced.out_tree), result.fallbacks, stats,
@@ -418,7 +485,11 @@ class Parallelized:
     """``fn`` planned on its first call for each input signature, then reused.
 
     The signature is the tree structure, shapes and dtypes of the array arguments and the
-    values of the static ones. ``plans_made`` counts the plans made so far.
+    values of the static ones: those named static, and leaves that are not arrays (floats,
+    bools, callables, as ``equinox.filter_jit`` treats them; Python ints are arrays).
+    ``plans_made`` counts the plans made so far. A call with what the last one had (same
+    tree, shapes, dtypes and shardings, such as a train step fed its own results) goes
+    straight to the compiled program: its check costs about what ``jax.jit``'s dispatch does.
     """
 
     def __init__(self, fn: Callable, plan_kwargs: dict, static_argnums=(), static_argnames=(),
@@ -433,65 +504,94 @@ class Parallelized:
         if both:
             raise ArgumentError(f"argument(s) {sorted(both)} are both static and donated; a "
                                 "static argument is a Python value, not a buffer to donate")
-        self._cache: dict[Any, tuple[Plan, Callable]] = {}
+        self._cache: dict[Any, tuple[Split, Program]] = {}
+        self._last: tuple | None = None  # (static args, tree, Split, Program) of the last call
         self.plan: Plan | None = None
         self.plans_made = 0      # plans solved
         self.plans_loaded = 0    # plans taken from the disk cache
         self._disk = PlanCache(cache_dir) if cache_dir is not None else None
 
     def _split(self, args, kwargs):
+        if not kwargs and not self._static_argnums:
+            return (), (), args
         unknown = sorted(set(kwargs) - set(self._static_argnames))
         if unknown:
             raise ArgumentError(f"keyword argument(s) {unknown} of `{self.__name__}` are not "
                                 "static: pass arrays positionally, or name them in "
                                 "static_argnames")
         static = tuple((i, args[i]) for i in self._static_argnums if i < len(args))
-        dynamic_pos = [i for i in range(len(args)) if i not in self._static_argnums]
         static_kw = tuple(sorted(kwargs.items()))
         try:
             hash((static, static_kw))
         except TypeError as e:
             raise ArgumentError(f"static arguments of `{self.__name__}` must be hashable: {e}"
                                 ) from None
-        return static, static_kw, dynamic_pos
+        return static, static_kw, tuple(a for i, a in enumerate(args)
+                                        if i not in self._static_argnums)
 
     def __call__(self, *args, **kwargs):
-        static, static_kw, dynamic_pos = self._split(args, kwargs)
-        # Python scalars among the array arguments (TrainState.step, say) become arrays.
-        dynamic = jax.tree_util.tree_map(lambda x: x if hasattr(x, "shape") else np.asarray(x),
-                                         tuple(args[i] for i in dynamic_pos))
-        key = (static, static_kw, _signature(dynamic))
+        static, static_kw, dynamic = self._split(args, kwargs)
+        leaves, tree = jax.tree_util.tree_flatten(dynamic)
+        last = self._last
+        if (last is not None and last[1] == tree and last[0] == (static, static_kw)
+                and last[2].same_static(leaves)):
+            try:  # nothing changed since the last call: straight to the program
+                out = last[3].fast(last[2].arrays_of(leaves))
+                self.plan = last[3].plan
+                return out
+            except (SignatureChanged, ValueError, TypeError):
+                pass  # new shapes, or arguments placed elsewhere: the full path below
+        split = Split.of(leaves, tree)
+        key = (static, static_kw, signature(split))
+        try:
+            hash(key)
+        except TypeError as e:
+            raise ArgumentError(f"`{self.__name__}`: a leaf of its arguments that is not an "
+                                f"array is static and must be hashable: {e}") from None
         if key not in self._cache:
-            fn, n_args = self._fn, len(args)
+            self._cache[key] = (split, self._program(args, static, static_kw, split, key[2]))
+        program = self._cache[key][1]
+        self.plan = program.plan
+        placed = as_planned(split.arrays, program.flat_shardings, program.host_ok)
+        out = (program(placed) if program.compiled_once else
+               program.first_call(placed, self._kwargs.get("verbose")))
+        self._last = ((static, static_kw), tree, split, program)
+        return out
 
-            def bound(*dyn):
-                full = dict(static)
-                full.update(zip(dynamic_pos, dyn))
-                return fn(*(full[i] for i in range(n_args)), **dict(static_kw))
+    def _program(self, args, static, static_kw, split: Split, sig) -> Program:
+        """Plan ``fn`` for this signature and jit its program."""
+        fn, n_args = self._fn, len(args)
+        dynamic_pos = [i for i in range(n_args) if i not in self._static_argnums]
 
-            p = self._plan(bound, dynamic, (static, static_kw), key[2])
-            donate = tuple(dynamic_pos.index(i) for i in self._donate_argnums
-                           if i in dynamic_pos)
-            if donate:
-                p = p.with_donation(donate)
-            self._cache[key] = (p, p.jit())
-        self.plan, run = self._cache[key]
-        return run(*_as_planned(dynamic, self.plan.in_shardings))
+        def bound(*dyn):
+            leaves = split.merge(jax.tree_util.tree_leaves(dyn))
+            full = dict(static)
+            full.update(zip(dynamic_pos, jax.tree_util.tree_unflatten(split.tree, leaves)))
+            return fn(*(full[i] for i in range(n_args)), **dict(static_kw))
 
-    def _plan(self, bound, dynamic, static, signature) -> Plan:
+        p = self._plan(bound, split.dynamic_tree(), (static, static_kw), sig)
+        donate = tuple(dynamic_pos.index(i) for i in self._donate_argnums if i in dynamic_pos)
+        if donate:
+            p = p.with_donation(donate)
+        p._require_program()
+        return Program(p, p._flat_fn)
+
+    def _plan(self, bound, dynamic, static, sig) -> Plan:
         disk_key = None
         if self._disk is not None:
             options = {k: v for k, v in self._kwargs.items() if k not in ("mesh", "verbose")}
             disk_key = self._disk.key(self._fn, as_auto_mesh(self._kwargs["mesh"]),
-                                      get_profile(self._kwargs.get("hardware")), signature,
+                                      get_profile(self._kwargs.get("hardware")), sig,
                                       static, options)
             entry = self._disk.load(disk_key)
             if entry is not None:
+                token = _FORCED.set((entry["choice"], entry.get("remat")))
                 try:
-                    p = plan(bound, *dynamic, **self._kwargs, _choice=entry["choice"],
-                             _remat=entry.get("remat"))
+                    p = plan(bound, *dynamic, **self._kwargs)
                 except ValueError:
                     p = None
+                finally:
+                    _FORCED.reset(token)
                 if p is not None and graph_fingerprint(p._details[0]) == entry["fingerprint"]:
                     self.plans_loaded += 1
                     return p
@@ -501,31 +601,6 @@ class Parallelized:
         if disk_key is not None:
             self._disk.store(disk_key, p)
         return p
-
-
-def _as_planned(dynamic, shardings):
-    """``dynamic`` with the leaves not yet in their planned shardings put there, by one
-    ``jax.device_put``: host arrays on the first call, arrays placed otherwise. Leaves already
-    placed (the previous step's results, each call after the first) are passed as they are:
-    putting them again took 10-45 us a leaf, 27 ms a step of a train state of 591 leaves."""
-    leaves, tree = jax.tree_util.tree_flatten(dynamic)
-    flat = jax.tree_util.tree_leaves(shardings)
-    todo = [i for i, (x, s) in enumerate(zip(leaves, flat))
-            if not (isinstance(x, jax.Array) and in_sharding(x, s))]
-    if todo:
-        placed = jax.device_put([leaves[i] for i in todo], [flat[i] for i in todo])
-        for i, x in zip(todo, placed):
-            leaves[i] = x
-    return jax.tree_util.tree_unflatten(tree, leaves)
-
-
-def _signature(args):
-    """(tree, (shape, dtype name) per leaf): what a plan of ``parallelize`` is kept for. A
-    jax array's dtype is already canonical; other leaves' are canonicalized as jax will."""
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    dtypes = [x.dtype if isinstance(x, jax.Array) else jax.dtypes.result_type(x)
-              for x in leaves]
-    return tree, tuple((tuple(np.shape(x)), dtype_name(d)) for x, d in zip(leaves, dtypes))
 
 
 def _as_tuple(value, name: str) -> tuple:

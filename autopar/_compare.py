@@ -7,11 +7,13 @@ baselines for the same function and mesh, from abstract arguments, so nothing ru
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import dataclass
 
 import jax
+import jax.extend.core as jax_core
 
 from autopar import _api, baselines
 from autopar.baselines import baseline_kinds
@@ -48,6 +50,9 @@ class Measured:
 
 
 def measure(name: str, compiled, profile, dtype) -> Measured:
+    """``compiled``'s measures on ``profile``, every matmul priced at ``dtype``'s rate (the
+    program's own: :func:`main_dtype`; XLA:CPU computes bf16 matmuls in f32, so the compiled
+    text cannot tell)."""
     s = analyze(compiled)
     timeline = simulate(compiled.as_text(), profile, dtype)
     return Measured(name=name, step_time_s=reference_step_time_s(s, profile, dtype),
@@ -66,12 +71,35 @@ def compute_only_limit_s(fn, args, profile, dtype, devices: int, compiler_option
     return simulate(compiled.as_text(), profile, dtype).step_time_s / devices
 
 
+def main_dtype(fn, args):
+    """The dtype of the matmul operands that do most of ``fn``'s flops on ``args`` (float32
+    when it has no matmul): the rate a program of ``fn`` is priced at."""
+    closed = jax.make_jaxpr(fn)(*args)
+    flops: dict = {}
+    for eqn in _eqns(closed.jaxpr):
+        if eqn.primitive is jax.lax.dot_general_p:
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval
+            k = math.prod(lhs.shape[d] for d in contract)
+            out = math.prod(eqn.outvars[0].aval.shape)
+            flops[lhs.dtype] = flops.get(lhs.dtype, 0) + 2 * out * k
+    return max(flops, key=flops.get) if flops else jax.numpy.float32
+
+
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs inside it (calls, loops, branches)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax_core.jaxprs_in_params(eqn.params):
+            yield from _eqns(sub)
+
+
 def compile_baseline(fn, args, mesh, kind: str):
     return baselines.jit_baseline(fn, args, mesh, kind,
                                   **_baseline_kwargs(mesh, kind)).lower(*args).compile()
 
 
-def predict_baselines(fn, args, mesh, *, hardware="h100", kinds=("dp", "fsdp"), search=False,
+def predict_baselines(fn, args, mesh, *, hardware=None, kinds=("dp", "fsdp"), search=False,
                       **plan_kwargs):
     """autopar's estimate for each hand-written baseline (``jax.jit`` with the baseline's input
     and output shardings, :func:`compile_baseline`). With ``search=False`` (the default) the
@@ -93,21 +121,27 @@ def predict_baselines(fn, args, mesh, *, hardware="h100", kinds=("dp", "fsdp"), 
     return out
 
 
-def compare(fn, args, mesh, *, hardware="h100", kinds=None, plan=None,
-            dtype=jax.numpy.bfloat16, **plan_kwargs):
+def compare(fn, args, mesh, *, hardware=None, kinds=None, plan=None, dtype=None,
+            **plan_kwargs):
     """Measures of autopar's plan and of each baseline, all compiled from ``args``.
 
-    ``dtype`` is the compute dtype whose peak rate prices the flops (the same for every
-    program, so it moves no ranking). Returns (plan, {name: Measured}, planning_time_s).
+    ``hardware``: as :func:`autopar.plan`'s (default: this backend's profile). ``dtype``: the
+    compute dtype whose peak rate prices the flops, the same for every program; None (the
+    default) prices them at the program's own dtypes (:func:`main_dtype`), so a float32
+    model is not priced as if it ran in bfloat16. Returns (plan, {name: Measured},
+    planning_time_s).
     """
     jax_mesh = as_auto_mesh(mesh)
     profile = get_profile(hardware)
+    if dtype is None:
+        dtype = main_dtype(fn, args)
     start = time.perf_counter()
     if plan is None:
         plan = _api.plan(fn, *args, mesh=jax_mesh, hardware=profile, **plan_kwargs)
     planning_s = time.perf_counter() - start
     results = {"autopar": measure("autopar", plan.compile(), profile, dtype)}
-    for kind in kinds if kinds is not None else baseline_kinds(jax_mesh, args):
+    structure = baselines.structure_of(fn, args) if len(args) >= 2 else None
+    for kind in kinds if kinds is not None else baseline_kinds(jax_mesh, args, structure):
         results[kind] = measure(kind, compile_baseline(fn, args, jax_mesh, kind), profile,
                                 dtype)
     return plan, results, planning_s

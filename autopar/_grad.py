@@ -20,6 +20,7 @@ import jax
 
 from autopar._pipeline import active
 from autopar.errors import ArgumentError
+from autopar.passes import attention_match
 from autopar.passes.stages import emit, prepare
 
 
@@ -39,14 +40,22 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     plain = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, holomorphic=holomorphic,
                                allow_int=allow_int)
 
+    def unpipelined(*args, **kwargs):
+        if not attention_match.active():
+            return plain(*args, **kwargs)
+        # autopar is tracing the step: attention in the loss becomes one planned node
+        return jax.value_and_grad(attention_match.with_attention(functools.partial(fun, **kwargs)),
+                                  argnums=argnums, has_aux=has_aux, holomorphic=holomorphic,
+                                  allow_int=allow_int)(*args)
+
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
         context = active()
         if context is None:
-            return plain(*args, **kwargs)
+            return unpipelined(*args, **kwargs)
         context.calls += 1
         if context.settings is None:   # only marking: plan() asks whether the step can pipeline
-            return plain(*args, **kwargs)
+            return unpipelined(*args, **kwargs)
         if holomorphic or allow_int:
             raise ArgumentError("`holomorphic` and `allow_int` are not supported by a pipelined "
                                 "`autopar.value_and_grad`; leave them False.")

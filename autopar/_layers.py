@@ -25,6 +25,7 @@ from jax import lax
 from autopar.passes.estimate import plan_timeline, value_specs
 from autopar.passes.ir import NodeKind
 from autopar.passes.liveness import consumers, temporaries, value_bytes
+from autopar.passes.sequence_parallel import attention_label
 
 OTHER = "other"
 
@@ -60,6 +61,7 @@ class LayerRow:
     collectives: int = 0
     params: list[ParamLeaf] = field(default_factory=list)
     rewrites: dict[str, int] = field(default_factory=dict)  # "kind(axes)" -> ops rewritten
+    attention: list[str] = field(default_factory=list)  # its attention nodes' strategies
 
 
 # ----- layers of the parameter tree
@@ -304,6 +306,9 @@ def layer_rows(plan) -> list[LayerRow]:
         if taken.rewrite is not None:
             key = f"{taken.rewrite.kind.value}({','.join(taken.rewrite.axes)})"
             row.rewrites[key] = row.rewrites.get(key, 0) + 1
+        label = attention_label(node, taken)
+        if label is not None:
+            row.attention.append(label)
     for c in comms:
         if c.step.wire_bytes:
             row = rows.get(labels[c.node], other)

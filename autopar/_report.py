@@ -85,6 +85,7 @@ def render_text(plan, baselines: dict | None = None) -> str:
             if r.rewrites:
                 lines.append("      overlapped: " + ", ".join(
                     f"{n} {kind}" for kind, n in sorted(r.rewrites.items())))
+            lines += [f"      attention {label}" for label in r.attention]
     rest, outs = outside_layers(plan, layered)
     width = max([len(p) for p, _ in rest + outs] + [4])
     lines += ["", "Input shardings (other than parameters and their optimizer state):"]

@@ -5,8 +5,11 @@ function's example arguments ``args`` (a tuple; by convention ``(params, opt_sta
 ``(params, batch)``: the first element holds the parameters, the last one the batch, anything
 in between is optimizer state). :func:`jit_baseline` jits a function with those shardings.
 
-Rules, applied per leaf by its key path and shape; a dim that does not divide by the mesh axes
-it would be sharded over is left unsharded:
+Rules, applied per leaf; a dim that does not divide by the mesh axes it would be sharded over
+is left unsharded. Given the function (``fn=``, as :func:`jit_baseline` and autopar's own
+callers always do), which weights are column- or row-parallel, embeddings or experts is read
+from the traced program (``autopar._tp_structure``: which dots consume which weights), so any
+library's names work; without it, from the key paths' names as listed below:
 
 ``dp``
     Batch leaves sharded on dim 0 over all ``batch_axes`` jointly; everything else replicated.
@@ -45,7 +48,9 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from autopar._tp_structure import Structure, structure_of, structure_of_jaxpr
 from autopar.errors import ArgumentError
+from autopar._context_baselines import ContextBaseline, compile_context_baseline  # noqa: F401
 
 __all__ = [
     "Baseline",
@@ -55,6 +60,8 @@ __all__ = [
     "baseline_shardings",
     "jit_baseline",
     "leaf_names",
+    "structure_of",
+    "structure_of_jaxpr",
 ]
 
 
@@ -213,6 +220,20 @@ def _param_spec(
     return PartitionSpec()
 
 
+def _structural_spec(kind: Baseline, leaf: int, shape, structure: Structure, batch: _Axes,
+                     model: _Axes | None, expert: _Axes | None) -> PartitionSpec:
+    """A parameter's spec under a baseline, from the program's structure."""
+    if kind is Baseline.DATA_PARALLEL:
+        return PartitionSpec()
+    if kind is Baseline.FSDP:
+        return _fsdp_spec(shape, batch)
+    if kind is Baseline.EXPERT:
+        dim = structure.expert_dims.get(leaf)
+        return PartitionSpec() if dim is None or len(shape) < 3 else _spec_on(shape, dim, expert)
+    dim = structure.megatron_dim(leaf, vocab_parallel=kind is Baseline.MEGATRON_VOCAB)
+    return PartitionSpec() if dim is None else _spec_on(shape, dim, model)
+
+
 def _mirrored_spec(names: tuple, shape: tuple, by_suffix: dict) -> PartitionSpec | None:
     """The spec of the parameter whose key path shares the longest suffix with ``names`` and
     has ``shape`` (the first such parameter on a tie), when that suffix has at least two keys
@@ -233,10 +254,14 @@ def baseline_shardings(
     batch_axes: Sequence[str] | str = ("data",),
     model_axis: str = "model",
     expert_axis: str | None = None,
+    fn: Callable | None = None,
+    structure: Structure | None = None,
 ):
     """PartitionSpecs for ``args`` (a tuple ``(params, [opt_state, ...,] batch)``) under a baseline.
 
-    Returns a pytree of :class:`PartitionSpec` with the structure of ``args``.
+    ``fn`` (or its ``structure``, :func:`structure_of`): the function the arguments are for;
+    its traced program says which weights are column- or row-parallel (see the module
+    docstring). Returns a pytree of :class:`PartitionSpec` with the structure of ``args``.
     """
     kind = _parse_kind(kind)
     if not isinstance(args, (tuple, list)) or len(args) < 1:
@@ -258,6 +283,8 @@ def baseline_shardings(
     batch = _Axes(mesh, batch_names)
 
     args = tuple(args)
+    if structure is None and fn is not None and len(args) >= 2:
+        structure = structure_of(fn, args)
 
     # Parameters: args[0] (when there is more than the batch).
     by_suffix: dict[tuple, list[tuple[tuple, PartitionSpec]]] = {}
@@ -265,10 +292,11 @@ def baseline_shardings(
     if len(args) >= 2:
         flat, treedef = jax.tree_util.tree_flatten_with_path(args[0])
         leaves = []
-        for path, leaf in flat:
+        for k, (path, leaf) in enumerate(flat):
             names = leaf_names(path)
             shape = tuple(getattr(leaf, "shape", ()))
-            spec = _param_spec(kind, names, shape, batch, model, expert)
+            spec = (_param_spec(kind, names, shape, batch, model, expert) if structure is None
+                    else _structural_spec(kind, k, shape, structure, batch, model, expert))
             for n in range(1, len(names) + 1):
                 by_suffix.setdefault(names[-n:], []).append((shape, spec))
             leaves.append(spec)
@@ -301,7 +329,8 @@ def _to_named(mesh, specs):
 
 
 def baseline_named_shardings(kind: Baseline | str, args, mesh, **kw):
-    """:func:`baseline_shardings` as :class:`NamedSharding` on ``mesh`` (for ``device_put``)."""
+    """:func:`baseline_shardings` as :class:`NamedSharding` on ``mesh`` (for ``device_put``;
+    pass ``fn=`` as to :func:`jit_baseline`, so that both agree)."""
     return _to_named(mesh, baseline_shardings(kind, args, mesh, **kw))
 
 
@@ -318,7 +347,7 @@ def jit_baseline(fn: Callable, args, mesh, kind: Baseline | str, **kw) -> Any:
 
 def baseline_io_shardings(fn: Callable, args, mesh, kind: Baseline | str, **kw):
     """(in_shardings, out_shardings) of :func:`jit_baseline`, as NamedSharding pytrees."""
-    specs = baseline_shardings(kind, args, mesh, **kw)
+    specs = baseline_shardings(kind, args, mesh, fn=fn, **kw)
     in_shardings = tuple(_to_named(mesh, s) for s in specs)
 
     by_path: dict[tuple, tuple[tuple, PartitionSpec]] = {}
@@ -348,15 +377,19 @@ def _flatten_pairs(args, specs):
     return [(path, (leaf, spec)) for (path, leaf), spec in zip(flat_args, flat_specs)]
 
 
-def baseline_kinds(mesh, args) -> list[str]:
+def baseline_kinds(mesh, args, structure: Structure | None = None) -> list[str]:
     """The baselines that apply: DP and FSDP always; Megatron where the mesh has a `model`
-    axis (with vocab-parallel embedding too); expert parallel where params hold experts."""
+    axis (with vocab-parallel embedding too); expert parallel where params hold experts (a
+    weight dim that is a batch dim of its dot, given the ``structure``; else by name)."""
     kinds = ["dp", "fsdp"]
     if "model" in mesh.axis_names:
         kinds += ["megatron", "megatron_vocab"]
-    names = {n for p, _ in jax.tree_util.tree_flatten_with_path(args[0])[0]
-             for n in leaf_names(p)}
-    if "experts_in" in names:
+    if structure is not None:
+        experts = bool(structure.expert_dims)
+    else:
+        experts = "experts_in" in {n for p, _ in jax.tree_util.tree_flatten_with_path(args[0])[0]
+                                   for n in leaf_names(p)}
+    if experts:
         kinds.append("expert")
     return kinds
 

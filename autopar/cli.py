@@ -40,6 +40,27 @@ def _real_hardware_hint(hardware: str) -> str:
                                  targets="autopar.models.targets")
 
 
+def _carried_hints(plan, args):
+    """``plan``'s input shardings (planned for other shapes of the same model) as hints for
+    ``args``: each leaf takes the spec at its path where the dims divide, else None."""
+    import math
+
+    import jax
+    from jax.sharding import PartitionSpec
+    sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
+    by_path = dict(zip(plan.in_paths, (s.spec for s in jax.tree_util.tree_leaves(
+        plan.in_shardings))))
+
+    def hint(path, leaf):
+        spec = by_path.get(jax.tree_util.keystr(path))
+        if spec is None:
+            return None
+        axes = [() if e is None else e if isinstance(e, tuple) else (e,) for e in spec]
+        return PartitionSpec(*(e if d % math.prod(sizes[a] for a in ax) == 0 else None
+                               for d, e, ax in zip(leaf.shape, spec, axes)))
+    return jax.tree_util.tree_map_with_path(hint, tuple(args))
+
+
 def cmd_demo(args) -> int:
     simulate_cpu_devices(8)
     import jax
@@ -48,7 +69,7 @@ def cmd_demo(args) -> int:
     import numpy as np
 
     import autopar
-    from autopar.models import gpt
+    from autopar.models import gpt, targets
 
     devices = jax.devices()
     _say(f"autopar demo: a GPT train step (flax linen + optax adam) on {len(devices)} "
@@ -56,24 +77,31 @@ def cmd_demo(args) -> int:
     if len(devices) < 8:
         raise CLIError(f"the demo needs 8 devices and {len(devices)} exist; unset XLA_FLAGS "
                        "or set XLA_FLAGS=--xla_force_host_platform_device_count=8")
-    step, state = gpt.make_train_step(gpt.TINY)
     mesh = {"data": 2, "model": 4}
-    params, opt_state, batch = state
-    # Shard the batch over `data`; autopar decides everything else.
-    hints = (None, None, jax.tree_util.tree_map(lambda _: jax.sharding.PartitionSpec("data"),
-                                                batch))
-    plan = autopar.plan(step, *state, mesh=mesh, hardware=args.hardware, in_shardings=hints,
-                        verbose=True)
+    # 1. At realistic widths, from shapes only: this is where sharding decisions pay.
+    big_step, big_state = targets.gpt_realistic()
+    _say("Planned at realistic size (hidden 1024, 16 x 512 tokens; from ShapeDtypeStructs, "
+         "nothing allocated), the batch on `data`:")
+    plan = autopar.plan(big_step, *big_state, mesh=mesh, hardware=args.hardware,
+                        batch_axes=("data",), verbose=True)
     baselines = None
     if not args.no_baselines:
         from autopar._compare import predict_baselines
         print("[autopar] estimating the data-parallel and FSDP baselines", file=sys.stderr,
               flush=True)
-        baselines = predict_baselines(step, state, plan.mesh, hardware=args.hardware)
+        baselines = predict_baselines(big_step, big_state, plan.mesh, hardware=args.hardware)
     _say(plan.report(baselines))
-    run = plan.jit()
+    # 2. The same shardings on a toy GPT that runs here, checked against one device.
+    step, state = gpt.make_train_step(gpt.TINY)
+    params, opt_state, batch = state
+    toy = autopar.plan(step, *state, mesh=mesh, hardware=args.hardware,
+                       in_shardings=_carried_hints(plan, state), search=False)
+    sharded = [s for s in jax.tree_util.tree_leaves(toy.in_shardings[0]) if any(s.spec)]
+    run = toy.jit()
     ref_params, ref_opt = params, opt_state
-    _say("\nTraining 3 steps, checked against the single-device step:")
+    _say(f"\nTraining 3 steps of a toy GPT (hidden {gpt.TINY.hidden}) with the same shardings "
+         f"({len(sharded)} of {len(jax.tree_util.tree_leaves(params))} parameters sharded), "
+         "checked against the single-device step:")
     single = jax.jit(step)
     for i in range(3):
         params, opt_state, loss = run(params, opt_state, batch)
@@ -276,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "function returning "
                                     "(fn, example_args_tuple)")
     rep.add_argument("--mesh", required=True, help="e.g. data=2,model=4")
-    rep.add_argument("--hardware", default="h100", help="profile name or profile JSON path")
+    rep.add_argument("--hardware", default=None,
+                     help="profile name or profile JSON path (default: this backend's, as plan())")
     rep.add_argument("--json", help="write the plan as JSON to this path")
     rep.add_argument("--html", help="write a self-contained HTML report to this path")
     rep.add_argument("--no-baselines", action="store_true",

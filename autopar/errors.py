@@ -60,6 +60,10 @@ class AutoparWarning(UserWarning):
     """Base class of every warning autopar gives: the plan is made, with a caveat it names."""
 
 
+class HardwareWarning(AutoparWarning):
+    """The accelerator has no built-in hardware profile: the nearest one is used."""
+
+
 class ShardingConflictWarning(AutoparWarning):
     """Two sharding annotations (hints, ``with_sharding_constraint`` calls, flax metadata, or
     shardings propagated from them) want one value sharded two ways. The user's annotation

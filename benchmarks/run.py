@@ -4,6 +4,7 @@
     python -m benchmarks.run --models gpt,moe --meshes 2x4 --hardware tpu-v5e
     python -m benchmarks.run --suite planning [its options]  # planning-time scaling
     python -m benchmarks.run --suite pipeline [--cases two-node,one-node]
+    python -m benchmarks.run --suite dispatch                # parallelize's per-call cost
 
 The sharding suite compiles, for each example model at realistic widths and each mesh, autopar's
 plan and the hand-written baselines (data parallel, FSDP, Megatron TP+DP with and without a
@@ -33,10 +34,13 @@ _PLANNING_MODULE = "benchmarks.planning_time"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
-    p.add_argument("--suite", choices=("sharding", "planning", "pipeline"), default="sharding",
+    p.add_argument("--suite", choices=("sharding", "planning", "pipeline", "dispatch",
+                                       "long-context"),
+                   default="sharding",
                    help="sharding: autopar vs baselines from compiled HLO (default); planning: "
                         "planning-time scaling (benchmarks/planning_time.py); pipeline: a 26B "
-                        "GPT over two nodes and one (benchmarks/pipeline.py)")
+                        "GPT over two nodes and one (benchmarks/pipeline.py); dispatch: "
+                        "parallelize's per-call cost against jax.jit (benchmarks/dispatch.py)")
     p.add_argument("--cases", default="two-node,one-node",
                    help="the pipeline suite's cases (default: two-node,one-node)")
     p.add_argument("--models", default=",".join(MODELS),
@@ -86,6 +90,15 @@ def run_pipeline_suite(cases: list[str], hardware: str, out: str) -> int:
         f.write(text + "\n")
     with open(os.path.join(out, "pipeline.json"), "w", encoding="utf-8") as f:
         json.dump(rows, f, indent=1, default=str)
+    return 0
+
+
+def run_dispatch_suite() -> int:
+    """The dispatch suite (``benchmarks/dispatch.py``): parallelize's per-call cost against
+    jax.jit's, printed."""
+    _simulate(8)
+    from benchmarks import dispatch
+    print(dispatch.report(dispatch.run()))
     return 0
 
 
@@ -139,6 +152,13 @@ def main(argv=None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.suite == "planning":
         return run_planning_suite(rest)
+    if args.suite == "dispatch":
+        return run_dispatch_suite()
+    if args.suite == "long-context":  # benchmarks/long_context.py; --cases from its CASES
+        _simulate(8)
+        from benchmarks import long_context
+        cases = [] if args.cases == "two-node,one-node" else args.cases.split(",")
+        return long_context.main(cases, args.hardware, args.out)
     if args.suite == "pipeline":
         cases = [c.strip() for c in args.cases.split(",") if c.strip()]
         _simulate(16)   # before jax is imported

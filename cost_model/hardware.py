@@ -52,6 +52,7 @@ import json
 import math
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -60,7 +61,7 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 names with numpy)
 import numpy as np
 
-from autopar.errors import MeshError, ProfileError, UnknownHardwareError
+from autopar.errors import HardwareWarning, MeshError, ProfileError, UnknownHardwareError
 
 __all__ = [
     "PROFILE_FORMAT_VERSION",
@@ -76,6 +77,11 @@ __all__ = [
     "h100",
     "h200",
     "known_profiles",
+    "l4",
+    "nearest_profile",
+    "t4",
+    "tpu_v2",
+    "tpu_v3",
     "tpu_v4",
     "tpu_v5e",
     "tpu_v5p",
@@ -103,6 +109,7 @@ class LevelKind(enum.Enum):
     DCN = "dcn"  # TPU data-center network between slices (through the hosts)
     INFINIBAND = "infiniband"  # GPU scale-out network between nodes
     ETHERNET = "ethernet"  # plain Ethernet scale-out (measured profiles only)
+    PCIE = "pcie"  # GPUs of one host joined by PCIe only (T4, L4: no NVLink)
     HOST = "host"  # simulated devices in one process (memory copies)
 
 
@@ -708,6 +715,89 @@ def tpu_v6e() -> HardwareProfile:
     )
 
 
+def _tpu_per_core(name: str, chip_bf16_flops: float, chip_hbm_bytes_per_s: float,
+                  chip_hbm_bytes: int, link_bytes_per_s: float, slice_chips: int) -> HardwareProfile:
+    """TPU v2/v3: each chip's two TensorCores are two JAX devices, so every per-chip figure
+    is halved; a 2D torus of 4 ICI links per chip, two per axis, shared by the two cores."""
+    profile = _tpu_slice(name, bf16_flops=chip_bf16_flops / 2,
+                         hbm_bytes_per_s=chip_hbm_bytes_per_s / 2, hbm_bytes=chip_hbm_bytes // 2,
+                         ici_axis_bytes_per_s=2 * link_bytes_per_s / 2,
+                         slice_chips=2 * slice_chips,
+                         # Estimate: not published for v2/v3; v4's per-chip figure, halved.
+                         dcn_bytes_per_s=50e9 / 8 / 2)
+    return profile
+
+
+def tpu_v2() -> HardwareProfile:
+    """Cloud TPU v2 (Colab's TPU runtime), one TensorCore per JAX device,
+    https://cloud.google.com/tpu/docs/v2."""
+    return _tpu_per_core(
+        "tpu-v2",
+        # "Peak compute per chip 45 teraflops (bf16)", "HBM2 capacity and bandwidth 16 GiB,
+        # 600 GBps", "TPU Pod size 256 chips", 2D torus: cloud.google.com/tpu/docs/v2.
+        chip_bf16_flops=45 * _TFLOPS, chip_hbm_bytes_per_s=600 * _GB, chip_hbm_bytes=16 * _GIB,
+        # Jouppi et al., "A Domain-Specific Supercomputer for Training Deep Neural Networks"
+        # (CACM 63(7), 2020), Table 3: 4 ICI links per chip at 496 Gbit/s (taken per direction).
+        link_bytes_per_s=496e9 / 8, slice_chips=256)
+
+
+def tpu_v3() -> HardwareProfile:
+    """Cloud TPU v3, one TensorCore per JAX device, https://cloud.google.com/tpu/docs/v3."""
+    return _tpu_per_core(
+        "tpu-v3",
+        # "Peak compute per chip 123 teraflops (bf16)", "HBM2 capacity and bandwidth 32 GiB,
+        # 900 GBps", "TPU Pod size 1024 chips", 2D torus: cloud.google.com/tpu/docs/v3.
+        chip_bf16_flops=123 * _TFLOPS, chip_hbm_bytes_per_s=900 * _GB, chip_hbm_bytes=32 * _GIB,
+        # Jouppi et al. (CACM 2020), Table 3: 4 ICI links per chip at 656 Gbit/s.
+        link_bytes_per_s=656e9 / 8, slice_chips=1024)
+
+
+def _pcie_gpu(name: str, flops: dict, hbm_bytes_per_s: float, hbm_bytes: int,
+              pcie_bytes_per_s: float) -> HardwareProfile:
+    """A GPU whose peers on the host are reached over PCIe only, hosts over Ethernet."""
+    return HardwareProfile(
+        name=name, peak_flops_per_s=dict(flops), hbm_bandwidth_bytes_per_s=hbm_bytes_per_s,
+        hbm_capacity_bytes=hbm_bytes,
+        levels=(
+            # Cloud VMs hold up to 8 such GPUs (e.g. g2-standard-96: 8 L4,
+            # https://cloud.google.com/compute/docs/gpus#l4-gpus); PCIe hops through the host.
+            LinkLevel(LevelKind.PCIE, pcie_bytes_per_s, _IB_LATENCY_S, devices_per_group=8),
+            # Estimate: a 100 Gbit/s VM NIC shared by 8 GPUs; 20 us per step as DCN.
+            LinkLevel(LevelKind.ETHERNET, 100e9 / 8 / 8, _DCN_LATENCY_S, devices_per_group=None),
+        ),
+        matmul_efficiency=_A100_MATMUL_EFFICIENCY,  # estimate: no GEMM study at hand
+        launch_overhead_s=_GPU_LAUNCH_OVERHEAD_S, matmul_tile=128)
+
+
+def t4() -> HardwareProfile:
+    """NVIDIA T4 (Colab's GPU runtime), https://www.nvidia.com/content/dam/en-zz/Solutions/
+    Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf."""
+    return _pcie_gpu(
+        "t4",
+        {"float16": 65 * _TFLOPS,  # "Mixed Precision (FP16/FP32) 65 TFLOPS"
+         # Turing has no bf16 tensor cores: XLA computes bf16 dots in f32 (estimate: FP32 rate).
+         "bfloat16": 8.1 * _TFLOPS,
+         "float32": 8.1 * _TFLOPS},  # "Single-Precision 8.1 TFLOPS"
+        hbm_bytes_per_s=320 * _GB,  # "GPU Memory 16 GB GDDR6, 320+ GB/s"
+        hbm_bytes=16 * 10**9,
+        pcie_bytes_per_s=32 * _GB / 2)  # "Interconnect Bandwidth 32 GB/s" (PCIe 3 x16, both ways)
+
+
+def l4() -> HardwareProfile:
+    """NVIDIA L4, https://www.nvidia.com/en-us/data-center/l4/ (dense = the datasheet's
+    sparsity figures / 2)."""
+    return _pcie_gpu(
+        "l4",
+        {"bfloat16": 121 * _TFLOPS,  # "BF16 Tensor Core 242 teraFLOPS*" / 2
+         "float16": 121 * _TFLOPS,  # "FP16 Tensor Core 242 teraFLOPS*" / 2
+         "float8_e4m3fn": 242.5 * _TFLOPS,  # "FP8 Tensor Core 485 teraFLOPS*" / 2
+         "tensorfloat32": 60 * _TFLOPS,  # "TF32 Tensor Core 120 teraFLOPS*" / 2
+         "float32": 30.3 * _TFLOPS},  # "FP32 30.3 teraFLOPS"
+        hbm_bytes_per_s=300 * _GB,  # "GPU memory bandwidth 300GB/s"
+        hbm_bytes=24 * 10**9,  # "GPU memory 24GB"
+        pcie_bytes_per_s=64 * _GB / 2)  # "Interconnect PCIe Gen4 x16 64GB/s" (both ways)
+
+
 # A100 datasheet: https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
 # (dense numbers; the datasheet's starred figures are 2x with 2:4 sparsity).
 _A100_FLOPS = {
@@ -889,6 +979,8 @@ def cpu() -> HardwareProfile:
 
 _FACTORIES: Mapping[str, Callable[[], HardwareProfile]] = MappingProxyType(
     {
+        "tpu-v2": tpu_v2,
+        "tpu-v3": tpu_v3,
         "tpu-v4": tpu_v4,
         "tpu-v5e": tpu_v5e,
         "tpu-v5p": tpu_v5p,
@@ -898,6 +990,8 @@ _FACTORIES: Mapping[str, Callable[[], HardwareProfile]] = MappingProxyType(
         "h100": h100,
         "h200": h200,
         "b200": b200,
+        "t4": t4,
+        "l4": l4,
         "cpu": cpu,
     }
 )
@@ -908,6 +1002,11 @@ _FACTORIES: Mapping[str, Callable[[], HardwareProfile]] = MappingProxyType(
 # mapped: PCIe/NVL variants have different clocks, memory and links.
 _ALIASES: Mapping[str, str] = MappingProxyType(
     {
+        # TPU v2, v3 (jax's device_kind: "TPU v2", "TPU v3")
+        "v2": "tpu-v2",
+        "tpuv2": "tpu-v2",
+        "v3": "tpu-v3",
+        "tpuv3": "tpu-v3",
         # TPU v4
         "v4": "tpu-v4",
         "tpuv4": "tpu-v4",
@@ -958,6 +1057,10 @@ _ALIASES: Mapping[str, str] = MappingProxyType(
         "hgx-b200": "b200",
         "dgx-b200": "b200",
         "nvidia-b200": "b200",
+        # T4, L4 (device_kind "Tesla T4", "NVIDIA L4")
+        "tesla-t4": "t4",
+        "nvidia-t4": "t4",
+        "nvidia-l4": "l4",
         # CPU
         "host": "cpu",
     }
@@ -1003,18 +1106,49 @@ def _load_profile_file(path: str | os.PathLike) -> HardwareProfile:
 
 
 def _profile_for_device(platform: str, device_kind: str) -> HardwareProfile:
-    """The built-in profile for a jax backend platform and device_kind, or UnknownHardwareError."""
+    """The built-in profile for a jax backend platform and device_kind; for an accelerator
+    without one, the nearest (:func:`nearest_profile`) with a HardwareWarning, or
+    UnknownHardwareError when there is none."""
     if platform == "cpu":
         return cpu()
     name = _canonical(device_kind)
     if name is None or name == "cpu":
-        raise UnknownHardwareError(
-            f"no built-in hardware profile for the default jax backend {platform!r} "
-            f"(device_kind {device_kind!r}). Run `autopar profile` on this machine and pass the "
-            f"JSON file it writes as hardware='<file>.json', or pass the closest built-in name "
-            f"explicitly ({_known_list()})"
-        )
+        name = nearest_profile(platform, device_kind)
+        if name is None:
+            raise UnknownHardwareError(
+                f"no built-in hardware profile for the default jax backend {platform!r} "
+                f"(device_kind {device_kind!r}). Run `autopar profile` on this machine and pass "
+                f"the JSON file it writes as hardware='<file>.json', or pass the closest "
+                f"built-in name explicitly ({_known_list()})")
+        warnings.warn(
+            f"autopar: no built-in hardware profile for {device_kind!r}; planning with the "
+            f"nearest, {name!r}. Pass hardware= to choose, or measure this machine with "
+            "`autopar profile`.", HardwareWarning, stacklevel=4)
     return _FACTORIES[name]()
+
+
+def nearest_profile(platform: str, device_kind: str) -> str | None:
+    """The built-in profile nearest an accelerator without one: a TPU by its generation (the
+    newest built-in one at or below it, else the oldest), an NVIDIA GPU by its family and
+    memory (``a100-40gb`` for an unknown one), else None."""
+    kind = _normalize(device_kind)
+    if platform == "tpu":
+        gen = re.search(r"v(\d+)", kind)
+        tpus = sorted((int(n[5]), n) for n in _FACTORIES if n.startswith("tpu-v"))
+        if gen is None:
+            return "tpu-v5e"
+        below = [n for g, n in tpus if g <= int(gen.group(1))]
+        return "tpu-v" + (below[-1][5:] if below else tpus[0][1][5:])
+    if platform in ("gpu", "cuda", "rocm"):
+        for family, name in (("b200", "b200"), ("h200", "h200"), ("h100", "h100"),
+                             ("h800", "h100"), ("a100", "a100-80gb" if "80" in kind
+                                                 else "a100-40gb"),
+                             ("l4", "l4"), ("t4", "t4")):
+            if family in kind:
+                return name
+        if any(maker in kind for maker in ("nvidia", "tesla", "geforce", "quadro", "rtx")):
+            return "a100-40gb"
+    return None
 
 
 def get_profile(hardware: Any = None) -> HardwareProfile:
@@ -1022,7 +1156,8 @@ def get_profile(hardware: Any = None) -> HardwareProfile:
 
     * ``None``: the profile of the current jax default backend (``"cpu"`` on CPU; GPUs and
       TPUs by ``device_kind``, e.g. ``"NVIDIA H100 80GB HBM3"`` -> h100, ``"TPU v5 lite"`` ->
-      tpu-v5e). An accelerator without a built-in profile raises UnknownHardwareError.
+      tpu-v5e). An accelerator without a built-in profile gets the nearest one (``nearest_profile``)
+      with a HardwareWarning.
     * a :class:`HardwareProfile`: returned as is.
     * an ``os.PathLike``, or a ``str`` ending in ``.json``: a file written by
       ``autopar profile``. A missing or malformed file raises ProfileError naming the path.

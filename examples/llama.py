@@ -7,14 +7,17 @@ autopar plans the NNX model like any pytree of arrays.
     python examples/llama.py --mesh data=2,model=4 --steps 5 --hardware h100
 """
 
+import dataclasses
 import os
 import sys
 
 
-def build(size: str):
+def build(size: str, abstract: bool = False):
     from autopar.models import llama_nnx
-    return llama_nnx.make_train_step(llama_nnx.TINY if size == "tiny" else llama_nnx.REALISTIC)
-
+    # Realistic widths, two layers: the plan of each layer is the same, and two plan faster.
+    config = (llama_nnx.TINY if size == "tiny"
+              else dataclasses.replace(llama_nnx.REALISTIC, layers=2))
+    return llama_nnx.make_train_step(config, abstract=abstract)
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -7,10 +7,10 @@ import os
 import sys
 
 
-def build(size: str):
+def build(size: str, abstract: bool = False):
     from autopar.models import mlp
-    return mlp.make_train_step(mlp.TINY if size == "tiny" else mlp.TP_FRIENDLY_WIDE)
-
+    return mlp.make_train_step(mlp.TINY if size == "tiny" else mlp.TP_FRIENDLY_WIDE,
+                               abstract=abstract)
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

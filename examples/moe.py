@@ -9,10 +9,9 @@ import os
 import sys
 
 
-def build(size: str):
+def build(size: str, abstract: bool = False):
     from autopar.models import moe
-    return moe.make_train_step(moe.TINY if size == "tiny" else moe.REALISTIC)
-
+    return moe.make_train_step(moe.TINY if size == "tiny" else moe.REALISTIC, abstract=abstract)
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -9,10 +9,10 @@ import os
 import sys
 
 
-def build(size: str):
+def build(size: str, abstract: bool = False):
     from autopar.models import convnet
-    return convnet.make_train_step(convnet.TINY if size == "tiny" else convnet.REALISTIC)
-
+    return convnet.make_train_step(convnet.TINY if size == "tiny" else convnet.REALISTIC,
+                                   abstract=abstract)
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -237,4 +237,5 @@ def reductions(graph: Graph, strats, choice, axis_sizes) -> dict[int, int]:
     """Node id -> bytes its partial results' reductions hold while it runs, for the nodes
     that reduce (``cost_model.memory.reduction_bytes``)."""
     return {n.id: reduction_bytes(graph, n, strats[n.id][choice[n.id]], axis_sizes)
-            for n in graph.nodes if strats[n.id][choice[n.id]].collectives}
+            for n in graph.nodes if strats[n.id][choice[n.id]].collectives
+            or strats[n.id][choice[n.id]].scratch_bytes}

@@ -31,6 +31,10 @@ the candidate plans it is compared with (``passes.candidates``) are ranked by th
   ``m >= `` each reader's indicator of that pair carries its cost
   (:meth:`IlpBuilder._add_shared_value`); a reader with more than ``MAX_SHARED_VALUE_PAIRS``
   pairs is charged alone (an over-estimate).
+* Preferences. Among plans the costs cannot tell apart, one whose nodes take the strategies
+  the caller prefers (``preferences``: node -> a penalty per strategy, e.g. the batch on the
+  mesh axis named ``data``): a cost of at most :data:`PREFERENCE` of the largest cost per
+  unit, so far below any real difference (:meth:`IlpBuilder.add_preferences`).
 * Large edges. When the two sides have more than ``MAX_EXACT_EDGE_PAIRS`` spec pairs (most
   tensors on a 3-D mesh), the same construction runs once per mesh axis over the dimension that
   axis splits on each side, with the cost of moving that axis alone: an approximation of the
@@ -57,6 +61,11 @@ MAX_EXACT_EDGE_PAIRS = 625
 # of each reader's spec pair; a reader with more pairs than this is priced alone (more would
 # make the LP relaxation fractional and the solve many times slower).
 MAX_SHARED_VALUE_PAIRS = 64
+#: A preference's cost per unit of penalty: this share of the largest cost, and at most
+#: :data:`PREFERENCE_OF_BOUND` of the objective's lower bound (each group at its cheapest).
+#: Above ``passes.highs.TIE_BREAK`` (the random tie breaks), far below a real difference.
+PREFERENCE = 1e-5
+PREFERENCE_OF_BOUND = 1e-5
 
 
 class IlpBuilder:
@@ -64,8 +73,9 @@ class IlpBuilder:
     :meth:`build`; :meth:`matrices` gives them to the solver."""
 
     def __init__(self, graph: Graph, strats: list[list[Strategy]], groups: Groups,
-                 mesh: MeshContext):
+                 mesh: MeshContext, preferences: dict | None = None):
         self.g, self.strats, self.groups, self.mesh = graph, strats, groups, mesh
+        self.preferences = preferences or {}
         self.offset: dict[int, int] = {}
         self.n = 0
         self.cost: list[float] = []
@@ -97,7 +107,23 @@ class IlpBuilder:
         self.add_node_costs()
         self.add_group_latencies()
         self.add_edges()
+        self.add_preferences()
         return self
+
+    def add_preferences(self) -> None:
+        """Each preferred node's penalty of each of its strategies, at a cost per unit far
+        below the ILP's own (:data:`PREFERENCE`): a tie break between plans."""
+        if not self.preferences:
+            return
+        cost = np.array(self.cost)
+        bound = sum(float(cost[self.offset[g]:self.offset[g] + size].min())
+                    for g, size in self.groups.sizes.items())
+        unit = min(PREFERENCE * max(1.0, float(np.abs(cost).max(initial=0.0))),
+                   PREFERENCE_OF_BOUND * max(1.0, bound))
+        for n, penalty in self.preferences.items():
+            g = self.groups.group_of[n]
+            for i, j in enumerate(self.groups.index_map[n]):
+                self.cost[self.offset[g] + i] += unit * penalty(self.strats[n][j])
 
     def add_groups(self) -> None:
         for g, size in self.groups.sizes.items():

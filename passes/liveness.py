@@ -107,10 +107,13 @@ def reduction_bytes(graph: Graph, node, strategy, axis_sizes) -> int:
     ``strategy``, besides its result: the partial result itself (a contraction split over its
     summed dim makes a full-size partial sum on every device) and each collective's output
     but the last when that is the result. Where XLA:CPU emulates a reduce-scatter, its
-    all-reduce's full-size output is sliced into the result, so it counts too."""
+    all-reduce's full-size output is sliced into the result, so it counts too. A strategy
+    with ``scratch_bytes`` (a region priced whole) holds those instead."""
     steps = strategy.collectives
     if not steps:
-        return 0
+        return strategy.scratch_bytes
+    if strategy.scratch_bytes:  # a region's own buffers (passes.sequence_parallel)
+        return strategy.scratch_bytes
     if strategy.rewrite is not None:  # its steps in turn: one arriving while one is used
         return 2 * max(step.out_bytes for step in steps)
     outs = [step.out_bytes for step in steps]

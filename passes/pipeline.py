@@ -29,6 +29,7 @@ from autopar._sizes import format_bytes
 from autopar.cost_model.spec import Spec
 from autopar.errors import MemoryBudgetWarning, RematWarning
 from autopar.passes import candidates
+from autopar.passes import sequence_parallel  # noqa: F401  (registers attention's strategies)
 from autopar.passes.annotate import annotate
 from autopar.passes.cluster import cluster
 from autopar.passes.dedup import Groups, node_keys, structural_colors, tie_groups
@@ -107,6 +108,8 @@ class PlanOptions:
     ``overlap``: with ``search``, also offer the strategies that hide their communication
     behind their compute (``passes.overlap``) where the hardware runs collectives
     asynchronously; False: none.
+    ``preferences_of``: node id -> a penalty per strategy, the ILP's tie break
+    (``passes.ilp``; the mesh axes' names).
     """
     mesh_ctx: MeshContext
     jax_mesh: Mesh
@@ -115,6 +118,7 @@ class PlanOptions:
     hint_labels_of: LabelsOf | None = None
     ties_of: TiesOf | None = None
     seeds_of: SeedsOf | None = None
+    preferences_of: Callable[[Traced], dict[int, Callable[[Strategy], float]]] | None = None
     time_limit_s: float = 60.0
     search: bool = True
     choice: tuple[int, ...] | None = None
@@ -351,7 +355,9 @@ def _solve(state: _State) -> _State:
 def _ilp(state: _State) -> Solution:
     """The ILP's plan, then the best of it and the candidate plans."""
     o, graph, stats = state.options, state.traced.graph, state.ilp_stats
+    preferences = None if o.preferences_of is None else o.preferences_of(state.traced)
     solution = solve(graph, state.strats, state.groups, o.mesh_ctx, time_limit_s=o.time_limit_s,
+                     preferences=preferences,
                      memory_budget_bytes=o.memory_budget_bytes, warm=state.candidates.plans,
                      progress=o.progress)
     own = estimate(graph, state.strats, solution.choice, o.mesh_ctx,

@@ -32,7 +32,7 @@ __all__ = ["Solution", "SolveStatus", "Source", "greedy", "solve"]
 def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
           time_limit_s: float = 60.0, memory_budget_bytes: float | None = None,
           warm: list[list[int]] | Deferred = (), while_solving: tuple[Deferred, ...] = (),
-          progress=lambda msg: None) -> Solution:
+          progress=lambda msg: None, preferences: dict | None = None) -> Solution:
     """The ILP's plan. ``warm``: plans made elsewhere (propagated ones) to start from, or a
     :class:`passes.background.Deferred` of name -> plan (made while the ILP is built): the
     best objective among them is HiGHS's cutoff (``passes.highs.solve_milp``), and when the
@@ -41,8 +41,9 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
     refitted (``passes.memory_fit.fit_budget``). When none fits, the plan without the budget,
     marked ``fits_budget=False`` (``passes.memory_fit.over_budget_error`` says why).
     ``while_solving``: work started in the background once the ILP is built, to run while
-    HiGHS solves it (``passes.background``), as the budget's rows are."""
-    builder = IlpBuilder(graph, strats, groups, mesh).build()
+    HiGHS solves it (``passes.background``), as the budget's rows are. ``preferences``:
+    node -> a penalty per strategy, a tie break (``passes.ilp``)."""
+    builder = IlpBuilder(graph, strats, groups, mesh, preferences).build()
     c, A, lb, ub, integer = builder.matrices()
     rows = (None if memory_budget_bytes is None else
             Deferred(BudgetRows, graph, strats, groups, mesh, memory_budget_bytes))

@@ -49,6 +49,7 @@ class MeshContext:
     emulated_reduce_scatter: bool = False
     upcast_16bit_collectives: bool = False
     results_held: bool = False  # result buffers live for the whole call (cost_model/memory.py)
+    attention: str | None = None  # a strategy every attention node must take (plan option)
 
     @functools.cached_property
     def sizes_items(self):
@@ -103,6 +104,8 @@ class RewriteKind(enum.Enum):
     MATMUL_REDUCE_SCATTER = "matmul reduce-scatter"
     # passes.overlap.prefetch: a scanned input gathered one iteration ahead (emit_scan)
     PREFETCH = "prefetch"
+    ULYSSES_ATTENTION = "ulysses"   # passes.sequence_parallel: all-to-all sequence <-> heads
+    RING_ATTENTION = "ring"         # passes.sequence_parallel: K/V blocks rotated by ppermute
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,7 @@ class Strategy:
     comm_s: float
     collectives: tuple[CommStep, ...]   # reductions of partial results
     rewrite: Rewrite | None = None      # None: the primitive, its values pinned
+    scratch_bytes: int = 0              # per device, held while it runs besides its results
 
     @property
     def comm_bytes(self) -> float:
@@ -314,10 +318,17 @@ def _fused_bytes(io: FusionIO, node: Node, graph: Graph, in_specs, out_specs,
     return total
 
 
+#: Primitives that list their own strategies (rewrites such as sequence-parallel attention):
+#: primitive -> ``(node, graph, mesh) -> [Strategy]``, filled by the modules that own them.
+STRATEGY_BUILDERS: dict = {}
+
+
 def node_strategies(node: Node, graph: Graph, mesh: MeshContext,
                     io: FusionIO | None = None) -> tuple[list[Strategy], bool]:
     """(strategies, is_fallback) for one node; ``io``: its :func:`fusion_io` (None: it moves
     every operand and result)."""
+    if node.kind is NodeKind.OP and node.primitive in STRATEGY_BUILDERS:
+        return STRATEGY_BUILDERS[node.primitive](node, graph, mesh), False
     in_shapes = tuple(shape for shape, _ in node.in_avals)
     out_shapes = tuple(graph.values[v].shape for v in node.outs)
     ctx = RuleContext(in_shapes, out_shapes)

@@ -22,6 +22,7 @@ from jax.extend.core import primitives as P
 from autopar._compat import primitives, scan_counts
 from autopar._mesh import on_explicit_axes
 from autopar.errors import ArgumentError
+from autopar.passes import attention_match
 from autopar.passes.ir import Graph, NodeKind
 from autopar.passes.rules import info_of
 
@@ -73,7 +74,9 @@ def check_args(args) -> tuple[list, Any]:
 def trace(fn: Callable, args: tuple) -> Traced:
     leaves, in_tree = check_args(args)
     args = jax.tree_util.tree_unflatten(in_tree, [_off_explicit_axes(x) for x in leaves])
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    with attention_match.recognizing():  # autopar.value_and_grad losses: attention_match
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        closed = attention_match.recognize(closed)[0] or closed  # programs with no gradient
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     return from_jaxpr(unwrap_jit(closed), in_tree, out_tree, tuple(out_leaves))
 

@@ -1,4 +1,5 @@
-"""Every example script runs 2 training steps on 8 simulated CPU devices, as a user runs it
+"""Every example script plans its model at realistic size and runs 2 training steps of it at
+toy size with those shardings, on 8 simulated CPU devices, as a user runs it
 (``python examples/X.py --steps 2 --mesh data=2,model=4`` from the repository root)."""
 
 import math
@@ -11,6 +12,10 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("mlp", "gpt2", "llama", "moe", "resnet", "bert")
+#: Examples whose realistic plan must shard weights (tensor or expert parallelism): at toy
+#: size alone every weight is replicated, which shows nothing.
+SHARDS_WEIGHTS = ("mlp", "gpt2", "llama", "moe", "bert")
+_SHARDED = re.compile(r"parameters: (\d+) of (\d+) sharded")
 _STEP = re.compile(r"^\s*step (\d+): loss (\S+)", re.MULTILINE)
 
 
@@ -29,7 +34,11 @@ def test_example_trains_two_steps(name):
     out = done.stdout
     assert "8 simulated CPU devices" in out, out
     assert "autopar plan: mesh {'data': 2, 'model': 4}, hardware profile `h100`" in out, out
-    assert re.search(r"parameters: \d+ of \d+ sharded", out), out
+    assert "At realistic size (planned from ShapeDtypeStructs" in out, out
+    assert "data parallel (every weight replicated) would take" in out, out
+    (big, _), (toy, _) = [(int(a), int(b)) for a, b in _SHARDED.findall(out)]
+    if name in SHARDS_WEIGHTS:
+        assert big > 0 and toy > 0, out
     losses = [float(loss) for _, loss in _STEP.findall(out)]
     assert len(losses) == 2, out
     assert all(math.isfinite(x) for x in losses), losses

@@ -81,8 +81,9 @@ def _run_baseline(step, args, mesh, kind, **kw):
         .lower(*args)
         .compile(compiler_options=FAST_COMPILE)
     )
-    placed = jax.device_put(args, baselines.baseline_named_shardings(kind, args, mesh, **kw))
-    return compiled(*placed), baselines.baseline_shardings(kind, args, mesh, **kw)
+    placed = jax.device_put(args, baselines.baseline_named_shardings(kind, args, mesh, fn=step,
+                                                                     **kw))
+    return compiled(*placed), baselines.baseline_shardings(kind, args, mesh, fn=step, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -154,4 +154,4 @@ def op_flops(node: Node, ctx: RuleContext) -> float:
 
 # The families register themselves on import.
 from autopar.passes.rules import (  # noqa: E402,F401
-    control, dot, elementwise, gather, random, reduction, shape)
+    attention, control, dot, elementwise, gather, random, reduction, shape)

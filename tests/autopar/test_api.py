@@ -237,6 +237,7 @@ def test_host_arrays_and_the_step_s_own_results_share_one_compile(caplog):
     host = jax.tree.map(np.asarray, args)
     with jax.log_compiles(True), caplog.at_level("WARNING"):
         out = run(*host)                       # numpy arrays, as the README's snippet passes
-        run(*out[:2], host[2])                 # the step's own results
+        out = run(*out[:2], host[2])           # the step's own results
+        run(*out[:2], host[2])                 # and again: three calls, one compile
     compiles = [r for r in caplog.records if r.getMessage().startswith("Compiling jit(")]
     assert len(compiles) == 1, [r.getMessage()[:80] for r in compiles]

@@ -1,0 +1,151 @@
+"""What mesh axis names mean: axes named ``data``, ``batch``, ``dp`` or ``fsdp`` carry the
+batch, and ``model``, ``tensor``, ``tp`` or ``expert`` carry model dimensions, as users of
+MaxText and pod setups expect.
+
+Among plans predicted equally fast the planner takes one that follows the names (a tie break
+in the ILP, ``passes.ilp``); ``plan(batch_axes=...)`` makes the batch axes explicit and pins
+the batch's leading dim on them. :func:`check` says when a plan splits the batch otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autopar.cost_model.spec import Spec
+from autopar.errors import ArgumentError
+
+BATCH_NAMES = ("data", "batch", "dp", "fsdp")
+MODEL_NAMES = ("model", "tensor", "tp", "expert")
+
+
+@dataclass(frozen=True)
+class AxisRoles:
+    """``batch``: the axes that carry the batch; ``model``: those that carry model dims;
+    ``explicit``: given as ``plan(batch_axes=...)`` rather than read from the names."""
+    batch: tuple[str, ...]
+    model: tuple[str, ...]
+    explicit: bool
+
+    def penalty(self, spec: Spec) -> float:
+        """How far a batch leaf's spec is from the roles: each axis on its leading dim that
+        is not a batch axis, and each batch axis missing from it."""
+        if spec.rank == 0:
+            return 0.0
+        lead = spec.dims[0]
+        return float(sum(a not in self.batch for a in lead)
+                     + sum(a not in lead for a in self.batch))
+
+    def state_penalty(self, spec: Spec) -> float:
+        """How far a parameter's (or other state's) spec is from the roles: half a unit per
+        batch axis that splits it, so that of two equally fast plans the one that splits
+        weights over the model axes is taken (ZeRO over the batch axes still wins wherever
+        it is faster)."""
+        return 0.5 * sum(a in self.batch for a in spec.axes)
+
+    def to_dict(self) -> dict:
+        return {"batch_axes": list(self.batch), "model_axes": list(self.model),
+                "explicit": self.explicit}
+
+
+def roles(axis_names: Sequence[str], batch_axes=None) -> AxisRoles:
+    """The roles of a mesh's axes: ``batch_axes`` (a name or names) when given, else by name."""
+    if batch_axes is None:
+        return AxisRoles(tuple(a for a in axis_names if a in BATCH_NAMES),
+                         tuple(a for a in axis_names if a in MODEL_NAMES), False)
+    given = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    unknown = [a for a in given if a not in axis_names]
+    if unknown or not given or not all(isinstance(a, str) for a in given):
+        raise ArgumentError(f"`batch_axes` must name axes of the mesh ({', '.join(axis_names)}),"
+                            f" got {batch_axes!r}")
+    return AxisRoles(given, tuple(a for a in axis_names if a not in given), True)
+
+
+def batch_leaves(traced, ties: Sequence[tuple[int, int]]) -> list[int]:
+    """Flat input indices of the batch: the leaves (rank >= 1) of every argument after the
+    first that no result replaces (``ties``: (output, input) pairs; new parameters and
+    optimizer state replace theirs). Empty for a function of one argument."""
+    per_arg = [t.num_leaves for t in traced.in_tree.children()]
+    if len(per_arg) < 2:
+        return []
+    tied = {i for _, i in ties}
+    first = per_arg[0]
+    return [i for i in range(first, sum(per_arg))
+            if i not in tied and len(traced.in_avals[i].shape) >= 1]
+
+
+#: With ``batch_axes=`` given, a reader of the batch that takes it split otherwise costs this
+#: many tie-break units (``passes.ilp.PREFERENCE``): about a tenth of the largest cost, a
+#: request the plan pays for rather than a tie break.
+EXPLICIT_WEIGHT = 1e4
+
+
+def preferences(graph, leaves: Sequence[int], axis_roles: AxisRoles) -> dict:
+    """The ILP's preferences (node id -> a penalty per strategy): each input by its role
+    (:meth:`AxisRoles.penalty` for the batch ``leaves``, :meth:`AxisRoles.state_penalty` for
+    the rest); with explicit roles also every reader of the batch, by the spec it reads the
+    batch in, at :data:`EXPLICIT_WEIGHT`: so the batch stays on its axes past the inputs."""
+    if not axis_roles.batch:
+        return {}
+    batch = set(leaves)
+    out = {}
+    for i, node in enumerate(graph.input_nodes):
+        role = axis_roles.penalty if i in batch else axis_roles.state_penalty
+        out[node] = lambda st, role=role: role(st.out_specs[0])
+    if not axis_roles.explicit:
+        return out
+    values = {graph.nodes[graph.input_nodes[i]].outs[0] for i in leaves}
+    for reader in graph.nodes:
+        positions = [pos for pos, v in enumerate(reader.ins) if v in values]
+        if positions and reader.id not in out:
+            out[reader.id] = lambda st, positions=positions: EXPLICIT_WEIGHT * sum(
+                axis_roles.penalty(st.in_specs[p]) for p in positions
+                if st.in_specs[p] is not None)
+    return out
+
+
+def pin_batch(specs: list, traced, leaves: Sequence[int], batch: tuple[str, ...],
+              sizes: dict[str, int]) -> list:
+    """``specs`` (a Spec or None per input leaf) with each batch leaf left free (None) split
+    on its leading dim over the batch axes that divide it, in order."""
+    specs = list(specs)
+    for i in leaves:
+        if specs[i] is not None:
+            continue
+        shape = traced.in_avals[i].shape
+        axes, size = [], 1
+        for a in batch:
+            if shape[0] % (size * sizes[a]) == 0:
+                axes.append(a)
+                size *= sizes[a]
+        specs[i] = Spec((tuple(axes),) + ((),) * (len(shape) - 1))
+    return specs
+
+
+def check(graph, strats, choice, leaves: Sequence[int], axis_roles: AxisRoles,
+          sizes: dict[str, int]) -> dict:
+    """``plan.stats["axis_roles"]``: the roles, the axes the program splits the batch over
+    (the leading dim of each batch leaf as its readers take it), and a ``note`` when a
+    non-batch axis splits it while the mesh names batch axes."""
+    values = {graph.nodes[graph.input_nodes[i]].outs[0]: graph.input_nodes[i] for i in leaves}
+    split: set[str] = set()
+    for node in values.values():
+        own = strats[node][choice[node]].out_specs[0]
+        split.update(own.dims[0] if own.rank else ())
+    for reader in graph.nodes:
+        for pos, v in enumerate(reader.ins):
+            if v in values:
+                spec = strats[reader.id][choice[reader.id]].in_specs[pos]
+                split.update(spec.dims[0] if spec is not None and spec.rank else ())
+    out = {**axis_roles.to_dict(), "batch_split_over": sorted(split)}
+    others = sorted(a for a in split if a not in axis_roles.batch)
+    if axis_roles.batch and others:
+        on = " x ".join(f"{a}({sizes[a]})" for a in others)
+        names = ", ".join(f"`{a}`" for a in axis_roles.batch)
+        keep = ", ".join(repr(a) for a in axis_roles.batch)
+        out["note"] = (f"the batch is split over {on}, not only over {names} as the axis names "
+                       f"say: predicted faster (batch_axes=({keep},) keeps it on the batch axes)")
+    elif axis_roles.batch and not split and math.prod(sizes[a] for a in axis_roles.batch) > 1:
+        out["note"] = "the batch is not split: replicated work is predicted faster"
+    return out

@@ -1,0 +1,69 @@
+"""Axis names mean something (autopar/_axis_roles.py): the batch goes on `data` wherever plans
+are equally fast, `batch_axes=` pins it, and a plan that splits it elsewhere says so."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import autopar
+from autopar._axis_roles import roles
+from autopar.cost_model.spec import Spec
+
+
+def _step(batch=2048, d=256, h=1024):
+    def loss_fn(params, x, y):
+        h = jax.nn.relu(x @ params["w1"])
+        return jnp.mean((h @ params["w2"] - y) ** 2)
+
+    def train_step(params, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    rng = np.random.default_rng(0)
+    params = {"w1": rng.normal(0, 0.02, (d, h)).astype(np.float32),
+              "w2": rng.normal(0, 0.02, (h, d)).astype(np.float32)}
+    x = rng.normal(size=(batch, d)).astype(np.float32)
+    return train_step, (params, x, np.zeros((batch, d), np.float32))
+
+
+def _mesh(names):
+    return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), names,
+                axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+@pytest.mark.parametrize("names", [("data", "model"), ("model", "data")])
+def test_equally_fast_plans_put_the_batch_on_data(names):
+    step, args = _step()
+    plan = autopar.plan(step, *args, mesh=_mesh(names), hardware="h100", verbose=False)
+    specs = [s.spec for s in jax.tree.leaves(plan.in_shardings)]
+    assert specs[2:] == [jax.sharding.PartitionSpec("data")] * 2, specs
+    assert "model" in str(specs[0]) + str(specs[1]), specs  # the weights over `model`
+    assert plan.stats["axis_roles"]["batch_split_over"] == ["data"]
+    assert "note" not in plan.stats["axis_roles"]
+
+
+def test_batch_axes_pins_the_batch_and_a_plan_against_the_names_says_so():
+    step, args = _step(batch=512, d=512, h=2048)  # the README's quickstart
+    mesh = {"model": 2, "data": 4}  # tensor parallelism is cheaper over the larger axis
+    free = autopar.plan(step, *args, mesh=mesh, hardware="h100", verbose=False)
+    assert free.stats["axis_roles"]["batch_split_over"] == ["model"]
+    assert "batch_axes=('data',)" in free.stats["axis_roles"]["note"]
+    pinned = autopar.plan(step, *args, mesh=mesh, hardware="h100", verbose=False,
+                          batch_axes="data")
+    specs = [s.spec for s in jax.tree.leaves(pinned.in_shardings)]
+    assert specs[2:] == [jax.sharding.PartitionSpec("data")] * 2, specs
+    assert pinned.stats["axis_roles"]["explicit"]
+    assert pinned.estimate.step_time_s >= free.estimate.step_time_s
+    _, want = jax.jit(step)(*args)
+    np.testing.assert_allclose(pinned.jit()(*args)[1], want, rtol=2e-3)
+
+
+def test_roles_from_names_and_a_bad_batch_axes():
+    r = roles(("data", "model", "stage"))
+    assert (r.batch, r.model, r.explicit) == (("data",), ("model",), False)
+    assert r.penalty(Spec((("data",), ()))) == 0
+    assert r.penalty(Spec((("model",), ()))) == 2  # model on the batch, data missing
+    with pytest.raises(autopar.ArgumentError, match="`batch_axes`"):
+        roles(("data", "model"), batch_axes="rows")

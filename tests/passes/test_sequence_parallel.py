@@ -1,0 +1,178 @@
+"""Sequence-parallel attention (passes.attention, passes.sequence_parallel): each strategy,
+forced or chosen, computes what one device computes, forward and gradients; bad requests are
+AutoparErrors; the memory budget finds a sequence-parallel plan where nothing else fits."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autopar
+from autopar.models import common
+from autopar.passes import attention as attn
+from autopar.passes import attention_match
+
+HEAD_DIM = 16
+
+
+def _qkv(batch, seq, heads, kv_heads, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (batch, seq, heads, HEAD_DIM))
+    k = jax.random.normal(ks[1], (batch, seq, kv_heads, HEAD_DIM))
+    v = jax.random.normal(ks[2], (batch, seq, kv_heads, HEAD_DIM))
+    w = jax.random.normal(ks[3], (batch, seq, heads, HEAD_DIM))
+    return q, k, v, w
+
+
+def _padding(batch, seq):
+    """Key masks with the last 3/8 of every other sequence padded."""
+    lengths = np.where(np.arange(batch) % 2, seq - 3 * seq // 8, seq)
+    return jnp.asarray(np.arange(seq)[None, :] < lengths[:, None])
+
+
+def _close(got, want, rtol=2e-3):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        scale = float(jnp.abs(b).max()) + 1e-6
+        assert float(jnp.abs(a - b).max()) <= rtol * scale
+
+
+def _collectives(plan, *args) -> set[str]:
+    """The shard_map regions' collectives in the lowered program (no second compile)."""
+    return set(re.findall(r"stablehlo\.(all_to_all|collective_permute)",
+                          plan.jit().lower(*args).as_text()))
+
+
+def _value_and_grads(attend, mask, w):
+    def loss(q, k, v):
+        return jnp.sum(attend(q, k, v, mask) * w)
+    return lambda q, k, v: jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+@pytest.mark.parametrize("causal,groups,padded", [(True, 2, True), (False, 1, False)])
+def test_kernels_equal_plain_attention(causal, groups, padded, monkeypatch):
+    monkeypatch.setattr(attn, "BLOCK_K", 16)  # several key blocks
+    q, k, v, w = _qkv(2, 64, 2 * groups, 2)
+    mask = _padding(2, 64) if padded else None
+    got = jax.jit(_value_and_grads(
+        lambda q, k, v, m: attn.attention(q, k, v, m, causal=causal), mask, w))(q, k, v)
+    want = jax.jit(_value_and_grads(
+        lambda q, k, v, m: attn.reference(q, k, v, m, causal=causal), mask, w))(q, k, v)
+    _close(got, want)
+
+
+@pytest.mark.parametrize("strategy,causal,groups,padded,collective", [
+    ("ulysses", True, 2, True, "all_to_all"),
+    ("ring", True, 1, True, "collective_permute"),
+])
+def test_forced_strategy_on_8_devices(strategy, causal, groups, padded, collective,
+                                      monkeypatch):
+    monkeypatch.setattr(attn, "BLOCK_K", 16)  # several key blocks per device
+    q, k, v, w = _qkv(2, 256, 8 * groups, 8)
+    mask = _padding(2, 256) if padded else jnp.ones((2, 256), bool)
+    step = _value_and_grads(
+        lambda q, k, v, m: autopar.attention(q, k, v, m, causal=causal, strategy=strategy),
+        mask, w)
+    plan = autopar.plan(step, q, k, v, mesh={"x": 8}, pipeline=None)
+    assert all(label.endswith(f"{strategy}(x)") for label in plan.stats["attention"])
+    assert f"attention backward: {strategy}(x)" in plan.report()   # the per-layer table
+    want = jax.jit(_value_and_grads(
+        lambda q, k, v, m: attn.reference(q, k, v, m, causal=causal), mask, w))(q, k, v)
+    _close(plan.jit()(q, k, v), want)
+    assert collective in _collectives(plan, q, k, v)
+
+
+def _projected_loss(batch, seq, kv_heads, groups, causal, mask):
+    """A loss whose attention is written in jnp (as the example models do), GQA by repeat."""
+    heads = kv_heads * groups
+
+    def loss(p, x):
+        q = (x @ p["wq"]).reshape(batch, seq, heads, HEAD_DIM)
+        k = (x @ p["wk"]).reshape(batch, seq, kv_heads, HEAD_DIM)
+        v = (x @ p["wv"]).reshape(batch, seq, kv_heads, HEAD_DIM)
+        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(HEAD_DIM)
+        valid = mask[:, None, None, :]
+        if causal:
+            valid = valid & common.causal_mask(seq)
+        s = jnp.where(valid, s, -1e30)
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+        return jnp.mean(jnp.tanh(o))
+
+    ks = jax.random.split(jax.random.key(1), 4)
+    params = {name: jax.random.normal(key, (32, n * HEAD_DIM)) * 0.3 for name, key, n in
+              (("wq", ks[0], heads), ("wk", ks[1], kv_heads), ("wv", ks[2], kv_heads))}
+    return loss, params, jax.random.normal(ks[3], (batch, seq, 32))
+
+
+@pytest.mark.parametrize("shape,attention,causal,groups,padded", [
+    ((2, 4), "ulysses", True, 2, False),
+    ((2, 2, 2), "ring", False, 1, True),
+    ((2, 2, 2), None, True, 2, True),
+])
+def test_recognized_attention_planned_on_2d_and_3d_meshes(shape, attention, causal, groups,
+                                                          padded, monkeypatch):
+    monkeypatch.setattr(attn, "BLOCK_K", 32)
+    names = ("a", "b", "c")[:len(shape)]
+    mask = _padding(2, 256) if padded else jnp.ones((2, 256), bool)
+    loss, params, x = _projected_loss(2, 256, 4, groups, causal, mask)
+
+    def step(p, x):
+        return autopar.value_and_grad(loss)(p, x)
+
+    plan = autopar.plan(step, params, x, mesh=dict(zip(names, shape)), attention=attention,
+                        pipeline=None)
+    labels = plan.stats["attention"]
+    assert [label.split(":")[0] for label in labels] == ["forward", "backward"]
+    if attention is not None:
+        assert all(f"{attention}(" in label for label in labels)
+    _close(plan.jit()(params, x), jax.jit(jax.value_and_grad(loss))(params, x))
+
+
+def test_recognition_needs_the_forward_pass():
+    mask = jnp.ones((2, 64), bool)
+    loss, params, x = _projected_loss(2, 64, 2, 2, True, mask)
+    forward = jax.make_jaxpr(loss)(params, x)
+    assert attention_match.recognize(forward)[1] == 1
+    differentiated = jax.make_jaxpr(jax.grad(loss))(params, x)
+    assert attention_match.recognize(differentiated)[1] == 0  # its backward reads the probs
+
+
+def _abstract_step(seq, heads, kv_heads, batch=1, head_dim=64):
+    shape = jax.ShapeDtypeStruct
+    q = shape((batch, seq, heads, head_dim), jnp.bfloat16)
+    kv = shape((batch, seq, kv_heads, head_dim), jnp.bfloat16)
+
+    def step(q, k, v):
+        return jax.grad(lambda q, k, v: jnp.sum(autopar.attention(q, k, v, causal=True)
+                                                .astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+    return step, (q, kv, kv)
+
+
+def test_bad_requests_name_the_problem_and_the_fix():
+    step, args = _abstract_step(1024, heads=8, kv_heads=2)
+    with pytest.raises(autopar.AutoparError, match=r"does not divide the 2 kv heads.*ring"):
+        autopar.plan(step, *args, mesh={"x": 8}, attention="ulysses", pipeline=None)
+    step, args = _abstract_step(1020, heads=8, kv_heads=8)
+    with pytest.raises(autopar.AutoparError, match=r"1020 is not a multiple of mesh axis `x`"):
+        autopar.plan(step, *args, mesh={"x": 8}, attention="ring", pipeline=None)
+    with pytest.raises(autopar.ArgumentError, match="`attention='rings'`"):
+        autopar.plan(step, *args, mesh={"x": 8}, attention="rings", pipeline=None)
+    q = jnp.zeros((1, 64, 6, 16))
+    with pytest.raises(autopar.ArgumentError, match="kv_heads must divide"):
+        autopar.attention(q, jnp.zeros((1, 64, 4, 16)), jnp.zeros((1, 64, 4, 16)))
+
+
+def test_memory_budget_finds_sequence_parallel_attention():
+    # one kv head and a batch of one: neither heads nor batch split; only the sequence can
+    step, args = _abstract_step(32768, heads=32, kv_heads=1, head_dim=128)
+    plan = functools.partial(autopar.plan, step, *args, mesh={"x": 8}, hardware="h100",
+                             pipeline=None)
+    replicated, ring = plan(attention="replicated"), plan(attention="ring")
+    assert ring.estimate.peak_memory_bytes < replicated.estimate.peak_memory_bytes
+    budget = (ring.estimate.peak_memory_bytes + replicated.estimate.peak_memory_bytes) // 2
+    fitted = plan(memory_budget=budget, check_memory=False)
+    assert fitted.estimate.peak_memory_bytes <= budget
+    assert all(label.endswith("ring(x)") for label in fitted.stats["attention"])
