@@ -17,9 +17,9 @@ from autopar._check_memory import check_compiled_memory
 from autopar._gc import with_gc_paused
 from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar._multiprocess import process_0_plan
-from autopar import _pipeline, _stage_plan
+from autopar import _inputs, _pipeline, _stage_plan
 from autopar._plan import Plan, in_sharding
-from autopar._sizes import parse_bytes
+from autopar._sizes import format_bytes
 from autopar.baselines import baseline_kinds, baseline_kwargs, baseline_shardings
 from autopar.errors import ArgumentError, InfeasiblePlanError, PipelineError
 from autopar.passes.estimate import estimate, plan_collectives
@@ -214,16 +214,15 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
       plan = autopar.plan(train_step, params, opt_state, batch, mesh={"data": 2, "model": 4})
       params, opt_state, loss = plan.jit()(params, opt_state, batch)
     """
-    if isinstance(memory_budget, str):
-        try:
-            memory_budget = parse_bytes(memory_budget)
-        except ValueError as e:
-            raise ArgumentError(f"`memory_budget`: {e}") from None
-    if memory_budget is not None and not (isinstance(memory_budget, (int, float))
-                                          and not isinstance(memory_budget, bool)
-                                          and memory_budget > 0):
-        raise ArgumentError(f"`memory_budget` must be a positive number of bytes per device "
-                            f"or a size such as \"40GiB\", got {memory_budget!r}")
+    _inputs.example_arguments(fn, example_args)
+    checked = _inputs.options(dict(
+        mesh=mesh, hardware=hardware, memory_budget=memory_budget, in_shardings=in_shardings,
+        out_shardings=out_shardings, search=search, logical_axis_rules=logical_axis_rules,
+        time_limit_s=time_limit_s, tie_state=tie_state, axis_level_overrides=axis_level_overrides,
+        baseline_seeds=baseline_seeds, remat=remat, check_memory=check_memory, verbose=verbose,
+        pipeline=pipeline))
+    memory_budget, time_limit_s = checked["memory_budget"], checked["time_limit_s"]
+    in_shardings, out_shardings = checked["in_shardings"], checked["out_shardings"]
     options = {"mesh": mesh, "hardware": hardware, "in_shardings": in_shardings,
                "out_shardings": out_shardings, "search": search,
                "logical_axis_rules": logical_axis_rules, "time_limit_s": time_limit_s,
@@ -323,8 +322,8 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
     marked = _pipeline.marked(context)
     if not search and target_bytes is not None and est.peak_memory_bytes > target_bytes:
         raise InfeasiblePlanError(
-            f"with search=False the propagated plan peaks at {est.peak_memory_bytes / 2**20:.1f} "
-            f"MiB per device, over memory_budget={target_bytes / 2**20:.1f} MiB; propagation "
+            f"with search=False the propagated plan peaks at {format_bytes(est.peak_memory_bytes)} "
+            f"per device, over `memory_budget` = {format_bytes(target_bytes)}; propagation "
             "does not search for a plan that fits. Use search=True (the default) to let the "
             "ILP fit the budget, or annotate more of the program (e.g. shard the parameters).")
     traced = result.traced
@@ -548,6 +547,8 @@ def parallelize(fn: Callable | None = None, *, mesh, static_argnums=(), static_a
       def train_step(params, opt_state, batch): ...
     """
     def wrap(f):
-        return Parallelized(f, dict(plan_kwargs, mesh=mesh), static_argnums, static_argnames,
-                            donate_argnums, cache_dir)
+        static, names, donate = _inputs.parallelize_arguments(
+            f, static_argnums, static_argnames, donate_argnums, cache_dir)
+        kwargs = _inputs.options(dict(plan_kwargs, mesh=mesh))
+        return Parallelized(f, kwargs, static, names, donate, cache_dir)
     return wrap if fn is None else wrap(fn)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from autopar._plan import Plan
+from autopar._sizes import format_bytes
 from autopar.errors import InfeasiblePlanError
 from autopar.cost_model.hlo import compiled_peak_bytes
 
@@ -29,7 +30,7 @@ def compiled_peak(plan: Plan) -> int:
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    return format_bytes(n)
 
 
 def check_compiled_memory(plan: Plan, budget_bytes: float,

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from autopar._sizes import format_bytes
 from autopar.errors import InfeasiblePlanError
 from autopar.passes.dedup import Groups
 from autopar.passes.highs import solve_milp
@@ -265,7 +266,7 @@ def _smallest_peak(graph: Graph, strats, groups: Groups, mesh: MeshContext,
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return format_bytes(n)
 
 
 #: What shrinks each part of a peak, for the InfeasiblePlanError message.

@@ -24,7 +24,7 @@ ARGS = (jnp.ones((16, 16)), jnp.ones((8, 16)))
     ({"data": 3}, "covers 3 devices but 8 exist"),
     ({"data": 2, "model": 2}, "covers 4 devices"),
     ({}, "has no axes"),
-    ({"data": 0}, "not a positive integer"),
+    ({"data": 0}, "give a positive integer"),
     ("data=2,model", "malformed mesh"),
     ([2, 4], "must be a jax.sharding.Mesh or a dict"),
 ])
