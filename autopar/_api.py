@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from autopar._cache import PlanCache, dtype_name, graph_fingerprint
+from autopar._cache import PlanCache, dtype_name
 from autopar._check_memory import check_compiled_memory
 from autopar._gc import with_gc_paused
 from autopar._mesh import as_auto_mesh, axis_sizes
@@ -464,18 +464,12 @@ class Parallelized:
             options = {k: v for k, v in self._kwargs.items() if k not in ("mesh", "verbose")}
             disk_key = self._disk.key(self._fn, as_auto_mesh(self._kwargs["mesh"]),
                                       get_profile(self._kwargs.get("hardware")), signature,
-                                      static, options)
-            entry = self._disk.load(disk_key)
-            if entry is not None:
-                try:
-                    p = plan(bound, *dynamic, **self._kwargs, _choice=entry["choice"],
-                             _remat=entry.get("remat"))
-                except ValueError:
-                    p = None
-                if p is not None and graph_fingerprint(p._details[0]) == entry["fingerprint"]:
-                    self.plans_loaded += 1
-                    return p
-                PlanCache.stale(f"for `{self.__name__}`")
+                                      static, options, dynamic)
+            p = self._disk.lookup(disk_key, lambda choice, remat: plan(
+                bound, *dynamic, **self._kwargs, _choice=choice, _remat=remat))
+            if p is not None:
+                self.plans_loaded += 1
+                return p
         p = plan(bound, *dynamic, **self._kwargs)
         self.plans_made += 1
         if disk_key is not None:

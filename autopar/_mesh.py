@@ -15,8 +15,9 @@ from autopar._compat import backends_initialized
 from autopar._meshspec import parse_mesh_spec
 from autopar.errors import MeshError
 
-_SIMULATE = ("To simulate devices on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N "
-             "before jax is imported (with the CLI: --simulate-devices N).")
+SIMULATE_HINT = ("To simulate devices on CPU, set "
+                 "XLA_FLAGS=--xla_force_host_platform_device_count=N "
+                 "before jax is imported (with the CLI: --simulate-devices N).")
 
 
 def as_auto_mesh(mesh) -> Mesh:
@@ -79,7 +80,7 @@ def _mesh_from_dict(axes: dict[str, int]) -> Mesh:
     need = math.prod(axes.values())
     if need > len(devices):
         raise MeshError(f"mesh {axes} needs {need} devices but {len(devices)} "
-                        f"{devices[0].platform} device(s) exist. {_SIMULATE}")
+                        f"{devices[0].platform} device(s) exist. {SIMULATE_HINT}")
     if need != len(devices):
         raise MeshError(f"mesh {axes} covers {need} devices but {len(devices)} exist: make the "
                         f"sizes multiply to {len(devices)}, or pass a jax.sharding.Mesh over the "
