@@ -132,7 +132,7 @@ def _progress(enabled: bool | None):
 
 def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
          in_shardings=None, out_shardings=None, search: bool = True, logical_axis_rules=None,
-         time_limit_s: float = 60.0, tie_state: bool = True, axis_level_overrides=None,
+         time_limit_s: float = 300.0, tie_state: bool = True, axis_level_overrides=None,
          baseline_seeds: bool = True, remat: bool | str = True,
          check_memory: bool | None = None, verbose: bool | None = None,
          pipeline="auto", _choice=None, _remat=None) -> Plan:
@@ -162,11 +162,11 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         Pass the boxed arguments as they are; see ``passes/flax_metadata.py``.
       search: False plans like plain GSPMD: the annotations plus their propagation, no ILP;
         values propagation leaves free are replicated. Fast, and a baseline for the search.
-      time_limit_s: each ILP solve's time limit; on it the best plan found so far is kept.
-        A solve whose LP relaxation is not integral may run a quarter over it (the MIP gets
-        at least a quarter of the limit after the LP); a plan over the memory budget is
-        refitted by a few more solves, each limited to at most as long
-        (``passes/highs.py``, ``passes/memory_fit.py``).
+      time_limit_s: a safety net on each ILP solve's wall-clock time. Solves are bounded by
+        work (simplex iterations, branch-and-bound nodes: ``passes/highs.py``), so the same
+        inputs give the same plan on a busy machine and an idle one; when this limit stops
+        a solve first, the best plan found so far is kept and a ``SolverFallbackWarning``
+        says the plan may depend on the machine.
       tie_state: results that replace an argument (same pytree path, shape and dtype, such as
         new parameters) keep that argument's sharding.
       axis_level_overrides: e.g. ``{"data": "dcn"}``: which interconnect a mesh axis crosses.

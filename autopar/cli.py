@@ -336,8 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--remat", choices=tuple(_REMAT), default="auto",
                      help="rematerialize layers when no sharding fits the budget (auto), "
                           "never (off), or every layer with this policy")
-    rep.add_argument("--time-limit", type=_positive_seconds, default=60.0, metavar="SECONDS",
-                     help="each ILP solve's time limit (default 60)")
+    rep.add_argument("--time-limit", type=_positive_seconds, default=300.0, metavar="SECONDS",
+                     help="a safety net on each ILP solve's wall-clock time (default 300; "
+                          "solves are bounded by work, so plans do not depend on load)")
     rep.add_argument("--simulate-devices", type=_count(1), default=0, metavar="N",
                      help="run on N simulated CPU devices")
     rep.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -81,6 +81,7 @@ def test_indivisible_shapes_still_plan():
     assert jnp.allclose(plan.jit()(w, x), _fn(w, x))
 
 
+@pytest.mark.filterwarnings("ignore:autopar. HiGHS reached:autopar.errors.SolverFallbackWarning")
 @pytest.mark.parametrize("seeds", [False, True])
 def test_ilp_time_limit_falls_back_and_says_so(seeds):
     """Without a solution in time the plan is greedy; with baseline seeds the ILP starts from
