@@ -54,7 +54,7 @@ def test_report_writes_json_and_html(tmp_path):
      "not a positive number of seconds"),
     (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=2,model=4", "--memory-budget",
       "100KiB", "--simulate-devices", "8", "--no-baselines"],
-     "no sharding plan fits `memory_budget` = 0.1 MiB"),
+     "no sharding plan fits `memory_budget` = 100.0 KiB"),
 ])
 def test_bad_input_exits_nonzero_without_traceback(argv, message):
     r = _run(*argv)
