@@ -118,7 +118,7 @@ class PlanCache:
     cannot be made or used gives a warning, and a cache that stores and finds nothing."""
 
     def __init__(self, directory: str | os.PathLike):
-        self.directory = os.fspath(directory)
+        self.directory = os.path.expanduser(os.fspath(directory))
         self.usable = True
         try:
             os.makedirs(self.directory, exist_ok=True)

@@ -193,9 +193,10 @@ def _hard_rows(refit: _Refit, cutoff_us: float, objective_us: float, time_limit_
     """The cheapest plan under the memory rows of ``budget.cuts`` as hard constraints and
     faster than ``cutoff_us``, each solve adding rows where its plan is over the budget, for
     at most :data:`HARD_ROW_SOLVES` solves of :data:`HARD_ROW_WORK` each (``time_limit_s``:
-    each one's safety-net time limit); None when none fits. The penalty solves price every byte at every row, so the plans between a
-    penalty's last plan over the budget and its first under it are out of their reach (not
-    on the convex hull); the rows as constraints reach them."""
+    each one's safety-net time limit); None when none fits. The penalty solves price every
+    byte at every row, so the plans between a penalty's last plan over the budget and its
+    first under it are out of their reach (not on the convex hull); the rows as constraints
+    reach them."""
     builder, budget, progress = refit.builder, refit.budget, refit.progress
     for _ in range(HARD_ROW_SOLVES):
         c, A, lb, ub, integer = builder.matrices(

@@ -203,12 +203,14 @@ BAD_FILES = [b"null", b"[]", b"3", b"-1.5", b'"plan"', b"true", b"", b"{", b"\xf
              b'{"format_version": "1"}', b"[" * 100_000, b"\x00" * 64, "{\"é\": 1}".encode()]
 BAD_VALUES = [None, "x", 3, -1, [], {}, [None], {"a": 1}, True, [[1, 2]]]
 #: field -> the values a plan file may hold there (not errors).
-VALID = {"pipeline": [None], "hardware": ["x"], "stats": [{}, {"a": 1}], "fallbacks": [{}, {"a": 1}],
-         "donate_argnums": [[]], "in_shardings": [[]], "out_shardings": [[]]}
+VALID = {"pipeline": [None], "hardware": ["x"], "stats": [{}, {"a": 1}],
+         "fallbacks": [{}, {"a": 1}], "donate_argnums": [[]], "in_shardings": [[]],
+         "out_shardings": [[]]}
 FIELDS = ["mesh", "hardware", "estimate", "in_shardings", "out_shardings", "donate_argnums",
           "fallbacks", "stats", "pipeline"]
 #: Deeper edits: a path into the JSON and a bad value there.
-DEEP = [(("mesh", "axis_names"), v) for v in ([1], ["データ"], [], ["a", "b"], "data", [None])] + [
+DEEP = [(("mesh", "axis_names"), v)
+        for v in ([1], ["データ"], [], ["a", "b"], "data", [None])] + [
     (("mesh", "axis_sizes"), v) for v in ([0], [-8], [8.0], [True], [4], "8", [2, 2, 2])] + [
     (("mesh", "device_ids"), v) for v in ([0] * 8, [99] * 8, list(range(4)), "0", [0.0] * 8,
                                          list(range(100, 108)))] + [
