@@ -61,7 +61,9 @@ def _spec_from_json(entries, axes: tuple, what: str) -> PartitionSpec:
     """A saved spec: a list whose entries are None, an axis of ``axes``, or a list of them,
     each axis at most once."""
     if not isinstance(entries, list):
-        raise _bad(what, entries)
+        raise PlanFormatError(f"`{what}` is {entries!r}: a spec must be a list of mesh axis "
+                              "entries (None, an axis name, or a list of names); save the plan "
+                              "again")
     used = []
     for e in entries:
         names = e if isinstance(e, list) else [e]

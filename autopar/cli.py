@@ -125,8 +125,7 @@ def _check_traces(made, what: str) -> None:
     import jax
     fn, example_args = made
     with _users_code(f"tracing {what} with its example arguments"):
-        out = jax.eval_shape(fn, *example_args)
-    del out
+        jax.eval_shape(fn, *example_args)
 
 
 def _target_module(where: str, name: str):
@@ -205,8 +204,9 @@ def check_writable(path: str, flag: str) -> None:
         raise CLIError(f"cannot write `{flag} {path}`: folder `{folder}` does not exist; "
                        "create it or give another path")
     if os.path.isdir(path):
+        example = {"--html": "plan.html", "--out": "profile.json"}.get(flag, "plan.json")
         raise CLIError(f"cannot write `{flag} {path}`: it is a folder; give a file path "
-                       f"such as {os.path.join(path, 'plan.json')}")
+                       f"such as {os.path.join(path, example)}")
     if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
         raise CLIError(f"cannot write `{flag} {path}`: it is not a regular file; give a "
                        "file path")
