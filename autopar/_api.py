@@ -323,7 +323,7 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
     if not search and target_bytes is not None and est.peak_memory_bytes > target_bytes:
         raise InfeasiblePlanError(
             f"with search=False the propagated plan peaks at {format_bytes(est.peak_memory_bytes)} "
-            f"per device, over `memory_budget` = {format_bytes(target_bytes)}; propagation "
+            f"per device, over memory_budget={format_bytes(target_bytes)}; propagation "
             "does not search for a plan that fits. Use search=True (the default) to let the "
             "ILP fit the budget, or annotate more of the program (e.g. shard the parameters).")
     traced = result.traced

@@ -42,7 +42,7 @@ def _is_real(x) -> bool:
         x, (bool, np.bool_))
 
 
-def memory_budget_bytes(value) -> int | None:
+def memory_budget_bytes(value) -> int | float | None:
     """``memory_budget`` as bytes: None, a positive number (any numpy scalar too), or a size
     such as ``"40GiB"`` or ``"1e9"``."""
     if value is None:
@@ -55,7 +55,7 @@ def memory_budget_bytes(value) -> int | None:
     if not _is_real(value) or not math.isfinite(float(value)) or float(value) < 1:
         raise ArgumentError(f"`memory_budget` must be a positive number of bytes per device "
                             f"(at least 1) or a size such as \"40GiB\", got {value!r}")
-    return int(value)
+    return int(value) if isinstance(value, (numbers.Integral, np.integer)) else float(value)
 
 
 def seconds(value, name: str = "time_limit_s") -> float:
