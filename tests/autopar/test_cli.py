@@ -33,7 +33,8 @@ def test_report_writes_json_and_html(tmp_path):
     assert "block_0" in text and "PartitionSpec" in text
     d = json.loads(out.read_text())
     assert {"mesh", "estimate", "in_shardings", "out_shardings"} <= set(d)
-    assert d["mesh"] == {"axis_names": ["data", "model"], "axis_sizes": [2, 4]}
+    assert d["mesh"] == {"axis_names": ["data", "model"], "axis_sizes": [2, 4],
+                         "device_ids": list(range(8))}
 
 
 @pytest.mark.parametrize("argv, message", [
