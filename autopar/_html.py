@@ -95,8 +95,8 @@ def _memory_svg(held: int, live: list[int]) -> str:
 
 
 def _gantt_svg(pipeline: dict) -> str:
-    """The pipeline's schedule, one row per stage and one column per tick: forward slots in
-    blue, backward in orange, idle ticks blank."""
+    """The pipeline's schedule, one row per stage and one column per tick or slot: forward
+    slots in blue, backward (input gradient) in orange, weight gradient in green, idle blank."""
     rows = slots(Schedule(pipeline["schedule"]), pipeline["stages"], pipeline["microbatches"],
                  pipeline.get("virtual_stages", 1))
     n = len(rows[0])
@@ -111,7 +111,7 @@ def _gantt_svg(pipeline: dict) -> str:
             kinds = slot.split()
             for j, kind in enumerate(kinds):
                 h = cell_h / len(kinds)
-                color = _COMPUTE if kind.startswith("F") else _COMM
+                color = {"F": _COMPUTE, "W": _MEM}.get(kind[0], _COMM)
                 parts.append(
                     f'<rect x="{label_w + t * cell_w:.1f}" y="{y + j * h:.1f}" '
                     f'width="{cell_w - 1:.1f}" height="{h:.1f}" fill="{color}">'
