@@ -1,28 +1,30 @@
 """Pipeline schedules and their figures, as pure functions of stages S, microbatches M and
 virtual stages v (model chunks per device).
 
-GPipe and the interleaved schedule run a forward loop of *ticks* (every stage runs its stage
-once per tick) and autodiff runs its mirror image. 1F1B and ZB-H1 run one loop of *slots*
-from a :class:`Table`: in each slot each stage runs one of F (a microbatch's forward), B (its
-input gradient) or W (its weight gradient), or idles; F, B and W take about as long (each is a
-matmul's worth per weight), so a slot is one of them. 1F1B runs W right after B; ZB-H1 defers
-W to fill the bubble (Zero Bubble, arXiv 2401.10241). Both cap the microbatches a stage holds
-between F and B at S - s (1F1B's memory); ZB-H1 lets every stage hold S between F and W, which
-costs the SPMD program nothing (its buffers are sized for stage 0, which holds S anyway).
+GPipe, 1F1B and the interleaved schedule run *ticks*: in each every stage runs its slot(s).
+ZB-H1 runs the *slots* of a :class:`Table`: in each slot each stage runs one of F (a
+microbatch's forward), B (its input gradient) or W (its weight gradient), or idles; F, B and W
+take about as long (each is a matmul's worth per weight). ZB-H1 defers W to fill the bubble
+(Zero Bubble, arXiv 2401.10241), capping the microbatches a stage holds between F and B at
+S - s (1F1B's memory) and between F and W at S (what stage 0 holds in 1F1B; the SPMD program
+sizes its buffers for the fullest stage anyway).
 
-==============  ===========================  ==========================  =================
-schedule        trip count of the loop       bubble fraction (formula)   in flight, stage s
-==============  ===========================  ==========================  =================
-gpipe           M + S - 1 (forward ticks;    (S-1) / (M+S-1)             M
-                autodiff runs as many back)
-1f1b            3M + 2(S-1) slots            (S-1) / (M+S-1)             S - s
-interleaved     v*M + S - 1 (forward ticks)  (S-1) / (v*M+S-1)           M (circular buffer)
-zb-h1           3M + S - 1 slots (the table  (S-1) / (3M)                S
-                may take a slot or two more)
-==============  ===========================  ==========================  =================
+==============  ===============================  ==========================  ===================
+schedule        trip count of the emitted loop   bubble fraction (formula)   in flight, stage s
+==============  ===============================  ==========================  ===================
+gpipe           M + S - 1 (forward; autodiff     (S-1) / (M+S-1)             M
+                runs as many backward)
+1f1b            M + 2(S-1) (one forward and one  (S-1) / (M+S-1)             S - s
+                backward slot per tick)
+interleaved     v*M + S - 1 (forward)            (S-1) / (v*M+S-1)           M (circular buffer)
+zb-h1           3M + S - 1 slots (the table      (S-1) / (3M)                S
+                may take two more)
+==============  ===============================  ==========================  ===================
 
-Bubble formulas follow GPipe (arXiv 1811.06965), Megatron (arXiv 2104.04473) and Zero
-Bubble. :func:`table_bubble` is the emitted table's own idle share.
+Bubble fractions follow GPipe (arXiv 1811.06965), Megatron (arXiv 2104.04473) and Zero
+Bubble. The emitted 1F1B loop keeps stage inputs in a ring of :func:`stash_slots` = 2S - 1
+entries (lockstep: the forward-to-backward distance at stage s is 2(S-1-s) ticks).
+:func:`table_bubble` is the emitted loop's own idle share.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class Schedule(enum.Enum):
 
 
 #: Schedules run from a :class:`Table` of slots, their backward split into B and W.
-TABLED = frozenset({Schedule.ONE_F_ONE_B, Schedule.ZB_H1})
+TABLED = frozenset({Schedule.ZB_H1})
 
 
 class Op(enum.IntEnum):
@@ -82,13 +84,12 @@ def _check(stages: int, microbatches: int, virtual: int) -> None:
 @functools.lru_cache(maxsize=64)
 def table(schedule: Schedule, stages: int, microbatches: int) -> Table:
     """The slots of a tabled schedule, from a greedy list schedule: each slot, a stage runs B
-    when a cotangent waits (1F1B: W first when one is pending), else F when its input has
-    arrived and it holds fewer than S - s microbatches between F and B (ZB-H1: and fewer
-    than S between F and W), else a pending W. What a stage sends in slot t arrives for t+1."""
+    when a cotangent waits, else F when its input has arrived and it holds fewer than S - s
+    microbatches between F and B and fewer than S between F and W, else a pending W. What a
+    stage sends in slot t arrives for t+1."""
     assert schedule in TABLED, schedule
     _check(stages, microbatches, 1)
     s_n, m = stages, microbatches
-    zb = schedule is Schedule.ZB_H1
     f_at: dict[tuple[int, int], int] = {}
     b_at: dict[tuple[int, int], int] = {}
     done = {op: [0] * s_n for op in (Op.F, Op.B, Op.W)}   # microbatches done, in order
@@ -102,10 +103,8 @@ def table(schedule: Schedule, stages: int, microbatches: int) -> Table:
             f, b, w = done[Op.F][s], done[Op.B][s], done[Op.W][s]
             b_ready = b < f and (f_at[(s, b)] if s == s_n - 1 else b_at.get((s + 1, b), t)) < t
             f_ready = (f < m and (s == 0 or f_at.get((s - 1, f), t) < t) and f - b < s_n - s
-                       and (not zb or f - w < s_n))
-            if not zb and w < b:
-                taken.append((Op.W, w))
-            elif b_ready:
+                       and f - w < s_n)
+            if b_ready:
                 taken.append((Op.B, b))
             elif f_ready:
                 taken.append((Op.F, f))
@@ -139,11 +138,13 @@ def table(schedule: Schedule, stages: int, microbatches: int) -> Table:
 
 
 def ticks(schedule: Schedule, stages: int, microbatches: int, virtual: int = 1) -> int:
-    """Trip count of the emitted loop: ticks (gpipe, interleaved) or slots (1f1b, zb-h1)."""
+    """Trip count of the emitted loop: ticks, or a tabled schedule's slots."""
     _check(stages, microbatches, virtual)
     s, m = stages, microbatches
     if schedule is Schedule.GPIPE:
         return m + s - 1
+    if schedule is Schedule.ONE_F_ONE_B:
+        return m + 2 * (s - 1)
     if schedule is Schedule.INTERLEAVED:
         return virtual * m + s - 1
     return table(schedule, s, m).slots
@@ -174,6 +175,8 @@ def in_flight(schedule: Schedule, stages: int, microbatches: int, stage: int) ->
     assert 0 <= stage < stages, (stage, stages)
     if schedule in (Schedule.GPIPE, Schedule.INTERLEAVED):
         return microbatches
+    if schedule is Schedule.ONE_F_ONE_B:
+        return min(stages - stage, microbatches)
     t = table(schedule, stages, microbatches)
     held = peak = 0
     for op in t.ops[stage]:
@@ -182,13 +185,19 @@ def in_flight(schedule: Schedule, stages: int, microbatches: int, stage: int) ->
     return peak
 
 
+def stash_slots(stages: int) -> int:
+    """Entries of the emitted 1F1B loop's ring of stage inputs: 2S - 1."""
+    return 2 * stages - 1
+
+
 def slots(schedule: Schedule, stages: int, microbatches: int, virtual: int = 1
           ) -> list[list[str]]:
     """What each stage runs at each tick or slot of the emitted loops, for the schedule's
     chart: ``slots(...)[s][t]`` is ``"F3"`` (forward of microbatch 3), ``"B3"`` (its backward;
-    for tabled schedules its input gradient), ``"W3"`` (its weight gradient), ``"F3.1"``
-    (interleaved: round 1), or ``""`` (idle). GPipe's and the interleaved schedule's backward
-    ticks (autodiff of the forward loop) follow their forward ticks, in reverse."""
+    for tabled schedules its input gradient), ``"W3"`` (its weight gradient), ``"F3 B0"``
+    (both, 1F1B), ``"F3.1"`` (interleaved: round 1), or ``""`` (idle). GPipe's and the
+    interleaved schedule's backward ticks (autodiff of the forward loop) follow their forward
+    ticks, in reverse."""
     _check(stages, microbatches, virtual)
     if schedule in TABLED:
         t = table(schedule, stages, microbatches)
@@ -200,11 +209,16 @@ def slots(schedule: Schedule, stages: int, microbatches: int, virtual: int = 1
     for s in range(s_n):
         row = []
         for t in range(n):
-            if schedule is Schedule.INTERLEAVED and virtual > 1:
+            if schedule is Schedule.ONE_F_ONE_B:
+                f, b = t - s, t - 2 * (s_n - 1) + s
+                row.append(" ".join(x for x, ok in ((f"F{f}", 0 <= f < m), (f"B{b}", 0 <= b < m))
+                                    if ok))
+            elif schedule is Schedule.INTERLEAVED and virtual > 1:
                 k = t - s
                 row.append(f"F{k % m}.{k // m}" if 0 <= k < m * virtual else "")
             else:
                 row.append(f"F{t - s}" if 0 <= t - s < m else "")
-        row += [x.replace("F", "B") for x in reversed(row)]   # the backward loop, reversed
+        if schedule is not Schedule.ONE_F_ONE_B:   # the backward loop, reversed
+            row += [x.replace("F", "B") for x in reversed(row)]
         rows.append(row)
     return rows

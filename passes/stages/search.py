@@ -13,15 +13,20 @@ schedule        time                            activations held, per device
 ==============  ==============================  ============================================
 gpipe           (M + S - 1) (l t + 2 h)         M l a n
 interleaved     (v M + S - 1) (l t / v + 2 h)   M l a n
-1f1b, zb-h1     T (l t / 3 + 2 h)               R l a + P l c + (Q_f + Q_b) c
+1f1b            (S - 1) (l t f + h)             (2S - 1) c + l a
+                + M (l t (1 + f) + 2 h)
+                + (S - 1) (l t + h)
+zb-h1           T (l t f + 2 h)                 R l a + P l c + (Q_f + Q_b) c
 ==============  ==============================  ============================================
 
 with l layers per stage, t one layer's forward and backward on a microbatch, h one hop, a
-its kept activations, c one microbatch's activation entering a layer, and n the devices of a
-stage. Tabled schedules (:func:`.schedules.table`) run T slots of one F, B or W each (a
-third of t: a matmul's backward is two matmuls of the forward's size), and hold R
-microbatches' residuals, P microbatches' per-layer cotangents between B and W, and Q_f, Q_b
-received activations and cotangents (the table's buffer sizes). GPipe's backward is jax's
+its kept activations, c one microbatch's activation entering a layer, n the devices of a
+stage, and f = 1/3 a forward's share of t (a matmul's backward is two matmuls of the
+forward's size). 1F1B's warmup ticks run forwards only, its cooldown ticks backwards only,
+and a backward re-runs the stage's forward from the stashed input. ZB-H1 runs the T slots of
+its table (:func:`.schedules.table`), each one F, B or W, and holds R microbatches'
+residuals, P microbatches' per-layer cotangents between B and W, and Q_f, Q_b received
+activations and cotangents (the table's buffer sizes). GPipe's backward is jax's
 autodiff through the region, whose residuals leave it replicated over the other mesh axes
 (the compiled 26B GPT of the pipeline benchmark holds 275 GiB of them per device at M = 4),
 so GPipe fits only where activations are small.
@@ -31,11 +36,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.passes.stages.schedules import TABLED, Schedule, table, ticks
+from autopar.passes.stages.schedules import TABLED, Schedule, stash_slots, table, ticks
 
-#: The share of a layer's forward-and-backward time one of F, B or W takes (a matmul's
-#: backward is two matmuls of the forward's size).
-SLOT_SHARE = 1 / 3
+#: The share of a layer's forward-and-backward time its forward takes, and each of ZB-H1's B
+#: and W (a matmul's backward is two matmuls of the forward's size).
+FORWARD_SHARE = 1 / 3
 
 
 @dataclass(frozen=True)
@@ -70,10 +75,16 @@ def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: 
     if schedule in (Schedule.GPIPE, Schedule.INTERLEAVED):
         time_s = n * (stage_s + 2 * layer.hop_s)
         held = microbatches * layers_per_stage * layer.kept_bytes * layer.devices
+    elif schedule is Schedule.ONE_F_ONE_B:
+        ramp = stages - 1
+        time_s = (ramp * (stage_s * FORWARD_SHARE + layer.hop_s)
+                  + microbatches * (stage_s * (1 + FORWARD_SHARE) + 2 * layer.hop_s)
+                  + ramp * (stage_s + layer.hop_s))
+        held = stash_slots(stages) * layer.carry_bytes + layers_per_stage * layer.kept_bytes
     else:
         assert schedule in TABLED, schedule
         tab = table(schedule, stages, microbatches)
-        time_s = n * (stage_s * SLOT_SHARE + 2 * layer.hop_s)
+        time_s = n * (stage_s * FORWARD_SHARE + 2 * layer.hop_s)
         held = (layers_per_stage * (tab.held * layer.kept_bytes
                                     + tab.pending_w * layer.carry_bytes)
                 + (tab.waiting_f + tab.waiting_b) * layer.carry_bytes)
