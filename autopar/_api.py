@@ -13,16 +13,16 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from autopar._cache import PlanCache, graph_fingerprint
+from autopar._cache import PlanCache
 from autopar._check_memory import check_compiled_memory
 from autopar._dispatch import Program, SignatureChanged, Split, as_planned, signature
 from autopar._export import logical_names
 from autopar._gc import with_gc_paused
 from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar._multiprocess import process_0_plan
-from autopar import _axis_roles, _pipeline, _stage_plan
+from autopar import _axis_roles, _inputs, _pipeline, _stage_plan
 from autopar._plan import Plan
-from autopar._sizes import format_bytes, parse_bytes
+from autopar._sizes import format_bytes
 from autopar.baselines import (baseline_kinds, baseline_kwargs, baseline_shardings,
                                structure_of_jaxpr)
 from autopar.errors import ArgumentError, InfeasiblePlanError, PipelineError
@@ -153,7 +153,7 @@ def _progress(enabled: bool | None):
 
 def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
          in_shardings=None, out_shardings=None, search: bool = True, logical_axis_rules=None,
-         time_limit_s: float = 60.0, tie_state: bool = True, axis_level_overrides=None,
+         time_limit_s: float = 300.0, tie_state: bool = True, axis_level_overrides=None,
          baseline_seeds: bool = True, remat: bool | str = True,
          check_memory: bool | None = None, verbose: bool | None = None,
          pipeline="auto", overlap: bool = True, batch_axes=None, attention=None) -> Plan:
@@ -185,11 +185,11 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         Pass the boxed arguments as they are; see ``passes/flax_metadata.py``.
       search: False plans like plain GSPMD: the annotations plus their propagation, no ILP;
         values propagation leaves free are replicated. Fast, and a baseline for the search.
-      time_limit_s: each ILP solve's time limit; on it the best plan found so far is kept.
-        A solve whose LP relaxation is not integral may run a quarter over it (the MIP gets
-        at least a quarter of the limit after the LP); a plan over the memory budget is
-        refitted by a few more solves, each limited to at most as long
-        (``passes/highs.py``, ``passes/memory_fit.py``).
+      time_limit_s: a safety net on each ILP solve's wall-clock time. Solves are bounded by
+        work (simplex iterations, branch-and-bound nodes: ``passes/highs.py``), so the same
+        inputs give the same plan on a busy machine and an idle one; when this limit stops
+        a solve first, the best plan found so far is kept and a ``SolverFallbackWarning``
+        says the plan may depend on the machine.
       tie_state: results that replace an argument (same pytree path, shape and dtype, such as
         new parameters) keep that argument's sharding.
       axis_level_overrides: e.g. ``{"data": "dcn"}``: which interconnect a mesh axis crosses.
@@ -253,16 +253,15 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
       plan = autopar.plan(train_step, params, opt_state, batch, mesh={"data": 2, "model": 4})
       params, opt_state, loss = plan.jit()(params, opt_state, batch)
     """
-    if isinstance(memory_budget, str):
-        try:
-            memory_budget = parse_bytes(memory_budget)
-        except ValueError as e:
-            raise ArgumentError(f"`memory_budget`: {e}") from None
-    if memory_budget is not None and not (isinstance(memory_budget, (int, float))
-                                          and not isinstance(memory_budget, bool)
-                                          and memory_budget > 0):
-        raise ArgumentError(f"`memory_budget` must be a positive number of bytes per device "
-                            f"or a size such as \"40GiB\", got {memory_budget!r}")
+    _inputs.example_arguments(fn, example_args)
+    checked = _inputs.options(dict(
+        mesh=mesh, hardware=hardware, memory_budget=memory_budget, in_shardings=in_shardings,
+        out_shardings=out_shardings, search=search, logical_axis_rules=logical_axis_rules,
+        time_limit_s=time_limit_s, tie_state=tie_state, axis_level_overrides=axis_level_overrides,
+        baseline_seeds=baseline_seeds, remat=remat, check_memory=check_memory, verbose=verbose,
+        pipeline=pipeline))
+    memory_budget, time_limit_s = checked["memory_budget"], checked["time_limit_s"]
+    in_shardings, out_shardings = checked["in_shardings"], checked["out_shardings"]
     options = {"mesh": mesh, "hardware": hardware, "in_shardings": in_shardings,
                "out_shardings": out_shardings, "search": search,
                "logical_axis_rules": logical_axis_rules, "time_limit_s": time_limit_s,
@@ -394,8 +393,8 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
     marked = _pipeline.marked(context)
     if not search and target_bytes is not None and est.peak_memory_bytes > target_bytes:
         raise InfeasiblePlanError(
-            f"with search=False the propagated plan peaks at {format_bytes(est.peak_memory_bytes)}"
-            f" per device, over memory_budget={format_bytes(target_bytes)}; propagation "
+            f"with search=False the propagated plan peaks at {format_bytes(est.peak_memory_bytes)} "
+            f"per device, over memory_budget={format_bytes(target_bytes)}; propagation "
             "does not search for a plan that fits. Use search=True (the default) to let the "
             "ILP fit the budget, or annotate more of the program (e.g. shard the parameters).")
     traced = result.traced
@@ -582,20 +581,19 @@ class Parallelized:
             options = {k: v for k, v in self._kwargs.items() if k not in ("mesh", "verbose")}
             disk_key = self._disk.key(self._fn, as_auto_mesh(self._kwargs["mesh"]),
                                       get_profile(self._kwargs.get("hardware")), sig,
-                                      static, options)
-            entry = self._disk.load(disk_key)
-            if entry is not None:
-                token = _FORCED.set((entry["choice"], entry.get("remat")))
+                                      static, options, dynamic)
+
+            def replan(choice, remat):
+                token = _FORCED.set((choice, remat))
                 try:
-                    p = plan(bound, *dynamic, **self._kwargs)
-                except ValueError:
-                    p = None
+                    return plan(bound, *dynamic, **self._kwargs)
                 finally:
                     _FORCED.reset(token)
-                if p is not None and graph_fingerprint(p._details[0]) == entry["fingerprint"]:
-                    self.plans_loaded += 1
-                    return p
-                PlanCache.stale(f"for `{self.__name__}`")
+
+            p = self._disk.lookup(disk_key, replan)
+            if p is not None:
+                self.plans_loaded += 1
+                return p
         p = plan(bound, *dynamic, **self._kwargs)
         self.plans_made += 1
         if disk_key is not None:
@@ -642,6 +640,8 @@ def parallelize(fn: Callable | None = None, *, mesh, static_argnums=(), static_a
       def train_step(params, opt_state, batch): ...
     """
     def wrap(f):
-        return Parallelized(f, dict(plan_kwargs, mesh=mesh), static_argnums, static_argnames,
-                            donate_argnums, cache_dir)
+        static, names, donate = _inputs.parallelize_arguments(
+            f, static_argnums, static_argnames, donate_argnums, cache_dir)
+        kwargs = _inputs.options(dict(plan_kwargs, mesh=mesh))
+        return Parallelized(f, kwargs, static, names, donate, cache_dir)
     return wrap if fn is None else wrap(fn)

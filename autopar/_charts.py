@@ -234,8 +234,9 @@ def candidate_bars(found: list[tuple[str, float, bool]]) -> str:
 
 
 def gantt(pipeline: dict) -> str:
-    """The pipeline's schedule, one row per stage and one column per tick: forward slots in
-    blue, backward in orange, idle ticks blank."""
+    """The pipeline's schedule, one row per stage and one column per tick or slot: forward
+    slots in blue, backward (input gradient) in orange, weight gradient (ZB-H1) in green,
+    idle blank."""
     rows = slots(Schedule(pipeline["schedule"]), pipeline["stages"], pipeline["microbatches"],
                  pipeline.get("virtual_stages", 1))
     n = len(rows[0])
@@ -249,7 +250,7 @@ def gantt(pipeline: dict) -> str:
             kinds = slot.split()
             for j, kind in enumerate(kinds):
                 h = cell_h / len(kinds)
-                color = COMPUTE if kind.startswith("F") else COMM
+                color = {"F": COMPUTE, "W": MEMORY}.get(kind[0], COMM)
                 parts.append(
                     f'<rect x="{label_w + t * cell_w:.1f}" y="{y + j * h:.1f}" '
                     f'width="{cell_w - 1:.1f}" height="{h:.1f}" fill="{color}">'

@@ -33,7 +33,9 @@ class Measured:
     ``step_time_s`` is the reference price: compute plus communication with no overlap, each
     while body's flops counted once (as XLA's cost analysis counts them). ``makespan_s`` and
     ``exposed_comm_s`` come from the simulated timeline (``cost_model.timeline``): kernels at
-    their roofline, loops at their trip counts, asynchronous collectives overlapping compute;
+    their roofline, loops at their trip counts, and on a profile whose collectives run
+    asynchronously (GPU, TPU) every collective issued when its operands are ready and awaited
+    at its first use, as their schedulers run them (XLA:CPU compiles them synchronously);
     ``exposed_comm_s`` is the part of the makespan the compute stream waits for communication.
     """
     name: str
@@ -54,7 +56,8 @@ def measure(name: str, compiled, profile, dtype) -> Measured:
     program's own: :func:`main_dtype`; XLA:CPU computes bf16 matmuls in f32, so the compiled
     text cannot tell)."""
     s = analyze(compiled)
-    timeline = simulate(compiled.as_text(), profile, dtype)
+    timeline = simulate(compiled.as_text(), profile, dtype,
+                        scheduled=profile.async_collectives)
     return Measured(name=name, step_time_s=reference_step_time_s(s, profile, dtype),
                     wire_bytes=s.wire_bytes, flops=s.flops,
                     peak_memory_bytes=s.peak_memory_bytes, summary=s,

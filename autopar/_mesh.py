@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 
 import jax
@@ -14,8 +15,9 @@ from autopar._compat import backends_initialized
 from autopar._meshspec import parse_mesh_spec
 from autopar.errors import MeshError
 
-_SIMULATE = ("To simulate devices on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N "
-             "before jax is imported (with the CLI: --simulate-devices N).")
+SIMULATE_HINT = ("To simulate devices on CPU, set "
+                 "XLA_FLAGS=--xla_force_host_platform_device_count=N "
+                 "before jax is imported (with the CLI: --simulate-devices N).")
 
 
 def as_auto_mesh(mesh) -> Mesh:
@@ -27,22 +29,58 @@ def as_auto_mesh(mesh) -> Mesh:
     if not isinstance(mesh, Mesh):
         raise MeshError(f"`mesh` must be a jax.sharding.Mesh or a dict like "
                         f"{{'data': 2, 'model': 4}}, not {type(mesh).__name__}")
+    _check_mesh(mesh)
     if all(t == AxisType.Auto for t in mesh.axis_types):
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
+
+
+#: Mesh axis names autopar takes: ASCII words (XLA aborts the process on some others).
+AXIS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+
+
+def check_axis_name(name) -> None:
+    """MeshError unless ``name`` is a mesh axis name autopar takes (:data:`AXIS_NAME`)."""
+    if not isinstance(name, str):
+        raise MeshError(f"`mesh` axis names must be strings such as 'data', got {name!r} "
+                        f"({type(name).__name__})")
+    if not AXIS_NAME.fullmatch(name):
+        raise MeshError(f"`mesh` axis name {name!r} is not an ASCII word: use letters, digits, "
+                        "'_', '.' or '-' (starting with a letter or '_'), such as 'data'; "
+                        "XLA cannot take other names")
+
+
+def _check_mesh(mesh: Mesh) -> None:
+    """MeshError for a jax Mesh autopar cannot plan on: no devices, a device twice, or an axis
+    name XLA cannot take."""
+    for name in mesh.axis_names:
+        check_axis_name(name)
+    flat = list(mesh.devices.flat)
+    if not flat:
+        raise MeshError("`mesh` has no devices: build it over at least one, e.g. "
+                        "jax.make_mesh((8,), ('data',))")
+    ids = [d.id for d in flat]
+    if len(set(ids)) != len(ids):
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        raise MeshError(f"`mesh` holds device(s) {twice} more than once: each device may appear "
+                        "once; build it from distinct devices (jax.make_mesh does)")
 
 
 def _mesh_from_dict(axes: dict[str, int]) -> Mesh:
     if not axes:
         raise MeshError("`mesh` has no axes: give at least one, e.g. {'data': 8}")
     for name, size in axes.items():
-        if not isinstance(name, str) or not isinstance(size, (int, np.integer)) or size < 1:
-            raise MeshError(f"mesh axis {name!r}: {size!r} is not a positive integer size")
+        check_axis_name(name)
+        if (not isinstance(size, (int, np.integer)) or isinstance(size, (bool, np.bool_))
+                or size < 1):
+            raise MeshError(f"`mesh` axis {name!r} has size {size!r}: give a positive integer, "
+                            "e.g. {'data': 8}")
+    axes = {name: int(size) for name, size in axes.items()}
     devices = jax.devices()
     need = math.prod(axes.values())
     if need > len(devices):
         raise MeshError(f"mesh {axes} needs {need} devices but {len(devices)} "
-                        f"{devices[0].platform} device(s) exist. {_SIMULATE}")
+                        f"{devices[0].platform} device(s) exist. {SIMULATE_HINT}")
     if need != len(devices):
         raise MeshError(f"mesh {axes} covers {need} devices but {len(devices)} exist: make the "
                         f"sizes multiply to {len(devices)}, or pass a jax.sharding.Mesh over the "

@@ -4,42 +4,147 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from autopar._mesh import as_auto_mesh, on_explicit_axes
+from autopar._mesh import SIMULATE_HINT, as_auto_mesh, check_axis_name, on_explicit_axes
 from autopar._layers import flat_donation, memory_over_program
 from autopar._export import plain_jit_check, write_module
 from autopar._html import render_html
 from autopar._summary import summary_lines
-from autopar.errors import PlanFormatError
+from autopar.errors import ArgumentError, MeshError, PlanFormatError
 from autopar.passes.estimate import Estimate
 
 FORMAT_VERSION = 1
+
+
+#: ``stats`` keys that hold wall-clock measurements: kept on the Plan, not in its JSON, so
+#: that the same plan saves to the same bytes.
+WALL_CLOCK_STATS = ("timings_s",)
 
 
 def _spec_to_json(pspec: PartitionSpec) -> list:
     return [list(e) if isinstance(e, tuple) else e for e in pspec]
 
 
+def _bad(what: str, value) -> PlanFormatError:
+    shown = repr(value)
+    return PlanFormatError(f"`{what}` is {shown[:80] + ' ...' if len(shown) > 80 else shown}, "
+                           "which a plan written by plan.save(path) never holds; save the plan "
+                           "again")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _pipeline_from_json(record) -> dict | None:
     if record is None:
         return None
-    if not isinstance(record, dict):
-        raise TypeError(f"`pipeline` must be an object or null, not {type(record).__name__}")
-    return {**record, "layer_ranges": [tuple(r) for r in record.get("layer_ranges", ())]}
+    ranges = record.get("layer_ranges", ()) if isinstance(record, dict) else None
+    if not isinstance(ranges, (list, tuple)) or not all(
+            isinstance(r, list) and len(r) == 2 and all(map(_is_int, r)) for r in ranges):
+        raise _bad("pipeline", record)
+    return {**record, "layer_ranges": [tuple(r) for r in ranges]}
 
 
-def _spec_from_json(entries) -> PartitionSpec:
+def _spec_from_json(entries, axes: tuple, what: str) -> PartitionSpec:
+    """A saved spec: a list whose entries are None, an axis of ``axes``, or a list of them,
+    each axis at most once."""
     if not isinstance(entries, list):
-        raise TypeError(f"a spec must be a list of mesh axis entries, not {entries!r}")
+        raise PlanFormatError(f"`{what}` is {entries!r}: a spec must be a list of mesh axis "
+                              "entries (None, an axis name, or a list of names); save the plan "
+                              "again")
+    used = []
+    for e in entries:
+        names = e if isinstance(e, list) else [e]
+        if e is not None and not all(isinstance(n, str) and n in axes for n in names):
+            raise PlanFormatError(f"`{what}` entry {e!r} names no axis of the plan's mesh "
+                                  f"{list(axes)}; save the plan again")
+        used += [] if e is None else names
+    if len(set(used)) != len(used):
+        raise PlanFormatError(f"`{what}` {entries!r} uses a mesh axis twice; save the plan again")
     return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in entries])
+
+
+def _mesh_from_json(record) -> Mesh:
+    """The saved mesh: the same devices (by id) when the file names them, so a plan made on
+    some of the devices (a sub-mesh) loads back onto them; else every device."""
+    if not isinstance(record, dict):
+        raise _bad("mesh", record)
+    names, sizes = record.get("axis_names"), record.get("axis_sizes")
+    if (not isinstance(names, list) or not isinstance(sizes, list) or len(names) != len(sizes)
+            or not names or not all(_is_int(n) and n > 0 for n in sizes)):
+        raise _bad("mesh", record)
+    for name in names:
+        check_axis_name(name)
+    ids = record.get("device_ids")
+    if ids is None:
+        return as_auto_mesh(dict(zip(names, sizes)))
+    if (not isinstance(ids, list) or not all(map(_is_int, ids))
+            or len(ids) != math.prod(sizes) or len(set(ids)) != len(ids)):
+        raise _bad("mesh.device_ids", ids)
+    devices = {d.id: d for d in jax.devices()}
+    missing = [i for i in ids if i not in devices]
+    if missing:
+        raise MeshError(f"the plan's mesh {dict(zip(names, sizes))} runs on devices {ids}, and "
+                        f"device(s) {missing} do not exist here ({len(devices)} devices). "
+                        f"{SIMULATE_HINT}")
+    return Mesh(np.array([devices[i] for i in ids], dtype=object).reshape(sizes),
+                tuple(names), axis_types=(AxisType.Auto,) * len(names))
+
+
+def _shardings_from_json(records, mesh: Mesh, what: str) -> tuple[list, list[str]]:
+    if not isinstance(records, list) or not all(
+            isinstance(r, dict) and isinstance(r.get("path"), str) for r in records):
+        raise _bad(what, records)
+    axes = tuple(mesh.axis_names)
+    specs = [_spec_from_json(r.get("spec"), axes, f"{what}[{i}].spec")
+             for i, r in enumerate(records)]
+    return [NamedSharding(mesh, s) for s in specs], [r["path"] for r in records]
+
+
+def _estimate_from_json(record) -> Estimate:
+    names = [f.name for f in dataclasses.fields(Estimate)]
+    if (not isinstance(record, dict) or sorted(record) != sorted(names)
+            or not all(_is_number(v) for v in record.values())):
+        raise _bad("estimate", record)
+    return Estimate(**record)
+
+
+def _plan_from_dict(cls, d: dict) -> Plan:
+    """:meth:`Plan.from_json`'s plan, every field checked."""
+    if d.get("format_version") != FORMAT_VERSION:
+        raise PlanFormatError(f"plan format version {d.get('format_version')!r} is not "
+                              f"{FORMAT_VERSION}: re-plan and save again")
+    mesh = _mesh_from_json(d.get("mesh"))
+    ins, in_paths = _shardings_from_json(d.get("in_shardings"), mesh, "in_shardings")
+    outs, out_paths = _shardings_from_json(d.get("out_shardings"), mesh, "out_shardings")
+    hardware, fallbacks = d.get("hardware"), d.get("fallbacks", {})
+    stats, donate = d.get("stats", {}), d.get("donate_argnums", [])
+    if not isinstance(hardware, str):
+        raise _bad("hardware", hardware)
+    if not isinstance(fallbacks, dict) or not all(map(_is_int, fallbacks.values())):
+        raise _bad("fallbacks", fallbacks)
+    if not isinstance(stats, dict):
+        raise _bad("stats", stats)
+    if not isinstance(donate, list) or not all(_is_int(i) and i >= 0 for i in donate):
+        raise _bad("donate_argnums", donate)
+    return cls(mesh, ins, outs, _estimate_from_json(d.get("estimate")), hardware, in_paths,
+               out_paths, fallbacks, stats, donate_argnums=tuple(donate),
+               pipeline=_pipeline_from_json(d.get("pipeline")))
 
 
 @dataclass
@@ -204,63 +309,91 @@ class Plan:
 
     # ----- saving
     def to_json(self) -> str:
+        """The plan as JSON: its mesh (axis names, sizes, device ids), shardings, estimate and
+        statistics. Wall-clock measurements (:data:`WALL_CLOCK_STATS`) stay out, so the same
+        plan always gives the same text."""
         def shardings(tree, paths):
             return [{"path": p, "spec": _spec_to_json(s.spec)}
                     for p, s in zip(paths, jax.tree_util.tree_leaves(tree))]
         return json.dumps({
             "format_version": FORMAT_VERSION,
             "mesh": {"axis_names": list(self.mesh.axis_names),
-                     "axis_sizes": list(self.mesh.devices.shape)},
+                     "axis_sizes": list(self.mesh.devices.shape),
+                     "device_ids": [int(d.id) for d in self.mesh.devices.flat]},
             "hardware": self.hardware,
             "estimate": self.estimate.to_dict(),
             "in_shardings": shardings(self.in_shardings, self.in_paths),
             "out_shardings": shardings(self.out_shardings, self.out_paths),
             "donate_argnums": list(self.donate_argnums),
             "fallbacks": self.fallbacks,
-            "stats": self.stats,
+            "stats": {k: v for k, v in self.stats.items() if k not in WALL_CLOCK_STATS},
             "pipeline": self.pipeline,
-        }, indent=1)
+        }, indent=1, default=_json_default)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        """A plan read back from :meth:`to_json`: shardings and estimates, no program."""
+        """A plan read back from :meth:`to_json`: shardings and estimates, no program.
+        PlanFormatError for any text :meth:`to_json` does not write."""
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise PlanFormatError(f"Plan.from_json takes the JSON text, not a "
+                                  f"{type(text).__name__}; to read a file use Plan.load(path)")
         try:
             d = json.loads(text)
             if not isinstance(d, dict):
                 raise TypeError(f"the JSON holds a {type(d).__name__}, not an object")
-            if d.get("format_version") != FORMAT_VERSION:
-                raise PlanFormatError(f"plan format version {d.get('format_version')!r} is not "
-                                      f"{FORMAT_VERSION}: re-plan and save again")
-            mesh = as_auto_mesh(dict(zip(d["mesh"]["axis_names"], d["mesh"]["axis_sizes"])))
-            ins = [NamedSharding(mesh, _spec_from_json(e["spec"])) for e in d["in_shardings"]]
-            outs = [NamedSharding(mesh, _spec_from_json(e["spec"])) for e in d["out_shardings"]]
-            return cls(mesh, ins, outs, Estimate(**d["estimate"]), d["hardware"],
-                       [e["path"] for e in d["in_shardings"]],
-                       [e["path"] for e in d["out_shardings"]],
-                       d.get("fallbacks", {}), d.get("stats", {}),
-                       donate_argnums=tuple(d.get("donate_argnums", ())),
-                       pipeline=_pipeline_from_json(d.get("pipeline")))
-        except PlanFormatError:
+            plan = _plan_from_dict(cls, d)
+        except (PlanFormatError, MeshError):
             raise
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise PlanFormatError(f"not a valid autopar plan JSON ({type(e).__name__}: {e}); "
-                                  "write it with plan.save(path)") from None
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise PlanFormatError(f"not a valid autopar plan JSON ({type(e).__name__}: "
+                                  f"{str(e)[:200]}); write it with plan.save(path)") from None
+        try:
+            plan.report()  # what a loaded plan is for: a field it cannot explain is broken
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            raise PlanFormatError(f"the plan's fields do not explain ({type(e).__name__}: "
+                                  f"{str(e)[:200]}); save the plan again") from None
+        return plan
 
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            f.write(self.to_json())
+        """Writes :meth:`to_json` to ``path`` (UTF-8): the same plan, the same bytes."""
+        try:
+            with open(path, "w", encoding="utf-8", newline="\n") as f:
+                f.write(self.to_json())
+        except (OSError, TypeError) as e:
+            raise ArgumentError(f"cannot write the plan to `path` {path!r} ({type(e).__name__}: "
+                                f"{e}); give a file path in a folder you can write to") from None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
+        """The plan :meth:`save` wrote to ``path``; PlanFormatError for any other file."""
         try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:
             raise PlanFormatError(f"no plan file at `{path}`") from None
+        except (OSError, TypeError, ValueError) as e:
+            raise PlanFormatError(f"cannot read a plan from `{path}` ({type(e).__name__}: {e}); "
+                                  "give the path of a file written by plan.save(path)") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise PlanFormatError(f"`{path}` is not a regular file; give the path of a file "
+                                      "written by plan.save(path)")
+            with os.fdopen(fd, "rb") as f:
+                fd = None
+                text = f.read().decode("utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise PlanFormatError(f"cannot read a plan from `{path}` ({type(e).__name__}: {e}); "
                                   "give the path of a file written by plan.save(path)") from None
+        finally:
+            if fd is not None:
+                os.close(fd)
         return cls.from_json(text)
+
+
+def _json_default(x):
+    """numpy scalars in stats as the Python numbers they are."""
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"{type(x).__name__} is not JSON serializable")
 
 
 def _placed(x, sharding):

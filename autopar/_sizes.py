@@ -1,6 +1,6 @@
 """Sizes in bytes as users write them: a number of bytes, or a number with a unit (40GiB,
-512MiB, 64GB, 1.5TiB; case does not matter). ``autopar.plan(memory_budget=...)`` and
-``autopar report --memory-budget`` take them."""
+512MiB, 64GB, 1.5TiB, 1e9; case does not matter). ``autopar.plan(memory_budget=...)`` and
+``autopar report --memory-budget`` take them; :func:`format_bytes` writes them back."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 def parse_bytes(text: str) -> int:
     """The bytes ``text`` names; ValueError, saying what to write, when it names none (or
     less than one byte)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
+    m = re.fullmatch(r"\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*",
+                     text)
     unit = m and BYTE_UNITS.get(m.group(2).lower() or "b")
     if not unit or float(m.group(1)) * unit < 1:
         raise ValueError(f"`{text}` is not a size: give bytes or a number with a unit, such as "
@@ -24,6 +25,8 @@ def parse_bytes(text: str) -> int:
 
 def format_bytes(n: float) -> str:
     """``n`` bytes in the unit that fits it: ``512 B``, ``10.0 KiB``, ``2.7 MiB``, ``1.50 GiB``."""
+    if not n == n or n in (float("inf"), float("-inf")):
+        return f"{n} B"
     if abs(n) < 1024:
         return f"{int(n)} B"
     for unit in ("KiB", "MiB", "GiB", "TiB"):

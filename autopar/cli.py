@@ -6,7 +6,9 @@ Errors print one line and exit non-zero; ``--debug`` shows the traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import stat
 import sys
 
 from autopar._compat import backends_initialized
@@ -129,15 +131,29 @@ def _load_target(target: str):
     if not callable(factory):
         raise CLIError(f"`{name}` in `{where}` is not callable; it should be a zero-argument "
                        "function returning (fn, example_args_tuple)")
-    try:
+    with _users_code(f"`{name}()` in `{where}`"):
         made = factory()
-    except Exception as e:
-        raise CLIError(f"`{name}()` in `{where}` failed: {type(e).__name__}: {e}") from e
     if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])
             and isinstance(made[1], tuple)):
         raise CLIError(f"`{name}()` must return (fn, example_args_tuple), got "
-                       f"{type(made).__name__}")
+                       f"{_describe(made)}")
+    _check_traces(made, f"`{name}()`'s function")
     return made
+
+
+def _describe(made) -> str:
+    if isinstance(made, tuple):
+        return "(" + ", ".join(type(x).__name__ for x in made) + ")"
+    return f"a {type(made).__name__}"
+
+
+def _check_traces(made, what: str) -> None:
+    """Traces the target's function on its example arguments (shapes only; nothing runs), so
+    that the user's own error is reported as theirs before planning starts."""
+    import jax
+    fn, example_args = made
+    with _users_code(f"tracing {what} with its example arguments"):
+        jax.eval_shape(fn, *example_args)
 
 
 def _target_module(where: str, name: str):
@@ -152,14 +168,29 @@ def _target_module(where: str, name: str):
         except ImportError as e:
             raise CLIError(f"no file or module `{where}`: give a Python file's path or an "
                            f"importable module holding `{name}` ({e})") from e
+    if not where.endswith(".py"):
+        raise CLIError(f"`{where}` is not a Python file: give a `.py` file (or an importable "
+                       f"module name) that defines `{name}`")
     spec = importlib.util.spec_from_file_location("_autopar_target", where)
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
-    try:
+    with _users_code(f"running `{where}`"):
         spec.loader.exec_module(module)
-    except Exception as e:  # the user's file: report it in one line, not as our traceback
-        raise CLIError(f"running `{where}` failed: {type(e).__name__}: {e}") from e
     return module
+
+
+@contextlib.contextmanager
+def _users_code(doing: str):
+    """Runs the user's code: whatever it raises, or a ``sys.exit``, becomes one CLIError line."""
+    try:
+        yield
+    except AutoparError:
+        raise
+    except SystemExit as e:
+        raise CLIError(f"{doing} called sys.exit({e.code!r}): a target must return "
+                       "(fn, example_args_tuple), not exit") from e
+    except Exception as e:  # the user's code: report it in one line, not as our traceback
+        raise CLIError(f"{doing} failed: {type(e).__name__}: {e}") from e
 
 
 def _size(text: str) -> int:
@@ -180,6 +211,50 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _count(least: int):
+    """An argparse type: an integer of at least ``least``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"`{text}` is not an integer of at least {least}")
+        return value
+    return parse
+
+
+def check_writable(path: str, flag: str) -> None:
+    """A CLIError, before any work, when ``flag``'s output ``path`` cannot be written: its
+    folder is missing or read-only, or the path is a folder or another non-file."""
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    if not os.path.isdir(folder):
+        raise CLIError(f"cannot write `{flag} {path}`: folder `{folder}` does not exist; "
+                       "create it or give another path")
+    if os.path.isdir(path):
+        example = {"--html": "plan.html", "--out": "profile.json"}.get(flag, "plan.json")
+        raise CLIError(f"cannot write `{flag} {path}`: it is a folder; give a file path "
+                       f"such as {os.path.join(path, example)}")
+    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+        raise CLIError(f"cannot write `{flag} {path}`: it is not a regular file; give a "
+                       "file path")
+    writable = (os.access(path, os.W_OK) if os.path.exists(path)
+                else os.access(folder, os.W_OK | os.X_OK))
+    if not writable:
+        raise CLIError(f"cannot write `{flag} {path}`: permission denied; give a path in a "
+                       "folder you can write to")
+
+
+def write_output(path: str, flag: str, text: str) -> None:
+    """``text`` written to ``path``; an OSError (a full disk, say) is a CLIError."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise CLIError(f"writing `{flag} {path}` failed: {e.strerror or e}; free space or "
+                       "give another path") from None
+
+
 #: ``--remat`` choices, as ``autopar.plan(remat=...)`` takes them.
 _REMAT = {"auto": True, "off": False, "dots_saveable": "dots_saveable",
           "nothing_saveable": "nothing_saveable"}
@@ -190,6 +265,9 @@ def cmd_report(args) -> int:
 
     from autopar._meshspec import parse_mesh_spec
     mesh = parse_mesh_spec(args.mesh)
+    for path, flag in ((args.json, "--json"), (args.html, "--html")):
+        if path:
+            check_writable(path, flag)
     if args.simulate_devices:
         simulate_cpu_devices(args.simulate_devices)
     elif "JAX_PLATFORMS" in os.environ and os.environ["JAX_PLATFORMS"] == "cpu":
@@ -216,12 +294,11 @@ def cmd_report(args) -> int:
                   flush=True)
         _say("\n" + validation_table(plan))
     if args.json:
-        plan.save(args.json)
+        write_output(args.json, "--json", plan.to_json())
         _say(f"\nwrote {args.json}")
     if args.html:
         from autopar._html import render_html
-        with open(args.html, "w", encoding="utf-8") as f:
-            f.write(render_html(plan, baselines))
+        write_output(args.html, "--html", render_html(plan, baselines))
         _say(f"wrote {args.html}")
     return 0
 
@@ -264,18 +341,18 @@ def cmd_profile(args) -> int:
 
     from autopar._meshspec import parse_mesh_spec
     mesh = parse_mesh_spec(args.mesh)
+    check_writable(args.out, "--out")
+    if args.min_bytes > args.max_bytes:
+        raise CLIError(f"`--min-bytes {args.min_bytes}` is over `--max-bytes {args.max_bytes}`: "
+                       "give a smallest message no larger than the largest")
     if args.simulate_devices:
         simulate_cpu_devices(args.simulate_devices)
     elif os.environ.get("JAX_PLATFORMS") == "cpu":
         simulate_cpu_devices(math.prod(mesh.values()))
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_dir):
-        raise CLIError(f"cannot write `{args.out}`: folder `{out_dir}` does not exist")
     from autopar.cost_model.profiler import profile
     prof = profile(mesh, base=args.base, min_bytes=args.min_bytes, max_bytes=args.max_bytes,
                    repeats=args.repeats, verbose=not args.quiet)
-    with open(args.out, "w", encoding="utf-8") as f:
-        f.write(prof.to_json())
+    write_output(args.out, "--out", prof.to_json())
     _say(f"wrote {args.out}: pass it as --hardware {args.out} (or hardware=\"{args.out}\")")
     return 0
 
@@ -290,7 +367,8 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description=__doc__.splitlines()[0])
-    parser.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    parser.add_argument("--debug", action="store_true",
+                        help="show Python tracebacks (accepted anywhere on the line)")
     parser.add_argument("--version", action="version", version=f"autopar {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="plan and run the bundled GPT example on 8 simulated "
@@ -319,9 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--remat", choices=tuple(_REMAT), default="auto",
                      help="rematerialize layers when no sharding fits the budget (auto), "
                           "never (off), or every layer with this policy")
-    rep.add_argument("--time-limit", type=_positive_seconds, default=60.0, metavar="SECONDS",
-                     help="each ILP solve's time limit (default 60)")
-    rep.add_argument("--simulate-devices", type=int, default=0, metavar="N",
+    rep.add_argument("--time-limit", type=_positive_seconds, default=300.0, metavar="SECONDS",
+                     help="a safety net on each ILP solve's wall-clock time (default 300; "
+                          "solves are bounded by work, so plans do not depend on load)")
+    rep.add_argument("--simulate-devices", type=_count(1), default=0, metavar="N",
                      help="run on N simulated CPU devices")
     rep.add_argument("--quiet", action="store_true", help="no progress lines")
     rep.set_defaults(run=cmd_report)
@@ -345,10 +424,12 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--out", required=True, help="the profile JSON to write")
     prof.add_argument("--base", default=None,
                       help="built-in profile for what is not measured (default: this backend's)")
-    prof.add_argument("--min-bytes", type=int, default=2**10, help="smallest message (bytes)")
-    prof.add_argument("--max-bytes", type=int, default=2**26, help="largest message (bytes)")
-    prof.add_argument("--repeats", type=int, default=5, help="timed runs per measurement")
-    prof.add_argument("--simulate-devices", type=int, default=0, metavar="N",
+    prof.add_argument("--min-bytes", type=_count(1), default=2**10,
+                      help="smallest message (bytes)")
+    prof.add_argument("--max-bytes", type=_count(1), default=2**26,
+                      help="largest message (bytes)")
+    prof.add_argument("--repeats", type=_count(1), default=5, help="timed runs per measurement")
+    prof.add_argument("--simulate-devices", type=_count(1), default=0, metavar="N",
                       help="run on N simulated CPU devices")
     prof.add_argument("--quiet", action="store_true", help="no progress lines")
     prof.set_defaults(run=cmd_profile)
@@ -356,18 +437,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Runs the command ``argv`` (default: ``sys.argv[1:]``) and returns its exit status. Every
+    failure is one line on stderr, unless ``--debug`` (anywhere on the line) asks for the
+    traceback."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except AutoparError as e:
-        if args.debug:
-            raise
-        print(f"autopar: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("autopar: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if debug:
+            raise
+        print(f"autopar: error: {_one_line(e)}", file=sys.stderr)
+        return 2 if isinstance(e, AutoparError) else 1
+
+
+def _one_line(e: Exception) -> str:
+    """The message of ``e``, as a user reads it: an AutoparError's own, anything else (a
+    failure in autopar or the runtime) named by its type, with where to look further."""
+    if isinstance(e, AutoparError):
+        return str(e)
+    if isinstance(e, MemoryError):
+        return ("out of host memory: plan on abstract arguments (jax.ShapeDtypeStruct), a "
+                "smaller model, or a machine with more memory")
+    if isinstance(e, OSError):
+        where = f" `{e.filename}`" if e.filename else ""
+        return (f"{type(e).__name__}{where}: {e.strerror or e}; check the path, its "
+                "permissions and the free space")
+    text = " ".join(str(e).split())
+    if len(text) > 300:
+        text = text[:300] + " ..."
+    return (f"{type(e).__name__}: {text} (unexpected; rerun with --debug for the "
+            "traceback, and report it if it comes from autopar)")
 
 
 if __name__ == "__main__":

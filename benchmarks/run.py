@@ -5,6 +5,7 @@
     python -m benchmarks.run --suite planning [its options]  # planning-time scaling
     python -m benchmarks.run --suite pipeline [--cases two-node,one-node]
     python -m benchmarks.run --suite dispatch                # parallelize's per-call cost
+    python -m benchmarks.run --suite fuzz [--count 300]        # random programs vs one device
 
 The sharding suite compiles, for each example model at realistic widths and each mesh, autopar's
 plan and the hand-written baselines (data parallel, FSDP, Megatron TP+DP with and without a
@@ -35,12 +36,14 @@ _PLANNING_MODULE = "benchmarks.planning_time"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
     p.add_argument("--suite", choices=("sharding", "planning", "pipeline", "dispatch",
-                                       "long-context"),
+                                       "long-context", "fuzz"),
                    default="sharding",
                    help="sharding: autopar vs baselines from compiled HLO (default); planning: "
                         "planning-time scaling (benchmarks/planning_time.py); pipeline: a 26B "
                         "GPT over two nodes and one (benchmarks/pipeline.py); dispatch: "
-                        "parallelize's per-call cost against jax.jit (benchmarks/dispatch.py)")
+                        "parallelize's per-call cost against jax.jit (benchmarks/dispatch.py); "
+                        "long-context: sequence parallelism (benchmarks/long_context.py); fuzz: "
+                        "random programs against one device (benchmarks/fuzz.py)")
     p.add_argument("--cases", default="two-node,one-node",
                    help="the pipeline suite's cases (default: two-node,one-node)")
     p.add_argument("--models", default=",".join(MODELS),
@@ -159,6 +162,9 @@ def main(argv=None) -> int:
         from benchmarks import long_context
         cases = [] if args.cases == "two-node,one-node" else args.cases.split(",")
         return long_context.main(cases, args.hardware, args.out)
+    if args.suite == "fuzz":
+        _simulate(8)  # before jax is imported
+        return importlib.import_module("benchmarks.fuzz").main(rest + ["--out", args.out])
     if args.suite == "pipeline":
         cases = [c.strip() for c in args.cases.split(",") if c.strip()]
         _simulate(16)   # before jax is imported

@@ -35,6 +35,7 @@ from typing import Union
 
 from autopar.cost_model.hardware import LevelKind
 from autopar.cost_model.hlo import Collective, num_devices, parse_collectives
+from autopar.cost_model.hlo_async import as_async
 from autopar.cost_model.hlo_ir import Instruction, Module, parse_module
 from autopar.cost_model.hlo_roofline import FREE_OPCODES, kernel_time_s
 from autopar.cost_model.reference import collective_level, collective_time_s
@@ -231,13 +232,17 @@ class _Simulator:
 
 
 def simulate(hlo_text: str, profile, dtype=None, device_ids: Sequence[int] | None = None,
-             ) -> Timeline:
+             scheduled: bool = False) -> Timeline:
     """One device's step of the compiled program ``hlo_text`` on ``profile``.
 
     ``dtype`` (a jnp dtype or profile dtype name) prices every matmul at that rate (None: at
     its operands' type); ``device_ids`` maps partition ids to device ids for the levels
-    (``cost_model.reference``).
+    (``cost_model.reference``). ``scheduled``: read every synchronous collective as an
+    asynchronous one issued when its operands are ready and awaited at its first use
+    (``cost_model.hlo_async``), as a GPU or TPU would run a program XLA:CPU compiled.
     """
+    if scheduled:
+        hlo_text = as_async(hlo_text)
     module = parse_module(hlo_text)
     simulator = _Simulator(module, profile, dtype,
                            parse_collectives(hlo_text, num_devices(hlo_text)), device_ids)
@@ -252,6 +257,7 @@ def simulate(hlo_text: str, profile, dtype=None, device_ids: Sequence[int] | Non
 
 
 def simulate_compiled(compiled, profile, dtype=None,
-                      device_ids: Sequence[int] | None = None) -> Timeline:
+                      device_ids: Sequence[int] | None = None,
+                      scheduled: bool = False) -> Timeline:
     """:func:`simulate` of a ``jax.stages.Compiled``."""
-    return simulate(compiled.as_text(), profile, dtype, device_ids)
+    return simulate(compiled.as_text(), profile, dtype, device_ids, scheduled)

@@ -17,6 +17,23 @@ from autopar.cost_model.spec import Spec, spec_fits
 from autopar.passes.trace import constraint_label
 
 
+def check_partition_spec(hint: PartitionSpec, where: str) -> None:
+    """ShardingHintError unless each entry of ``hint`` is None, a mesh axis name or a tuple of
+    them (``P(1)`` and ``P(P.UNCONSTRAINED)`` are not)."""
+    for i, entry in enumerate(hint):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if entry is PartitionSpec.UNCONSTRAINED or any(
+                n is PartitionSpec.UNCONSTRAINED for n in names):
+            raise ShardingHintError(
+                f"hint {hint} for `{where}` leaves dim {i} P.UNCONSTRAINED, which autopar does "
+                "not take: write None there (that dim unsplit), or None for the whole value to "
+                "let autopar decide")
+        if entry is not None and not all(isinstance(n, str) for n in names):
+            raise ShardingHintError(
+                f"hint {hint} for `{where}`: dim {i}'s entry {entry!r} is not a mesh axis name; "
+                "each entry must be None, an axis name such as 'data', or a tuple of names")
+
+
 def to_spec(hint, shape, axis_sizes: dict[str, int], where: str) -> Spec | None:
     """A PartitionSpec / NamedSharding hint as a Spec on our mesh, checked; None = free."""
     if hint is None:
@@ -26,6 +43,7 @@ def to_spec(hint, shape, axis_sizes: dict[str, int], where: str) -> Spec | None:
     if not isinstance(hint, PartitionSpec):
         raise ShardingHintError(f"hint for `{where}` is a {type(hint).__name__}: give a "
                                 "PartitionSpec, a NamedSharding or None")
+    check_partition_spec(hint, where)
     try:
         spec = Spec.from_partition_spec(hint, len(shape))
     except ValueError as e:

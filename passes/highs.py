@@ -2,9 +2,12 @@
 
 The LP relaxation is solved first and taken when integral; a fractional one starts a dive
 (:func:`_from_relaxation`), and only then does the MIP run, with a warm start's objective as
-its cutoff (:func:`warm_start`). HiGHS runs with a time limit; on the limit the best incumbent
-is kept. One thread and fixed tie breaks (:func:`_tie_break`) make the same ILP give the same
-plan. Measurements behind these choices: ``docs/solver_notes.md``.
+its cutoff (:func:`warm_start`). Each HiGHS run is bounded by work, not time: simplex
+iterations for the LP, branch-and-bound nodes for the MIP (:class:`Work`), so a plan does not
+depend on how busy the machine is; at the limit the best incumbent is kept. The time limit
+stays as a safety net, and a :class:`SolverFallbackWarning` says when it fired. One thread and
+fixed tie breaks (:func:`_tie_break`) make the same ILP give the same plan. Measurements
+behind these choices: ``docs/solver_notes.md``.
 """
 
 from __future__ import annotations
@@ -12,20 +15,51 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import scipy.optimize
 
+from autopar.errors import SolverFallbackWarning
 from autopar.passes.ilp import IlpBuilder
 
 #: scipy.optimize.milp's status for "other" (HiGHS refused an option, among others).
 HIGHS_OTHER_STATUS = 4
+#: scipy.optimize.milp's status for "iteration or time limit reached".
+LIMIT_STATUS = 1
+#: HiGHS's model status at its node limit (scipy does not know it and says "other").
+NODE_LIMIT_MARK = "HiGHS Status 16"
+#: The message of a run HiGHS stopped at its node limit.
+NODE_LIMIT_MESSAGE = "node limit reached"
+
+
+@dataclass(frozen=True)
+class Work:
+    """How much work one solve may do, whatever the wall clock says: the LP relaxation's
+    simplex iterations (``lp_iterations_per_row`` per constraint, at least ``lp_iterations``),
+    the branch-and-bound nodes of each MIP run (the dive's and the MIP's), and whether HiGHS
+    runs its sub-MIP heuristics (RINS, RENS) at the root, which the node limit does not
+    bound."""
+    mip_nodes: int = 500
+    lp_iterations: int = 100_000
+    lp_iterations_per_row: int = 20
+    sub_mips: bool = True           # HiGHS's RINS and RENS heuristics (sub-MIPs at the root)
+
+    def lp_limit(self, rows: int) -> int:
+        return max(self.lp_iterations, self.lp_iterations_per_row * rows)
+
+
+#: The work of a plain solve (``passes.solve``). Root-solved ILPs (most: see the notes) take
+#: one node and a few simplex iterations per row.
+SOLVE_WORK = Work()
 
 
 def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: float = 1e-3,
-               cutoff=None):
+               cutoff=None, work: Work = SOLVE_WORK):
     """(result, seconds) of HiGHS on: minimize ``c @ x`` with ``lb <= A @ x <= ub``, ``x``
-    integral where ``integer``, ``0 <= x <= upper`` (1 when None), to the relative ``gap``.
+    integral where ``integer``, ``0 <= x <= upper`` (1 when None), to the relative ``gap``,
+    within ``work`` (the same answer on any machine); ``time_limit_s`` is a safety net, and a
+    SolverFallbackWarning says when it stopped HiGHS first.
     ``cutoff``: an objective some plan is known to reach (a warm start), or a function giving
     it (or None), called only when the MIP runs: HiGHS's ``objective_bound`` option, which
     prunes every branch that cannot beat it. The result's ``fun`` is the cost of its ``x``
@@ -38,10 +72,13 @@ def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: floa
     is fixed by a process's first solve) solves again without it."""
     options = {"time_limit": time_limit_s, "disp": bool(os.environ.get("AUTOPAR_HIGHS_LOG")),
                "mip_rel_gap": gap, "mip_heuristic_run_feasibility_jump": False,
-               "threads": 1}
+               "threads": 1, "node_limit": work.mip_nodes,
+               **({} if work.sub_mips else {"mip_heuristic_run_rins": False,
+                                            "mip_heuristic_run_rens": False}),
+               "simplex_iteration_limit": work.lp_limit(A.shape[0])}
     costs = c + _tie_break(c)
     start = time.perf_counter()
-    run = _runner(costs, A, lb, ub, upper)
+    run = _Runner(costs, A, lb, ub, upper)
     res, dived = _from_relaxation(run, integer, options, costs, gap, upper)
     if (res is not None and cutoff is not None and not callable(cutoff)
             and float(costs @ res.x) > cutoff):
@@ -69,28 +106,54 @@ def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: floa
             res = dived
     if res.x is not None:
         res.fun = float(c @ res.x)
-    return res, time.perf_counter() - start
+    took = time.perf_counter() - start
+    if run.timed_out:
+        warnings.warn(f"autopar: HiGHS reached the {time_limit_s:g}s safety-net time limit "
+                      f"before its work limit (after {took:.1f}s): this plan may differ on a "
+                      "faster or less busy machine. Raise `time_limit_s` for a plan that "
+                      "depends only on the program.", SolverFallbackWarning, stacklevel=3)
+    return res, took
 
 
-def _runner(costs, A, lb, ub, upper):
+class _Runner:
     """``run(integrality, options, bounds=None)``: scipy's milp on the ILP with those (bounds:
-    the variables', when not ``0 <= x <= upper``)."""
+    the variables', when not ``0 <= x <= upper``). ``timed_out``: whether a run stopped on its
+    time limit (the safety net) rather than its work limits."""
 
-    def run(integrality, options, bounds=None):
+    def __init__(self, costs, A, lb, ub, upper):
+        self.costs, self.A, self.lb, self.ub, self.upper = costs, A, lb, ub, upper
+        self.timed_out = False
+
+    def __call__(self, integrality, options, bounds=None):
+        ilp = integrality is not None and np.any(np.asarray(integrality) > 0)
+        # HiGHS's simplex iteration limit also cuts each LP inside its MIP (which then
+        # stalls): only a pure LP takes it; a MIP is bounded by nodes.
+        options = {k: v for k, v in options.items()
+                   if k != ("simplex_iteration_limit" if ilp else "node_limit")}
         with warnings.catch_warnings():
-            # scipy passes objective_bound through to HiGHS verbatim, warning that it does.
+            # scipy passes HiGHS's own options (objective_bound, threads, ...) through
+            # verbatim, warning that it does.
             warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
             res = scipy.optimize.milp(
-                costs, integrality=integrality,
-                bounds=(scipy.optimize.Bounds(0, 1 if upper is None else upper)
+                self.costs, integrality=integrality,
+                bounds=(scipy.optimize.Bounds(0, 1 if self.upper is None else self.upper)
                         if bounds is None else bounds),
-                constraints=scipy.optimize.LinearConstraint(A, lb, ub), options=options)
-        if res.x is None and res.status == HIGHS_OTHER_STATUS and "threads" in options:
-            return run(integrality, {k: v for k, v in options.items() if k != "threads"},
-                       bounds)
+                constraints=scipy.optimize.LinearConstraint(self.A, self.lb, self.ub),
+                options=options)
+        if NODE_LIMIT_MARK in (res.message or ""):
+            res.status, res.message = LIMIT_STATUS, NODE_LIMIT_MESSAGE
+        elif res.x is None and res.status == HIGHS_OTHER_STATUS and "threads" in options:
+            return self(integrality, {k: v for k, v in options.items() if k != "threads"},
+                        bounds)
+        if res.status == LIMIT_STATUS and (res.message or "").startswith("Time limit"):
+            self.timed_out = True
         return res
 
-    return run
+
+def note_time_limit(run) -> None:
+    """Marks ``run`` (a :class:`_Runner`) as stopped by the wall clock."""
+    if isinstance(run, _Runner):
+        run.timed_out = True
 
 
 #: The least share of a solve's time limit the MIP gets after the LP relaxation
@@ -107,7 +170,8 @@ CUTOFF_MESSAGE = "no plan under the cutoff (an integral LP relaxation)"
 DIVE_MESSAGE = "optimal within the gap (a dive from the LP relaxation)"
 #: The message of a solve that took a dive's plan the MIP found none better than in time.
 DIVE_UNPROVEN_MESSAGE = "time limit (the plan of a dive from the LP relaxation)"
-#: The share of a solve's time limit a dive (:func:`_from_relaxation`) may take.
+#: The share of a solve's time limit a dive (:func:`_from_relaxation`) may take (a safety
+#: net: the dive is bounded by ``Work.mip_nodes``).
 DIVE_SHARE = 0.25
 
 
@@ -129,7 +193,8 @@ def _from_relaxation(run, integer, options: dict, costs, gap: float, upper=None)
     start = time.perf_counter()
     relaxed = run(np.zeros_like(integer), {
         "time_limit": options["time_limit"], "disp": options["disp"],
-        "presolve": False, **({"threads": options["threads"]} if "threads" in options else {})})
+        "presolve": False, **{k: options[k] for k in ("threads", "simplex_iteration_limit")
+                              if k in options}})
     if relaxed.x is None or relaxed.status != 0:
         return None, None
     ints = np.asarray(integer) > 0
@@ -140,7 +205,8 @@ def _from_relaxation(run, integer, options: dict, costs, gap: float, upper=None)
         return relaxed, None
     left_s = min(options["time_limit"] - (time.perf_counter() - start),
                  options["time_limit"] * DIVE_SHARE)
-    if left_s <= 0:
+    if left_s <= 0:  # the LP took the whole limit: the safety net fired
+        note_time_limit(run)
         return None, None
     fixed = ints & ~off
     lo = np.zeros(len(costs))

@@ -17,7 +17,7 @@ import numpy as np
 from autopar._sizes import format_bytes
 from autopar.errors import InfeasiblePlanError
 from autopar.passes.dedup import Groups
-from autopar.passes.highs import solve_milp
+from autopar.passes.highs import Work, solve_milp
 from autopar.passes.ilp import IlpBuilder, choice_of
 from autopar.passes.ir import Graph, NodeKind
 from autopar.passes.memory_budget import (
@@ -35,27 +35,26 @@ from autopar.passes.strategies import MeshContext
 # last fraction of a percent can take HiGHS ten times as long.
 MEMORY_GAP = 5e-2
 #: Penalty solves of :func:`_penalties` (a tight budget needs a penalty up to
-#: PENALTY_STEP ** 4 times the first), and the time limit of each, as a multiple of the plain
-#: solve's time (at least PENALTY_TIME_MIN_S, at most PENALTY_TIME_LIMIT_S): a penalized
-#: objective has many near-ties, and proving one optimal can take HiGHS far longer than
-#: finding it; the penalty is a heuristic anyway. The minimum leaves the LP relaxation
-#: (``passes.highs``) time to finish on a loaded machine.
+#: PENALTY_STEP ** 4 times the first), each bounded by PENALTY_WORK: a penalized objective
+#: has many near-ties, and proving one optimal can take HiGHS far longer than finding it;
+#: the penalty is a heuristic anyway. Work, not time, bounds them, so a busy machine finds
+#: the same plan (the time limit is a safety net).
 PENALTY_SOLVES = 5
+PENALTY_WORK = Work(mip_nodes=50)
 #: The factor between successive penalties until a plan fits.
 PENALTY_STEP = 8.0
-PENALTY_TIME_FACTOR = 2.0
-PENALTY_TIME_MIN_S = 2.0
-PENALTY_TIME_LIMIT_S = 5.0
 #: A plan that fits within this of the plain plan's objective ends the refit; a slower one is
 #: polished by solves of the memory rows as hard constraints (:func:`_hard_rows`, at most
 #: HARD_ROW_SOLVES, each adding a row for each of up to HARD_ROW_NEW_ROWS stretches of nodes
-#: its plan is over the budget at), limited together to HARD_ROW_TIME_FACTOR times the plain
-#: solve's time and at least HARD_ROW_MIN_S: HiGHS takes much longer under hard rows.
+#: its plan is over the budget at), each bounded by HARD_ROW_WORK: HiGHS takes much longer
+#: under hard rows, mostly in sub-MIP heuristics at the root (off: the same plans, in half
+#: the time, on the wide MLP's).
 PENALTY_CLOSE_ENOUGH = 1e-3
 HARD_ROW_SOLVES = 2
 HARD_ROW_NEW_ROWS = 4
-HARD_ROW_TIME_FACTOR = 4.0
-HARD_ROW_MIN_S = 10.0
+HARD_ROW_WORK = Work(mip_nodes=200, sub_mips=False)
+#: Each solve of the least-peak search (:func:`_smallest_peak`).
+LEAST_PEAK_WORK = Work(mip_nodes=100)
 #: Graphs with these nodes (loops) are not polished: a plan polished to the budget's edge
 #: compiles over it, as the model misses how XLA:CPU packs a loop's stacked buffers.
 LOOP_KINDS = (NodeKind.CARRY, NodeKind.SCAN_IN, NodeKind.SCAN_OUT)
@@ -122,15 +121,12 @@ def fit_budget(builder: IlpBuilder, budget: BudgetRows, time_limit_s: float,
     if bound > budget.budget_bytes:
         return refit.smallest(), None
     total = time.perf_counter() - t0
-    limit_s = min(time_limit_s, PENALTY_TIME_LIMIT_S,
-                  max(PENALTY_TIME_MIN_S, PENALTY_TIME_FACTOR * start_s))
-    best, took = _penalties(refit, (c, A, lb, ub, integer), limit_s, objective_us)
+    best, took = _penalties(refit, (c, A, lb, ub, integer), time_limit_s, objective_us)
     total += took
     if (best is not None and float(c @ best.x) > objective_us * (1 + PENALTY_CLOSE_ENOUGH)
             and not any(n.kind in LOOP_KINDS for n in g.nodes)):
         t = time.perf_counter()
-        hard_limit_s = min(time_limit_s, max(HARD_ROW_MIN_S, HARD_ROW_TIME_FACTOR * start_s))
-        polished = _hard_rows(refit, float(c @ best.x), objective_us, hard_limit_s)
+        polished = _hard_rows(refit, float(c @ best.x), objective_us, time_limit_s)
         total += time.perf_counter() - t
         if polished is not None:
             best = polished
@@ -148,7 +144,8 @@ def _penalties(refit: _Refit, ilp: tuple, limit_s: float, objective_us: float):
     / PENALTY_STEP per budget (a budget's worth of bytes at the rows costs an eighth of a
     step, so a plan just over the budget gives up little time), raising lam until a plan
     fits, adding the row of every node a plan peaks at (past lam_max, where memory outweighs
-    every cost, only while that still lowers the peak). Each solve takes ``limit_s``."""
+    every cost, only while that still lowers the peak). Each solve does PENALTY_WORK at most
+    (``limit_s``: its safety-net time limit)."""
     c, A, lb, ub, integer = ilp
     budget, progress = refit.budget, refit.progress
     best, total, last_peak = None, 0.0, float("inf")
@@ -156,7 +153,7 @@ def _penalties(refit: _Refit, ilp: tuple, limit_s: float, objective_us: float):
     lam = min(max(objective_us / PENALTY_STEP, 1.0), lam_max)
     for _ in range(PENALTY_SOLVES):
         res, took = solve_milp(c + lam * refit.penalty(), A, lb, ub, integer, limit_s,
-                               gap=MEMORY_GAP)
+                               gap=MEMORY_GAP, work=PENALTY_WORK)
         total += took
         if res.x is None:
             break
@@ -195,21 +192,18 @@ def _least_peak_plan(refit: _Refit, c: np.ndarray, total: float):
 def _hard_rows(refit: _Refit, cutoff_us: float, objective_us: float, time_limit_s: float):
     """The cheapest plan under the memory rows of ``budget.cuts`` as hard constraints and
     faster than ``cutoff_us``, each solve adding rows where its plan is over the budget, for
-    at most :data:`HARD_ROW_SOLVES` solves in ``time_limit_s`` all told; None when none
-    fits. The penalty solves price every byte at every row, so the plans between a
-    penalty's last plan over the budget and its first under it are out of their reach (not
-    on the convex hull); the rows as constraints reach them."""
+    at most :data:`HARD_ROW_SOLVES` solves of :data:`HARD_ROW_WORK` each (``time_limit_s``:
+    each one's safety-net time limit); None when none fits. The penalty solves price every
+    byte at every row, so the plans between a penalty's last plan over the budget and its
+    first under it are out of their reach (not on the convex hull); the rows as constraints
+    reach them."""
     builder, budget, progress = refit.builder, refit.budget, refit.progress
-    left_s = time_limit_s
     for _ in range(HARD_ROW_SOLVES):
-        if left_s < 1.0:
-            return None
         c, A, lb, ub, integer = builder.matrices(
             (budget.row(t, builder.offset), -np.inf, budget.rhs(copies))
             for t, copies in budget.cuts)
-        res, took = solve_milp(c, A, lb, ub, integer, left_s, gap=MEMORY_GAP,
-                               cutoff=cutoff_us * (1 - 1e-6))
-        left_s -= took
+        res, took = solve_milp(c, A, lb, ub, integer, time_limit_s, gap=MEMORY_GAP,
+                               cutoff=cutoff_us * (1 - 1e-6), work=HARD_ROW_WORK)
         rows = len(budget.cuts)
         if res.x is None:
             progress(f"memory rows as constraints ({rows}): {took:.2f}s, none faster found")
@@ -250,7 +244,8 @@ def _smallest_peak(graph: Graph, strats, groups: Groups, mesh: MeshContext,
         c, A, lb, ub, integer = b.matrices()
         upper = np.ones(b.n)
         upper[m] = np.inf
-        res, _ = solve_milp(c, A, lb, ub, integer, time_limit_s, upper, gap=MEMORY_GAP)
+        res, _ = solve_milp(c, A, lb, ub, integer, time_limit_s, upper, gap=MEMORY_GAP,
+                            work=LEAST_PEAK_WORK)
         if res.x is None:
             break
         choice = choice_of(res.x, graph, groups, b.offset)

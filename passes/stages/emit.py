@@ -16,6 +16,7 @@ activations and cotangents move with ``lax.ppermute``.
   backwards; a ``lax.switch`` on the tick, the same on every device), so no tick computes a
   slot no stage needs. The result is a ``jax.custom_vjp``
   whose forward runs the whole schedule.
+- ZB-H1: the same ``custom_vjp``, its region the tabled loop of :mod:`.tabled`.
 
 Idle slots are masked with ``jnp.where``, never skipped with a device-varying ``lax.cond``
 (which can hang under grad). Invariant operands are ``pcast`` to varying before per-device
@@ -33,7 +34,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from autopar.passes.stages import split
+from autopar.passes.stages import manual, split, tabled
 from autopar.passes.stages.prepare import Prepared
 from autopar.passes.stages.schedules import Schedule, stash_slots, ticks
 
@@ -44,65 +45,8 @@ def pipelined(prep: Prepared, mesh) -> Callable:
         return lambda *flat: _gpipe(prep, mesh, flat, _gpipe_stack)
     if prep.schedule is Schedule.INTERLEAVED:
         return lambda *flat: _gpipe(prep, mesh, flat, _circular_stack)
-    return _one_f_one_b(prep, mesh)
-
-
-def _varying(tree, axis):
-    return jax.tree.map(lambda a: lax.pcast(a, axis, to="varying"), tree)
-
-
-def _low(dtype) -> bool:
-    """A float type whose all-reduce inside a partly manual shard_map crashes XLA:CPU
-    ("Invalid binary instruction opcode copy", jax 0.10.2): reduce it in float32."""
-    return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
-
-
-def _up(a):
-    return a.astype(jnp.float32) if _low(a.dtype) else a
-
-
-def _psum(tree, axis):
-    return jax.tree.map(lambda a: lax.psum(_up(a), axis).astype(a.dtype), tree)
-
-
-def _varying_as(tree, dtypes, axis):
-    """``tree`` (passed in as :func:`_up` made it) varying over ``axis``, in ``dtypes``: the
-    transpose of the pcast (a psum of cotangents) then runs in float32."""
-    return jax.tree.map(lambda a, d: lax.pcast(a, axis, to="varying").astype(d), tree, dtypes)
-
-
-def _constrain(a, spec):
-    """``a`` held in ``spec``, a ``PartitionSpec`` over the automatic mesh axes (None: left to
-    propagation)."""
-    return a if spec is None else lax.with_sharding_constraint(a, spec)
-
-
-def _lead(spec, n: int = 1):
-    """``spec`` behind ``n`` unsharded leading axes (microbatches, or a stage's layers)."""
-    return None if spec is None else P(*[None] * n, *spec)
-
-
-def _inner(prep: Prepared, layer_axes: int = 1):
-    """``(consts, mbs, xs) -> same``, held in the stage plan's specs (identity without one);
-    ``layer_axes``: the leading axes of a stage's block of each stacked operand."""
-    inner = prep.inner
-    if inner is None:
-        return lambda consts, mbs, xs: (consts, mbs, xs)
-    return lambda consts, mbs, xs: (
-        [_constrain(c, sp) for c, sp in zip(consts, inner.consts, strict=True)],
-        _constrain(mbs, _lead(inner.carry)),
-        [_constrain(x, _lead(sp, layer_axes)) for x, sp in zip(xs, inner.xs, strict=True)])
-
-
-def _stage(prep: Prepared) -> Callable:
-    stage = split.stage_fn(prep.micro)
-    carry = None if prep.inner is None else prep.inner.carry
-
-    def run(consts, x, xs):
-        y = stage(consts, [_constrain(x, carry)], xs)[0]
-        return _constrain(y, carry)
-
-    return run
+    stack = tabled.tabled_stack if prep.schedule is Schedule.ZB_H1 else _one_f_one_b_stack
+    return _per_microbatch(prep, mesh, stack)
 
 
 def _operands(prep: Prepared, ops):
@@ -119,32 +63,32 @@ def _gpipe(prep: Prepared, mesh, flat, stack):
 
 def _gpipe_stack(prep: Prepared, mesh, consts, carry, xs):
     axis, n_stages, n_micro = prep.axis, prep.stages, prep.microbatches
-    stage = _stage(prep)
+    stage = manual.stage(prep)
     shift = [(j, j + 1) for j in range(n_stages - 1)]
 
     dtypes = ([c.dtype for c in consts], carry.dtype)
 
-    held = _inner(prep)
+    held = manual.inner(prep)
 
     def body(consts, mbs, xs):
         s = lax.axis_index(axis)
         consts, mbs, xs = held(consts, mbs, xs)
-        consts, mbs = _varying_as((consts, mbs), dtypes, axis)
+        consts, mbs = manual.varying_as((consts, mbs), dtypes, axis)
 
         def tick(state, t):
             x = jnp.where(s == 0, mbs[jnp.clip(t, 0, n_micro - 1)], state)
             y = stage(consts, x, xs)
             return lax.ppermute(y, axis, shift), y
 
-        start = _varying(jnp.zeros(mbs.shape[1:], mbs.dtype), axis)
+        start = manual.varying(jnp.zeros(mbs.shape[1:], mbs.dtype), axis)
         n_ticks = ticks(Schedule.GPIPE, n_stages, n_micro)
         _, ys = lax.scan(tick, start, jnp.arange(n_ticks))
         done = ys[n_stages - 1:]                 # the last stage's outputs, microbatch order
-        return _psum(jnp.where(s == n_stages - 1, done, jnp.zeros_like(done)), axis)
+        return manual.psum(jnp.where(s == n_stages - 1, done, jnp.zeros_like(done)), axis)
 
     mbs = carry.reshape(n_micro, carry.shape[0] // n_micro, *carry.shape[1:])
     out = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis)), out_specs=P(),
-                        axis_names={axis})(jax.tree.map(_up, consts), _up(mbs), xs)
+                        axis_names={axis})(jax.tree.map(manual.up, consts), manual.up(mbs), xs)
     return out.reshape(carry.shape)
 
 
@@ -154,15 +98,15 @@ def _circular_stack(prep: Prepared, mesh, consts, carry, xs):
     (stage S-1 wraps to 0), waiting at stage 0 in a buffer of M slots between rounds. Needs
     M >= S. The backward is autodiff through the tick loop, as for GPipe."""
     axis, n_stages, n_micro, v = prep.axis, prep.stages, prep.microbatches, prep.virtual_stages
-    stage = _stage(prep)
+    stage = manual.stage(prep)
     ring = [(j, (j + 1) % n_stages) for j in range(n_stages)]
     dtypes = ([c.dtype for c in consts], carry.dtype)
-    held = _inner(prep, layer_axes=3)
+    held = manual.inner(prep, layer_axes=3)
 
     def body(consts, mbs, xs):
         s = lax.axis_index(axis)
         consts, mbs, xs = held(consts, mbs, xs)
-        consts, mbs = _varying_as((consts, mbs), dtypes, axis)
+        consts, mbs = manual.varying_as((consts, mbs), dtypes, axis)
         chunks = [a[:, 0] for a in xs]                    # (v, layers per chunk, ...)
 
         def tick(c, t):
@@ -178,17 +122,17 @@ def _circular_stack(prep: Prepared, mesh, consts, carry, xs):
             circ = lax.dynamic_update_index_in_dim(circ, y_next, (t + 1 - n_stages) % n_micro, 0)
             return (y_next, circ, outs), None
 
-        act = _varying(jnp.zeros(mbs.shape[1:], mbs.dtype), axis)
-        buf = _varying(jnp.zeros(mbs.shape, mbs.dtype), axis)
+        act = manual.varying(jnp.zeros(mbs.shape[1:], mbs.dtype), axis)
+        buf = manual.varying(jnp.zeros(mbs.shape, mbs.dtype), axis)
         n_ticks = ticks(Schedule.INTERLEAVED, n_stages, n_micro, v)
         (_, _, outs), _ = lax.scan(tick, (act, buf, buf), jnp.arange(n_ticks))
-        return _psum(jnp.where(s == n_stages - 1, outs, jnp.zeros_like(outs)), axis)
+        return manual.psum(jnp.where(s == n_stages - 1, outs, jnp.zeros_like(outs)), axis)
 
     mbs = carry.reshape(n_micro, carry.shape[0] // n_micro, *carry.shape[1:])
     per = prep.full.layers // (n_stages * v)
     chunked = [a.reshape(v, n_stages, per, *a.shape[1:]) for a in xs]
     out = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(None, axis)), out_specs=P(),
-                        axis_names={axis})(jax.tree.map(_up, consts), _up(mbs), chunked)
+                        axis_names={axis})(jax.tree.map(manual.up, consts), manual.up(mbs), chunked)
     return out.reshape(carry.shape)
 
 
@@ -200,13 +144,15 @@ def _no_grad(a):
     return np.zeros(np.shape(a), jax.dtypes.float0)
 
 
-def _one_f_one_b(prep: Prepared, mesh) -> Callable:
+def _per_microbatch(prep: Prepared, mesh, stack: Callable) -> Callable:
+    """The loss of a schedule that differentiates each microbatch itself (1F1B, ZB-H1):
+    ``stack`` runs the region; a ``jax.custom_vjp`` whose forward runs the whole schedule."""
     @jax.custom_vjp
     def loss(*flat):
-        return [_one_f_one_b_run(prep, mesh, flat)[0]]
+        return [_per_microbatch_run(prep, mesh, flat, stack)[0]]
 
     def fwd(*flat):
-        value, grads = _one_f_one_b_run(prep, mesh, flat)
+        value, grads = _per_microbatch_run(prep, mesh, flat, stack)
         return [value], grads
 
     def bwd(grads, cts):
@@ -217,7 +163,7 @@ def _one_f_one_b(prep: Prepared, mesh) -> Callable:
     return loss
 
 
-def _one_f_one_b_run(prep: Prepared, mesh, flat):
+def _per_microbatch_run(prep: Prepared, mesh, flat, stack: Callable):
     """(loss, gradient of every flat input; float0 for non-float ones)."""
     is_f = [_is_float(a) for a in flat]
     floats = [a for a, f in zip(flat, is_f, strict=True) if f]
@@ -231,8 +177,7 @@ def _one_f_one_b_run(prep: Prepared, mesh, flat):
     # the loss after the layers reads only some inputs: only those enter the pipeline region
     reads = split.post_reads(prep.micro)[0]
     kinds = [None if not r else "float" if f else "other" for r, f in zip(reads, is_f)]
-    value, d_post, d_consts, d_carry, d_xs = _one_f_one_b_stack(prep, mesh, flat, kinds,
-                                                                consts, carry, xs)
+    value, d_post, d_consts, d_carry, d_xs = stack(prep, mesh, flat, kinds, consts, carry, xs)
     d_ops = [d if _is_float(o) else _no_grad(o)
              for o, d in zip(ops, d_consts + [d_carry] + d_xs, strict=True)]
     d_pre = iter(pre_vjp(d_ops))
@@ -253,19 +198,19 @@ def _one_f_one_b_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
     other_ins = [a for a, k in zip(flat, kinds, strict=True) if k == "other"]
     tick = _one_f_one_b_tick(prep, kinds, rows)
 
-    held = _inner(prep)
+    held = manual.inner(prep)
 
     def body(consts, mbs, xs, float_ins, other_ins):
         consts, mbs, xs = held(consts, mbs, xs)
-        consts, float_ins = _varying((consts, float_ins), axis)
-        act = _varying(jnp.zeros(mbs.shape[1:], mbs.dtype), axis)
+        consts, float_ins = manual.varying((consts, float_ins), axis)
+        act = manual.varying(jnp.zeros(mbs.shape[1:], mbs.dtype), axis)
         zeros = lambda t: jax.tree.map(jnp.zeros_like, t)  # noqa: E731
         start = dict(fwd=act, bwd=act,
-                     stash=_varying(jnp.zeros((stash_slots(prep.stages), *act.shape), act.dtype),
+                     stash=manual.varying(jnp.zeros((stash_slots(prep.stages), *act.shape), act.dtype),
                                     axis),
                      d_xs=zeros(xs), d_consts=zeros(consts), d_post=zeros(float_ins),
-                     d_mbs=_varying(jnp.zeros_like(mbs), axis),
-                     loss=_varying(jnp.zeros((), jnp.float32), axis))
+                     d_mbs=manual.varying(jnp.zeros_like(mbs), axis),
+                     loss=manual.varying(jnp.zeros((), jnp.float32), axis))
         fixed = (consts, mbs, xs, float_ins, other_ins)
         spans = phases(prep.stages, n_micro)
         branches = [functools.partial(tick, fixed, forward=f, backward=b)
@@ -277,7 +222,7 @@ def _one_f_one_b_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
 
         end, _ = lax.scan(step, start, jnp.arange(spans[-1][1]))
         w = prep.loss_weight
-        total = lambda t: _psum(t, axis)  # noqa: E731
+        total = lambda t: manual.psum(t, axis)  # noqa: E731
         d_consts, d_mbs, d_xs = held(total(end["d_consts"]), total(end["d_mbs"]), end["d_xs"])
         return (total(end["loss"]) * w, jax.tree.map(lambda a: a * w, total(end["d_post"])),
                 d_consts, d_mbs, d_xs)
@@ -303,7 +248,7 @@ def phases(stages: int, microbatches: int) -> list[tuple[int, int, bool, bool]]:
 def _one_f_one_b_tick(prep: Prepared, kinds, rows: int) -> Callable:
     axis, n_stages, n_micro = prep.axis, prep.stages, prep.microbatches
     n_slots = stash_slots(n_stages)
-    stage = _stage(prep)
+    stage = manual.stage(prep)
     post = split.post_fn(prep.micro)
     n_ys = len(prep.micro.eqn.outvars) - 1
     fwd_pairs = [(j, j + 1) for j in range(n_stages - 1)]

@@ -18,7 +18,7 @@ import numpy as np
 from autopar.errors import PipelineError
 from autopar.passes.stages import batch_axes, search, split
 from autopar.passes.stages.batch_axes import BatchSum, Mode
-from autopar.passes.stages.schedules import EMITTED, Schedule, bubble_fraction, ticks
+from autopar.passes.stages.schedules import Schedule, table_bubble, ticks
 
 #: How many microbatch counts the stage search prices (each plans one layer).
 MAX_MICROBATCH_OPTIONS = 4
@@ -56,8 +56,8 @@ class StageChoice:
     layer_ranges: tuple[tuple[int, int], ...]   # [first, last) layer of each stage
     microbatches: int
     schedule: Schedule
-    ticks: int
-    bubble_fraction: float
+    ticks: int                 # trip count of the emitted loop (ticks, or tabled slots)
+    bubble_fraction: float     # predicted idle share of the emitted loop
     virtual_stages: int = 1
     predicted_time_s: float | None = None      # the pipelined stack (None: not priced)
     activation_bytes: int | None = None        # kept per device at the fullest stage
@@ -96,7 +96,7 @@ class Prepared:
             layer_ranges=tuple((c * per, (c + 1) * per) for c in range(chunks)),
             microbatches=self.microbatches, schedule=self.schedule,
             ticks=ticks(self.schedule, self.stages, self.microbatches, v),
-            bubble_fraction=bubble_fraction(self.schedule, self.stages, self.microbatches, v),
+            bubble_fraction=table_bubble(self.schedule, self.stages, self.microbatches, v),
             virtual_stages=v,
             predicted_time_s=None if priced is None else priced.time_s,
             activation_bytes=None if priced is None else priced.activation_bytes,
@@ -142,7 +142,7 @@ def prepare(fun: Callable, flat_args, is_param: list[bool], request: StageReques
                 f"the interleaved schedule needs at least as many microbatches as stages "
                 f"({micro_n} < {stages}); set `Pipeline(microbatches=...)` to at least {stages}.")
         if plan_layer is None:   # no pricing: 1f1b where it is exact (it holds the least)
-            schedule, weight = feasible[-1]
+            schedule, weight = feasible[min(1, len(feasible) - 1)]
             return Prepared(full=full, micro=micro, per_example=per_example, axis=request.axis,
                             stages=stages, microbatches=micro_n, schedule=schedule,
                             loss_weight=weight, virtual_stages=virtual)
@@ -262,31 +262,30 @@ def _body_states(stack: split.Stack) -> list:
 
 def _feasible(asked, full, micro, per_example, has_aux) -> list[tuple[Schedule, float]]:
     """The schedules that can run this loss exactly (the one asked, else gpipe and, where
-    exact, 1f1b), each with the loss weight it runs under."""
-    if asked is not None and asked not in EMITTED:
-        raise PipelineError(
-            f"`Pipeline(schedule={asked.value!r})` is not emitted yet; use "
-            f"{' or '.join(repr(s.value) for s in sorted(EMITTED, key=lambda s: s.value))}.")
+    exact, the tabled ones), each with the loss weight it runs under."""
     if asked in (Schedule.GPIPE, Schedule.INTERLEAVED):   # the loss runs on the whole batch
         return [(asked, 1.0)]
     try:
         ops = full.eqn.invars[: full.num_consts] + full.eqn.invars[full.num_consts + 1:]
         if not all(jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact) for v in ops):
             raise PipelineError(
-                "the scanned layers read integer operands besides their activation; 1f1b "
-                "differentiates per stage and does not handle them yet. Use "
+                "the scanned layers read integer operands besides their activation; 1f1b and "
+                "zb-h1 differentiate per stage and do not handle them yet. Use "
                 "`Pipeline(schedule=\"gpipe\")`.")
         if has_aux:
             raise PipelineError(
-                "`has_aux=True` with a schedule that computes the loss per microbatch (1f1b): "
-                "the auxiliary outputs cannot be combined across microbatches; use "
+                "`has_aux=True` with a schedule that computes the loss per microbatch (1f1b, "
+                "zb-h1): the auxiliary outputs cannot be combined across microbatches; use "
                 "`Pipeline(schedule=\"gpipe\")` or drop `has_aux`.")
-        one_f_one_b = [(Schedule.ONE_F_ONE_B, _loss_weight(full, micro, per_example))]
+        weight = _loss_weight(full, micro, per_example)
     except PipelineError:
         if asked is None:
             return [(Schedule.GPIPE, 1.0)]
         raise
-    return one_f_one_b if asked is not None else [(Schedule.GPIPE, 1.0)] + one_f_one_b
+    if asked is not None:
+        return [(asked, weight)]
+    # ZB-H1 only when asked: its compiled memory at realistic sizes is not predicted yet
+    return [(Schedule.GPIPE, 1.0), (Schedule.ONE_F_ONE_B, weight)]
 
 
 def _loss_weight(full, micro, per_example) -> float:

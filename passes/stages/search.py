@@ -8,32 +8,38 @@ layer planned over the other mesh axes (:class:`LayerPlan`, made by the caller):
 and backward time, the bytes it keeps for its backward, and one hop of a microbatch's
 activation to the next stage. Times follow the emitted loops (:mod:`.emit`):
 
-==============  ==========================================  ================================
-schedule        time                                        activations held, per device
-==============  ==========================================  ================================
-gpipe           (M + S - 1) (l t + 2 h)                     M l a n
-interleaved     (v M + S - 1) (l t / v + 2 h)               M l a n
-1f1b            (S - 1) (l t f + h) + M (l t (1 + f) + 2 h)  (2S - 1) c + l a
+==============  ==============================  ============================================
+schedule        time                            activations held, per device
+==============  ==============================  ============================================
+gpipe           (M + S - 1) (l t + 2 h)         M l a n
+interleaved     (v M + S - 1) (l t / v + 2 h)   M l a n
+1f1b            (S - 1) (l t f + h)             (2S - 1) c + l a
+                + M (l t (1 + f) + 2 h)
                 + (S - 1) (l t + h)
-==============  ==========================================  ================================
+zb-h1           T (l t f + 2 h)                 R l a + P l c + (Q_f + Q_b) c
+==============  ==============================  ============================================
 
 with l layers per stage, t one layer's forward and backward on a microbatch, h one hop, a
-its kept activations, c one microbatch's stage input, f = 1/3 a forward's share of t (1F1B's
-warmup ticks run forwards only, its cooldown ticks backwards only, and a backward re-runs the
-stage's forward from the stashed input), and n the
-devices of a stage: GPipe's backward is jax's autodiff through the region, whose residuals
-leave it replicated over the other mesh axes (the compiled 26B GPT of the pipeline benchmark
-holds 275 GiB of them per device at M = 4), so GPipe fits only where activations are small.
+its kept activations, c one microbatch's activation entering a layer, n the devices of a
+stage, and f = 1/3 a forward's share of t (a matmul's backward is two matmuls of the
+forward's size). 1F1B's warmup ticks run forwards only, its cooldown ticks backwards only,
+and a backward re-runs the stage's forward from the stashed input. ZB-H1 runs the T slots of
+its table (:func:`.schedules.table`), each one F, B or W, and holds R microbatches'
+residuals, P microbatches' per-layer cotangents between B and W, and Q_f, Q_b received
+activations and cotangents (the table's buffer sizes). GPipe's backward is jax's
+autodiff through the region, whose residuals leave it replicated over the other mesh axes
+(the compiled 26B GPT of the pipeline benchmark holds 275 GiB of them per device at M = 4),
+so GPipe fits only where activations are small.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.passes.stages.schedules import Schedule, stash_slots, ticks
+from autopar.passes.stages.schedules import TABLED, Schedule, stash_slots, table, ticks
 
-#: The share of a layer's forward-and-backward time its forward takes (a matmul's backward is
-#: two matmuls of the forward's size).
+#: The share of a layer's forward-and-backward time its forward takes, and each of ZB-H1's B
+#: and W (a matmul's backward is two matmuls of the forward's size).
 FORWARD_SHARE = 1 / 3
 
 
@@ -76,7 +82,12 @@ def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: 
                   + ramp * (stage_s + layer.hop_s))
         held = stash_slots(stages) * layer.carry_bytes + layers_per_stage * layer.kept_bytes
     else:
-        raise ValueError(f"{schedule} is not emitted")
+        assert schedule in TABLED, schedule
+        tab = table(schedule, stages, microbatches)
+        time_s = n * (stage_s * FORWARD_SHARE + 2 * layer.hop_s)
+        held = (layers_per_stage * (tab.held * layer.kept_bytes
+                                    + tab.pending_w * layer.carry_bytes)
+                + (tab.waiting_f + tab.waiting_b) * layer.carry_bytes)
     return Priced(schedule=schedule, microbatches=microbatches, layer=layer, time_s=time_s,
                   activation_bytes=int(held))
 

@@ -180,21 +180,28 @@ def post_reads(stack: Stack) -> tuple[list[bool], list[bool]]:
             [not isinstance(v, jcore.DropVar) and v in needed for v in stack.eqn.outvars])
 
 
-def stage_fn(stack: Stack) -> Callable:
-    """``stage(consts, carry, xs) -> carry``: the stack's body scanned over the layers of
-    ``xs`` (any leading length: a stage's share of the layers)."""
+def layer_fn(stack: Stack) -> Callable:
+    """``layer(consts, carry, x) -> carry``: the stack's body, once (``x``: one layer's slice
+    of each stacked operand)."""
     body = stack.eqn.params["jaxpr"]
     n_carry = stack.num_carry
 
-    def stage(consts, carry, xs):
-        def layer(c, x):
-            env = dict(zip(body.jaxpr.constvars, body.consts, strict=True))
-            env.update(zip(body.jaxpr.invars, [*consts, *c, *x], strict=True))
-            _replay(body.jaxpr.eqns, env)
-            outs = [_read(env, v) for v in body.jaxpr.outvars]
-            return list(outs[:n_carry]), None
+    def layer(consts, carry, x):
+        env = dict(zip(body.jaxpr.constvars, body.consts, strict=True))
+        env.update(zip(body.jaxpr.invars, [*consts, *carry, *x], strict=True))
+        _replay(body.jaxpr.eqns, env)
+        return [_read(env, v) for v in body.jaxpr.outvars][:n_carry]
 
-        out, _ = lax.scan(layer, list(carry), list(xs))
+    return layer
+
+
+def stage_fn(stack: Stack) -> Callable:
+    """``stage(consts, carry, xs) -> carry``: the stack's body scanned over the layers of
+    ``xs`` (any leading length: a stage's share of the layers)."""
+    layer = layer_fn(stack)
+
+    def stage(consts, carry, xs):
+        out, _ = lax.scan(lambda c, x: (layer(consts, c, x), None), list(carry), list(xs))
         return out
 
     return stage

@@ -1,4 +1,5 @@
-"""The CLI, driven as a user drives it: as a subprocess."""
+"""The CLI, driven as a user drives it: as a subprocess, and in-process (``cli.main``) for the
+inputs it refuses (more in ``test_bad_inputs.py``)."""
 
 import json
 import os
@@ -34,7 +35,8 @@ def test_report_writes_json_and_html(tmp_path):
     d = json.loads(out.read_text())
     assert {"mesh", "estimate", "in_shardings", "out_shardings"} <= set(d)
     assert d["stats"]["validation"]["by_kind"]
-    assert d["mesh"] == {"axis_names": ["data", "model"], "axis_sizes": [2, 4]}
+    assert d["mesh"] == {"axis_names": ["data", "model"], "axis_sizes": [2, 4],
+                         "device_ids": list(range(8))}
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -58,11 +60,16 @@ def test_report_writes_json_and_html(tmp_path):
       "100KiB", "--simulate-devices", "8", "--no-baselines"],
      "no sharding plan fits `memory_budget` = 100.0 KiB"),
 ])
-def test_bad_input_exits_nonzero_without_traceback(argv, message):
-    r = _run(*argv)
-    assert r.returncode != 0
-    assert message.lower() in r.stderr.lower(), r.stderr
-    assert "Traceback" not in r.stderr
+def test_bad_input_exits_nonzero_without_traceback(argv, message, capsys):
+    from autopar import cli
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse's errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code != 0
+    assert message.lower() in err.lower(), err
+    assert "Traceback" not in err
 
 
 def test_report_plans_under_a_memory_budget(tmp_path):
@@ -78,12 +85,13 @@ def test_report_plans_under_a_memory_budget(tmp_path):
     assert json.loads(out.read_text())["estimate"]["peak_memory_bytes"] <= 2 * 2**20
 
 
-def test_error_in_the_users_file_is_one_line(tmp_path):
+def test_error_in_the_users_file_is_one_line(tmp_path, capsys):
+    from autopar import cli
     bad = tmp_path / "broken.py"
     bad.write_text("raise ValueError('boom')\n")
-    r = _run("report", f"{bad}:f", "--mesh", "data=8")
-    assert r.returncode != 0
-    assert "ValueError: boom" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert cli.main(["report", f"{bad}:f", "--mesh", "data=8"]) != 0
+    err = capsys.readouterr().err
+    assert "ValueError: boom" in err and "Traceback" not in err, err
 
 
 def test_demo_trains_on_simulated_devices_and_points_at_real_hardware():

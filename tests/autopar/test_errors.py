@@ -24,7 +24,7 @@ ARGS = (jnp.ones((16, 16)), jnp.ones((8, 16)))
     ({"data": 3}, "covers 3 devices but 8 exist"),
     ({"data": 2, "model": 2}, "covers 4 devices"),
     ({}, "has no axes"),
-    ({"data": 0}, "not a positive integer"),
+    ({"data": 0}, "give a positive integer"),
     ("data=2,model", "malformed mesh"),
     ([2, 4], "must be a jax.sharding.Mesh or a dict"),
 ])
@@ -81,6 +81,7 @@ def test_indivisible_shapes_still_plan():
     assert jnp.allclose(plan.jit()(w, x), _fn(w, x))
 
 
+@pytest.mark.filterwarnings("ignore:autopar. HiGHS reached:autopar.errors.SolverFallbackWarning")
 @pytest.mark.parametrize("seeds", [False, True])
 def test_ilp_time_limit_falls_back_and_says_so(seeds):
     """Without a solution in time the plan is greedy; with baseline seeds the ILP starts from

@@ -150,6 +150,7 @@ def _cached_step(cache_dir):
 
 
 def test_disk_cache_skips_the_solve_and_survives_corruption(tmp_path):
+    from autopar._cache import _checksum
     from autopar.errors import StalePlanCacheWarning
 
     w, x = jnp.ones((16, 16)) * 0.1, jnp.arange(32 * 16.0).reshape(32, 16) / 100
@@ -173,6 +174,7 @@ def test_disk_cache_skips_the_solve_and_survives_corruption(tmp_path):
 
     doc = json.loads(entry.read_text())  # rewritten by the third call
     doc["fingerprint"] = "0" * 64
+    doc["checksum"] = _checksum(doc)  # a program change, not a corruption
     entry.write_text(json.dumps(doc))
     fourth = _cached_step(tmp_path)
     with pytest.warns(StalePlanCacheWarning, match="no longer matches"):

@@ -120,7 +120,8 @@ def test_pipeline_is_frozen_and_exported():
 
 
 @pytest.mark.parametrize("axes", [{"stage": 4, "data": 2}, {"stage": 2, "data": 2, "model": 2}])
-@pytest.mark.parametrize("schedule, microbatches", [("gpipe", 4), ("1f1b", None)])
+@pytest.mark.parametrize("schedule, microbatches", [("gpipe", 4), ("1f1b", None),
+                                                   ("zb-h1", None)])
 def test_pipelined_train_step_matches_one_device(gpt_case, axes, schedule, microbatches):
     loss_fn, tx, args, expected = gpt_case
     step = _step(autopar.value_and_grad, loss_fn, tx)
@@ -147,7 +148,7 @@ def test_interleaved_train_step_matches_one_device(axes, virtual):
 
 
 @pytest.mark.parametrize("axes", [{"stage": 4, "data": 2}, {"stage": 2, "data": 2, "model": 2}])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
 def test_scanned_nnx_llama_pipelines_match_one_device(axes, schedule):
     config = llama_nnx.Config(scan_layers=True, layers=8, seq=8, batch=8)
     tx = common.make_optimizer()
@@ -246,11 +247,12 @@ def _compiled(schedule):
 
 
 @pytest.mark.parametrize("schedule, loops", [("gpipe", [11, 11]), ("1f1b", [14]),
-                                             ("interleaved", [11, 11])])
+                                             ("interleaved", [11, 11]), ("zb-h1", [29])])
 def test_compiled_loop_runs_the_schedule_s_ticks(schedule, loops):
     # GPipe: forward and backward loops of M + S - 1 ticks; 1F1B: one loop of M + 2(S - 1)
-    # ticks (warmup, steady and cooldown branches); interleaved with v = 1 (4
-    # layers on 4 stages) runs GPipe's ticks, v M + S - 1 in general
+    # ticks (warmup, steady and cooldown branches); ZB-H1: 3M + S - 1 slots of F, B or W and
+    # two more here; interleaved with v = 1 (4 layers on 4 stages) runs GPipe's ticks,
+    # v M + S - 1 in general
     hlo = _compiled(schedule).as_text()
     assert sorted(_loops_with_permutes(hlo)) == loops
 
@@ -264,10 +266,14 @@ def test_interleaved_loop_runs_v_m_plus_s_minus_1_ticks():
     assert sorted(_loops_with_permutes(hlo)) == [19, 19]   # 2 * 8 + 4 - 1
 
 
-def test_1f1b_holds_less_than_gpipe_at_eight_microbatches():
+def test_1f1b_and_zb_h1_hold_less_than_gpipe_at_eight_microbatches():
+    """GPipe's autodiff keeps every tick's residuals (M + S - 1 = 11 microbatch-layers per
+    stage); ZB-H1 stores S = 4 microbatches' residuals; 1F1B stashes 2S - 1 stage inputs and
+    recomputes."""
     temp = {s: _compiled(s).memory_analysis().temp_size_in_bytes
-            for s in ("gpipe", "1f1b")}
+            for s in ("gpipe", "1f1b", "zb-h1")}
     assert temp["1f1b"] < temp["gpipe"] / 2, temp
+    assert temp["zb-h1"] < 0.75 * temp["gpipe"], temp
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -287,7 +293,6 @@ def _trace(config, settings, axes=None, loss_fn=None, has_aux=False):
     (CONFIG, autopar.Pipeline(axis="pipe"), None, "axis the mesh lacks"),
     (CONFIG, autopar.Pipeline(stages=2), None, "stages=2"),
     (gpt.TINY, autopar.Pipeline(), None, "nn.scan"),
-    (CONFIG, autopar.Pipeline(schedule="zb-h1"), None, "not emitted yet"),
 ])
 def test_bad_pipelines_raise(config, settings, axes, match):
     with pytest.raises(PipelineError, match=match):

@@ -8,12 +8,14 @@ from autopar._sizes import format_bytes, format_flops, format_seconds, parse_byt
 
 @pytest.mark.parametrize("text, nbytes", [
     ("40GiB", 40 * 2**30), ("512 mib", 512 * 2**20), ("64GB", 64 * 10**9),
-    ("1.5TiB", int(1.5 * 2**40)), ("1024", 1024), ("2kb", 2000), (" 3 B ", 3)])
+    ("1.5TiB", int(1.5 * 2**40)), ("1024", 1024), ("2kb", 2000), (" 3 B ", 3),
+    ("1e9", 10**9), ("2.5E3KiB", 2500 * 2**10), ("1e+3", 1000)])
 def test_sizes(text, nbytes):
     assert parse_bytes(text) == nbytes
 
 
-@pytest.mark.parametrize("text", ["0", "x", "12x", "-1GiB", "GiB", "0.1", "", "1e9", "4 GiB B"])
+@pytest.mark.parametrize("text", ["0", "x", "12x", "-1GiB", "GiB", "0.1", "", "1e-3", "e9",
+                                  "4 GiB B"])
 def test_what_is_not_a_size_says_what_to_write(text):
     with pytest.raises(ValueError, match="is not a size: give bytes or a number with a unit"):
         parse_bytes(text)

@@ -26,7 +26,7 @@ from autopar.models import bert, mlp
 from autopar.passes.overlap import regions
 from autopar.passes.overlap.collective_matmul import CollectiveMatmul, Mode, forced
 from tests.autopar.test_random_programs import MESHES as RANDOM_MESHES
-from benchmarks.overlap import as_async
+from autopar.cost_model.hlo_async import as_async
 from tests.autopar.test_random_programs import make_case, random_hints
 
 M, R, D = ("model",), ("data",), ()
@@ -227,7 +227,7 @@ def test_fsdp_prefetch_matches_one_device():
 
 
 def test_as_async_lets_a_collective_overlap_independent_compute(mesh_1d):
-    """``benchmarks.overlap.as_async`` reads XLA:CPU's synchronous collectives as a GPU's
+    """``cost_model.hlo_async.as_async`` reads XLA:CPU's synchronous collectives as a GPU's
     latency-hiding scheduler runs them: the same step, its all-reduce beside the dot that
     does not need it."""
     @jax.jit

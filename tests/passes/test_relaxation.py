@@ -8,6 +8,8 @@ import pytest
 import scipy.optimize
 import scipy.sparse
 
+from autopar.errors import SolverFallbackWarning
+
 from autopar.passes.highs import (
     CUTOFF_MESSAGE,
     DIVE_MESSAGE,
@@ -76,7 +78,8 @@ def test_a_dive_outside_the_gap_stays_the_answer_when_the_mip_finds_none_better(
         return real(c, integrality=integrality, bounds=bounds, constraints=constraints,
                     options=options)
     monkeypatch.setattr(scipy.optimize, "milp", milp)
-    res, _ = solve_milp(*_ilp(1.5), time_limit_s=10)
+    with pytest.warns(SolverFallbackWarning, match="safety-net time limit"):
+        res, _ = solve_milp(*_ilp(1.5), time_limit_s=10)
     assert list(np.round(res.x)) == [0.0, 1.0] and res.fun == -2.0
     assert res.status == 1 and res.message == DIVE_UNPROVEN_MESSAGE
     assert bounds_of_mips == [pytest.approx(-2.0, abs=1e-5)]  # the dive's objective

@@ -8,8 +8,8 @@ import pytest
 from autopar.errors import PipelineError
 from autopar.passes.stages import batch_axes, search, split
 from autopar.passes.stages.batch_axes import BatchSum, Mode
-from autopar.passes.stages.schedules import (Schedule, bubble_fraction, in_flight, slots,
-                                             stash_slots, ticks)
+from autopar.passes.stages.schedules import (TABLED, Op, Schedule, bubble_fraction, in_flight,
+                                             slots, stash_slots, table, table_bubble, ticks)
 
 G, F, I, Z = Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZB_H1
 
@@ -20,18 +20,48 @@ G, F, I, Z = Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedul
     (F, 4, 8, 1, 14, 3 / 11),
     (F, 2, 4, 1, 6, 1 / 5),
     (I, 4, 8, 2, 19, 3 / 19),
-    (Z, 4, 8, 1, None, 3 / 24),
+    (Z, 4, 8, 1, 3 * 8 + 3 + 2, 3 / 24),    # ideal 3M + S - 1, two slots more (memory cap)
+    (Z, 2, 4, 1, 3 * 4 + 1, 1 / 12),
+    (Z, 4, 4, 1, 3 * 4 + 3, 3 / 12),
+    (Z, 8, 16, 1, 3 * 16 + 7 + 2, 7 / 48),
 ])
-def test_schedule_table(schedule, s, m, v, n_ticks, bubble):
+def test_schedule_figures(schedule, s, m, v, n_ticks, bubble):
     assert ticks(schedule, s, m, v) == n_ticks
     assert bubble_fraction(schedule, s, m, v) == pytest.approx(bubble)
 
 
 @pytest.mark.parametrize("schedule, expected", [
-    (G, [8, 8, 8, 8]), (F, [4, 3, 2, 1]), (Z, [4, 3, 2, 1]), (I, [8, 8, 8, 8])])
+    (G, [8, 8, 8, 8]), (F, [4, 3, 2, 1]), (Z, [4, 4, 4, 4]), (I, [8, 8, 8, 8])])
 def test_in_flight_per_stage(schedule, expected):
     assert [in_flight(schedule, 4, 8, s) for s in range(4)] == expected
     assert stash_slots(4) == 7
+
+
+@pytest.mark.parametrize("schedule", sorted(TABLED, key=lambda s: s.value))
+@pytest.mark.parametrize("s, m", [(1, 3), (2, 2), (2, 4), (4, 4), (4, 8), (8, 16), (3, 7)])
+def test_tables_run_every_microbatch_in_dependency_order(schedule, s, m):
+    """Each stage runs F, B and W of every microbatch once, in microbatch order; F waits for
+    the previous stage's F, B for the next stage's B (the last stage's for its own F), W for
+    B, each from an earlier slot; stage s holds at most S - s microbatches between F and B."""
+    tab = table(schedule, s, m)
+    at = {}
+    for stage, (ops, micro) in enumerate(zip(tab.ops, tab.micro)):
+        for t, (op, i) in enumerate(zip(ops, micro)):
+            if op is not Op.IDLE:
+                assert (stage, op, i) not in at
+                at[(stage, op, i)] = t
+        for op in (Op.F, Op.B, Op.W):
+            assert [i for o, i in zip(ops, micro) if o is op] == list(range(m))
+        assert max(sum((o is Op.F) - (o is Op.B) for o in ops[:t + 1])
+                   for t in range(tab.slots)) <= s - stage
+    for (stage, op, i), t in at.items():
+        if op is Op.F and stage > 0:
+            assert at[(stage - 1, Op.F, i)] < t
+        if op is Op.B:
+            assert at[(stage + 1, Op.B, i) if stage < s - 1 else (stage, Op.F, i)] < t
+        if op is Op.W:
+            assert at[(stage, Op.B, i)] < t
+    assert 0 <= table_bubble(schedule, s, m) < 1
 
 
 def _body_with(op):
@@ -150,10 +180,15 @@ LAYER = search.LayerPlan(inner=None, time_s=1.0, kept_bytes=100, carry_bytes=10,
     # cooldown ticks of (l t + h); (2S - 1) c + l a held
     (F, 4, 8, 2, 3 * (2 / 3 + 0.5) + 8 * (2 * 4 / 3 + 1) + 3 * (2 + 0.5), 7 * 10 + 2 * 100),
     (F, 2, 4, 1, 1 * (1 / 3 + 0.5) + 4 * (4 / 3 + 1) + 1 * (1 + 0.5), 3 * 10 + 100),
+    # zb-h1: T slots of (l t / 3 + 2 h); R l a + P l c + (Q_f + Q_b) c held
+    (Z, 4, 8, 2, 29 * (2 / 3 + 1), None),
 ])
 def test_search_prices_each_schedule_by_its_emitted_loop(schedule, s, m, l, time_s, held):
     priced = search.price(schedule, s, m, l, LAYER)
     assert priced.time_s == pytest.approx(time_s)
+    if held is None:
+        tab = table(schedule, s, m)
+        held = l * (tab.held * 100 + tab.pending_w * 10) + (tab.waiting_f + tab.waiting_b) * 10
     assert priced.activation_bytes == held
 
 
@@ -162,24 +197,26 @@ def test_search_keeps_the_fastest_that_fits_else_the_smallest():
     assert search.best(options, None).schedule is G           # gpipe is faster
     assert search.best(options, 1000).schedule is F           # only 1f1b fits
     assert search.best(options, 10).schedule is F             # none fits: the smallest
-    with pytest.raises(ValueError, match="not emitted"):
-        search.price(Schedule.ZB_H1, 4, 8, 2, LAYER)
 
 
 @pytest.mark.parametrize("schedule, s, m, v", [(G, 4, 8, 1), (F, 4, 8, 1), (F, 2, 3, 1),
-                                               (I, 2, 4, 2), (I, 4, 8, 2)])
+                                               (Z, 4, 8, 1), (I, 2, 4, 2), (I, 4, 8, 2)])
 def test_chart_slots_run_every_microbatch_once_in_the_schedule_s_ticks(schedule, s, m, v):
     rows = slots(schedule, s, m, v)
     n = ticks(schedule, s, m, v)
-    assert len(rows) == s and all(len(r) == (n if schedule is F else 2 * n) for r in rows)
+    tabled = schedule in TABLED
+    one_loop = tabled or schedule is F
+    assert len(rows) == s and all(len(r) == (n if one_loop else 2 * n) for r in rows)
     for row in rows:
         work = [w for cell in row for w in cell.split()]
         forward = sorted(w for w in work if w.startswith("F"))
         backward = sorted(w for w in work if w.startswith("B"))
         assert len(forward) == len(backward) == m * v
         assert [w[1:] for w in forward] == [w[1:] for w in backward]
+        assert len([w for w in work if w.startswith("W")]) == (m if tabled else 0)
     if schedule is F:   # the last stage runs a microbatch's backward in its forward's tick
         assert rows[-1][s - 1] == "F0 B0"
+    if schedule is F:
+        return
     idle = sum(cell == "" for row in rows for cell in row) / (len(rows) * len(rows[0]))
-    if schedule is not F:
-        assert idle == pytest.approx(bubble_fraction(schedule, s, m, v))
+    assert idle == pytest.approx(table_bubble(schedule, s, m, v))

@@ -1,0 +1,233 @@
+"""The tabled schedules' loop (ZB-H1): one ``lax.scan`` over the slots of
+:func:`.schedules.table`.
+
+In each slot a stage runs one microbatch's F (its forward through the stage's layers, storing
+each layer's vjp residuals; on the last stage also the loss and its cotangent), B (the input
+gradient, layer by layer from the stored residuals, keeping each layer's output cotangent), W
+(the weight gradient from both), or idles, by a ``lax.switch`` on the stage's op. The switch is
+device-varying, which is safe here: nothing inside a branch communicates over the stage axis,
+and nothing differentiates through it (a device-varying ``cond`` under ``grad`` can hang: its
+psum of an invariant operand's cotangent lands in one branch). After every slot activations
+move one stage on and cotangents one stage back (``ppermute``) into buffers sized by the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from autopar.passes.stages import manual, split
+from autopar.passes.stages.prepare import Prepared
+from autopar.passes.stages.schedules import Op, table
+
+
+def tabled_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
+    """The tabled schedule's loop (:func:`.schedules.table`): (loss, d_post, d_consts, d_carry,
+    d_xs)."""
+    axis, n_micro = prep.axis, prep.microbatches
+    rows = carry.shape[0] // n_micro
+    float_ins = [a for a, k in zip(flat, kinds, strict=True) if k == "float"]
+    other_ins = [a for a, k in zip(flat, kinds, strict=True) if k == "other"]
+    tab = table(prep.schedule, prep.stages, n_micro)
+    held = manual.inner(prep)
+
+    def body(consts, mbs, xs, float_ins, other_ins):
+        consts, mbs, xs = held(consts, mbs, xs)
+        consts, float_ins = manual.varying((consts, float_ins), axis)
+        end = _run_table(prep, tab, kinds, rows, (consts, mbs, xs, float_ins, other_ins))
+        w = prep.loss_weight
+        total = lambda t: manual.psum(t, axis)  # noqa: E731
+        first = lax.axis_index(axis) == 0
+        d_mbs = jnp.where(first, end["d_mbs"], jnp.zeros_like(end["d_mbs"]))
+        d_consts, d_mbs, d_xs = held(total(end["d_consts"]), total(d_mbs), end["d_xs"])
+        return (total(end["loss"]) * w, jax.tree.map(lambda a: a * w, total(end["d_post"])),
+                d_consts, d_mbs, d_xs)
+
+    mbs = carry.reshape(n_micro, rows, *carry.shape[1:])
+    out = jax.shard_map(
+        body, mesh=mesh, in_specs=(P(), P(), P(axis), P(), P()),
+        out_specs=(P(), P(), P(), P(), P(axis)), axis_names={axis},
+    )(consts, mbs, xs, float_ins, other_ins)
+    value, d_post, d_consts, d_mbs, d_xs = out
+    return value, d_post, d_consts, d_mbs.reshape(carry.shape), d_xs
+
+
+class _Residuals:
+    """One layer's vjp residuals less the operands it reads as they are (the consts and its
+    weights, held anyway): what F stores per layer and microbatch, and how B and W rebuild the
+    layer's pullback from them. The recipe and tree are taken in the first trace of the
+    layer's vjp and reused by later traces of the same layer."""
+
+    def __init__(self, layer: Callable):
+        self.layer = layer
+        self.tree = None
+        self.recipe: list[tuple[bool, int]] = []   # (stored?, index) per pullback leaf
+
+    def forward(self, consts, x, x_l):
+        """(y, stored residual leaves)."""
+        y, pull = jax.vjp(self.layer, consts, x, x_l)
+        leaves, tree = jax.tree.flatten(pull)
+        ins = jax.tree.leaves((consts, x_l))
+        recipe, stored = [], []
+        for leaf in leaves:
+            j = next((k for k, a in enumerate(ins) if leaf is a), None)
+            recipe.append((j is None, len(stored) if j is None else j))
+            if j is None:
+                stored.append(leaf)
+        if self.tree is None:
+            self.tree, self.recipe = tree, recipe
+        assert recipe == self.recipe, "a layer's residuals differ between traces"
+        return y, stored
+
+    def pullback(self, consts, x_l, stored) -> Callable:
+        ins = jax.tree.leaves((consts, x_l))
+        return jax.tree.unflatten(self.tree, [stored[j] if kept else ins[j]
+                                              for kept, j in self.recipe])
+
+
+def _run_table(prep: Prepared, tab, kinds, rows: int, fixed) -> dict:
+    """Run the table's slots in one ``lax.scan``. Each slot, every stage runs its op's branch
+    (a ``lax.switch`` on the stage's op: device-varying, with no collective over the stage
+    axis inside, so no device waits on another's branch), then activations move one stage on
+    and cotangents one stage back (``ppermute``), each stored where its receiver will read it."""
+    axis, n_stages, n_micro = prep.axis, prep.stages, prep.microbatches
+    consts, mbs, xs, float_ins, other_ins = fixed
+    s = lax.axis_index(axis)
+    res = _Residuals(manual.layer(prep))
+    post = split.post_fn(prep.micro)
+    n_ys = len(prep.micro.eqn.outvars) - 1
+    ops = jnp.asarray(np.array(tab.ops, np.int32))
+    micro = jnp.asarray(np.array(tab.micro, np.int32))
+    # what arrives at stage s after slot t: stage s-1's F output, stage s+1's B output
+    sent_f = np.pad(np.where(np.array(tab.ops) == Op.F, np.array(tab.micro), -1),
+                    ((1, 0), (0, 0)), constant_values=-1)[:-1]
+    sent_b = np.pad(np.where(np.array(tab.ops) == Op.B, np.array(tab.micro), -1),
+                    ((0, 1), (0, 0)), constant_values=-1)[1:]
+    sent_f, sent_b = jnp.asarray(sent_f.astype(np.int32)), jnp.asarray(sent_b.astype(np.int32))
+    last = s == n_stages - 1
+
+    def stack_forward(x):
+        def one(h, x_l):
+            return res.forward(consts, h, x_l)
+        return lax.scan(one, x, xs)
+
+    def micro_loss(y, float_ins, i):
+        its = {"float": iter(float_ins), "other": iter(other_ins), None: iter(())}
+        ins = [next(its[k], None) for k in kinds]
+        ins = [lax.dynamic_slice_in_dim(a, i * rows, rows, 0) if p and a is not None else a
+               for a, p in zip(ins, prep.per_example, strict=True)]
+        return post(ins, [y] + [None] * n_ys)[0].astype(jnp.float32)
+
+    def put(buf, value, i):
+        return lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), i % buf.shape[0], 0)
+
+    def take(buf, i):
+        return lax.dynamic_index_in_dim(buf, i % buf.shape[0], 0, keepdims=False)
+
+    def add(acc, new):
+        return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, new)
+
+    def forward(x, i):
+        """(y, its layers' residuals)."""
+        return stack_forward(x)
+
+    def backward(ct, stored):
+        """(dx, each layer's output cotangent)."""
+        def one(dy, a):
+            x_l, r = a
+            _, dx, _ = res.pullback(consts, x_l, r)(dy)
+            return dx, dy
+        return lax.scan(one, ct, (xs, stored), reverse=True)
+
+    def weights(acc, stored, dys):
+        """``acc`` (d_consts, d_xs) plus this microbatch's weight gradients."""
+        def one(d_consts, a):
+            x_l, r, dy = a
+            dc, _, dx_l = res.pullback(consts, x_l, r)(dy)
+            return add(d_consts, dc), dx_l
+        d_consts, d_xs = lax.scan(one, acc[0], (xs, stored, dys))
+        return d_consts, add(acc[1], d_xs)
+
+    # Each branch maps (x, ct, stored, dys, sums) -> (sent, ct, stored, dys, sums): what the
+    # stage sends this slot, and one microbatch's slot of each buffer, written back outside
+    # (unchanged by the branches that do not touch it), so the big buffers never pass
+    # through the switch.
+    def b_idle(i, x, ct, stored, dys, sums):
+        return x, ct, stored, dys, sums
+
+    def b_forward(i, x, ct, stored, dys, sums):
+        y, stored = forward(x, i)
+        return y.astype(x.dtype), ct, stored, dys, sums
+
+    def b_forward_last(i, x, ct, stored, dys, sums):   # also the loss and its cotangent
+        y, stored = forward(x, i)
+        loss, (dy, d_post) = jax.value_and_grad(micro_loss, argnums=(0, 1))(y, float_ins, i)
+        acc, post_acc, loss_acc = sums
+        return (y.astype(x.dtype), (dy * prep.loss_weight).astype(ct.dtype), stored, dys,
+                (acc, add(post_acc, d_post), loss_acc + loss))
+
+    def b_backward(i, x, ct, stored, dys, sums):
+        dx, new_dys = backward(ct, stored)
+        return dx.astype(x.dtype), ct, stored, new_dys.astype(dys.dtype), sums
+
+    def b_weights(i, x, ct, stored, dys, sums):
+        acc, post_acc, loss_acc = sums
+        return x, ct, stored, dys, (weights(acc, stored, dys), post_acc, loss_acc)
+
+    branches = [b_idle, b_forward, b_backward, b_weights, b_forward_last]  # Op, then last F
+    start = _table_state(tab, stack_forward, fixed, axis)
+
+    def slot(c, t):
+        op, i = ops[s, t], jnp.maximum(micro[s, t], 0)
+        x = jnp.where(s == 0, mbs[i], take(c["inbox_f"], i))
+        sums = ((c["d_consts"], c["d_xs"]), c["d_post"], c["loss"])
+        sent, ct, stored, dys, sums = lax.switch(
+            jnp.where(last & (op == Op.F), len(Op), op), branches, i, x,
+            take(c["inbox_b"], i), [take(b, i) for b in c["res"]], take(c["dys"], i), sums)
+        (d_consts, d_xs), d_post, loss = sums
+        d_mbs = lax.dynamic_update_index_in_dim(
+            c["d_mbs"], jnp.where(op == Op.B, sent, c["d_mbs"][i]).astype(c["d_mbs"].dtype), i, 0)
+        c = dict(c, inbox_b=put(c["inbox_b"], ct, i), dys=put(c["dys"], dys, i),
+                 res=[put(b, r, i) for b, r in zip(c["res"], stored, strict=True)],
+                 d_consts=d_consts, d_xs=d_xs, d_post=d_post, loss=loss, d_mbs=d_mbs)
+        got_f = lax.ppermute(sent, axis, [(j, j + 1) for j in range(n_stages - 1)])
+        got_b = lax.ppermute(sent, axis, [(j + 1, j) for j in range(n_stages - 1)])
+        for name, got, j in (("inbox_f", got_f, sent_f[s, t]), ("inbox_b", got_b, sent_b[s, t])):
+            k = jnp.maximum(j, 0)
+            c[name] = put(c[name], jnp.where(j >= 0, got, take(c[name], k)), k)
+        return c, None
+
+    end, _ = lax.scan(slot, start, jnp.arange(tab.slots))
+    return end
+
+
+def _table_state(tab, stack_forward, fixed, axis) -> dict:
+    """The tabled loop's carried state, zeros: its buffers (sized by the table), what each
+    stage sends, and the sums it accumulates."""
+    consts, mbs, xs, float_ins, _ = fixed
+    act = jax.ShapeDtypeStruct(mbs.shape[1:], mbs.dtype)
+    # The residual buffers start as zeros computed from one forward's residuals, so the
+    # partitioner gives each the sharding its residual has (a fresh zeros array would be
+    # replicated over the other mesh axes, and the residuals with it).
+    _, stored = stack_forward(manual.varying(jnp.zeros(act.shape, act.dtype), axis))
+    layers = xs[0].shape[0]
+
+    def zeros(n, shape, dtype):
+        return manual.varying(jnp.zeros((*n, *shape), dtype), axis)
+
+    def like(r, n):
+        return jnp.broadcast_to((r * jnp.zeros((), r.dtype))[None], (n, *r.shape))
+
+    return dict(
+        inbox_f=zeros((tab.waiting_f,), act.shape, act.dtype),
+        inbox_b=zeros((tab.waiting_b,), act.shape, act.dtype),
+        res=[like(r, tab.held) for r in stored],
+        dys=zeros((tab.pending_w, layers), act.shape, act.dtype),
+        d_consts=jax.tree.map(jnp.zeros_like, consts), d_xs=jax.tree.map(jnp.zeros_like, xs),
+        d_post=jax.tree.map(jnp.zeros_like, float_ins),
+        loss=zeros((), (), jnp.float32), d_mbs=zeros((), mbs.shape, mbs.dtype))

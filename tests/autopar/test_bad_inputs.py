@@ -1,0 +1,431 @@
+"""A few hundred malformed inputs, generated from tables, over the Python API (``plan``,
+``parallelize``, ``Plan.load``) and the CLI (``autopar.cli.main``, in-process). Each is an
+``AutoparError`` subclass (or one line and a non-zero exit) whose message names the argument.
+Nearly all fail at the door, before anything is traced or planned."""
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import autopar
+from autopar import cli
+from autopar.errors import (ArgumentError, AutoparError, CLIError, MeshError, PlanFormatError,
+                            ShardingHintError)
+
+
+def fn(w, x):
+    return jnp.tanh(x @ w).sum()
+
+
+ARGS = (jnp.ones((16, 16)), jnp.ones((8, 16)))
+MESH = {"data": 2, "model": 4}
+DEVICES = jax.devices()
+
+
+class Opaque:
+    def __repr__(self):
+        return "Opaque()"
+
+
+#: option -> bad values; each must raise ArgumentError naming the option.
+BAD_OPTIONS = {
+    "memory_budget": [-1, 0, 0.5, -1e9, "abc", "12x", "-5GiB", "1e-3", "", "GiB", math.nan,
+                      math.inf, True, False, [1], {}, b"1GiB", Opaque(), np.array([1, 2]),
+                      1j],
+    "time_limit_s": ["5", "", -1, 0, -0.5, math.nan, True, None, [5], {}, Opaque(), 1j,
+                     np.array([1.0, 2.0])],
+    "search": [None, 1, 0, "yes", "False", 0.0, [], Opaque()],
+    "tie_state": [None, 1, "no", [], Opaque()],
+    "baseline_seeds": [None, 1, "yes", {}, Opaque()],
+    "check_memory": [1, "yes", [], 0.5, Opaque()],
+    "verbose": [1, 2, "loud", [], Opaque()],
+    "remat": ["dots", "everything", "", 1, None, [], 0.5, Opaque(), "DOTS_SAVEABLE"],
+    "pipeline": ["manual", "", 1, True, {}, [], Opaque()],
+    "logical_axis_rules": ["batch", 5, [("batch",)], [1, 2], {"a": "b"}, [(1, "data")],
+                           [("batch", "data", "x")], Opaque()],
+    "axis_level_overrides": [["data"], "data", 5, {"nope": "dcn"}, {1: "dcn"}, Opaque()],
+}
+
+#: mesh -> each must raise MeshError naming the mesh.
+BAD_MESHES = [
+    {}, {"data": 0}, {"data": -1}, {"data": 2.0}, {"data": True}, {"data": "8"},
+    {"data": None}, {1: 8}, {None: 8}, {("data",): 8}, {"データ": 8}, {"da ta": 8}, {"": 8},
+    {"1data": 8}, {"data\n": 8}, {"d\x00": 8}, [8], [2, 4], 8, None, 2.5, Opaque(),
+    "data=2,model", "data=two", "=8", "data=0", "data=8,data=8", "データ=8", "", "data=3",
+    {"data": 16}, {"data": 3}, {"data": 2, "model": 2}, {"data": 64},
+    Mesh(np.array([DEVICES[0]] * 8), ("data",)),
+    Mesh(np.array([DEVICES[0], DEVICES[0], DEVICES[1], DEVICES[2]]).reshape(2, 2), ("a", "b")),
+    Mesh(np.array([], dtype=object).reshape(0), ("data",)),
+    Mesh(np.array(DEVICES), ("データ",)),
+    Mesh(np.array(DEVICES), ("da ta",)),
+]
+
+_OTHER = Mesh(np.array(DEVICES).reshape(4, 2), ("data", "model"))
+_REVERSED = Mesh(np.array(DEVICES[::-1]).reshape(2, 4), ("data", "model"))
+_SUB = Mesh(np.array(DEVICES[:4]).reshape(2, 2), ("data", "model"))
+
+#: in_shardings -> each must raise ShardingHintError naming in_shardings.
+BAD_HINTS = [
+    (P(1), None), (P(P.UNCONSTRAINED), None), (P(None, P.UNCONSTRAINED), None),
+    (P(("data", 1)), None), (P(("data", P.UNCONSTRAINED)), None), (P(1.5), None),
+    (P(None, None, "data"), None), ("data", None), (5, None), ([], None), (Opaque(), None),
+    (P("nope"), None), (P("data", "data"), None), (P(("model", "data")), None),
+    (None, None, None), [None], {"w": None}, (None, (None, None)),
+    (NamedSharding(_OTHER, P("data")), None), (NamedSharding(_REVERSED, P("data")), None),
+    (NamedSharding(_SUB, P("data")), None), (NamedSharding(_OTHER, P(None, "model")), None),
+]
+
+
+def _plan(**kw):
+    return autopar.plan(fn, *ARGS, **{"mesh": MESH, "hardware": "h100", **kw})
+
+
+@pytest.mark.parametrize("name, value", [(n, v) for n, vs in BAD_OPTIONS.items() for v in vs],
+                         ids=lambda x: repr(x)[:24])
+def test_bad_option(name, value):
+    with pytest.raises(ArgumentError) as info:
+        _plan(**{name: value})
+    assert f"`{name}`" in str(info.value)
+
+
+@pytest.mark.parametrize("name, value", [(n, v) for n, vs in BAD_OPTIONS.items()
+                                         for v in vs[:2]], ids=lambda x: repr(x)[:24])
+def test_bad_option_of_parallelize_is_refused_when_wrapping(name, value):
+    with pytest.raises(ArgumentError) as info:
+        autopar.parallelize(fn, mesh=MESH, **{name: value})
+    assert f"`{name}`" in str(info.value)
+
+
+@pytest.mark.parametrize("mesh", BAD_MESHES, ids=lambda x: repr(x)[:30])
+def test_bad_mesh(mesh):
+    with pytest.raises(MeshError) as info:
+        _plan(mesh=mesh)
+    assert "mesh" in str(info.value)
+
+
+@pytest.mark.parametrize("hints", BAD_HINTS, ids=lambda x: repr(x)[:40])
+def test_bad_hint(hints):
+    with pytest.raises(ShardingHintError) as info:
+        _plan(in_shardings=hints, out_shardings=None)
+    assert "in_shardings" in str(info.value)
+
+
+@pytest.mark.parametrize("hints", [P(1), P(P.UNCONSTRAINED), "x", NamedSharding(_OTHER, P("data"))],
+                         ids=repr)
+def test_bad_out_hint(hints):
+    with pytest.raises(ShardingHintError) as info:
+        _plan(out_shardings=hints)
+    assert "out_shardings" in str(info.value)
+
+
+@pytest.mark.parametrize("hardware", [3, b"x", Opaque(), "h999", "", "/nonexistent/p.json",
+                                      [], 1.5])
+def test_bad_hardware(hardware):
+    with pytest.raises(AutoparError) as info:
+        _plan(hardware=hardware)
+    assert "hardware" in str(info.value)
+
+
+@pytest.mark.parametrize("target", [None, 3, "fn", Opaque(), [fn]], ids=repr)
+def test_not_a_function(target):
+    with pytest.raises(ArgumentError, match="`fn`"):
+        autopar.plan(target, *ARGS, mesh=MESH)
+
+
+@pytest.mark.parametrize("args", [(), ({},), ([],), ((), {}), (None,)], ids=repr)
+def test_no_array_arguments(args):
+    with pytest.raises(ArgumentError, match="`example_args`"):
+        autopar.plan(lambda *a: jnp.zeros(()), *args, mesh=MESH)
+
+
+#: parallelize's own arguments -> bad values, each an ArgumentError naming the argument.
+BAD_WRAPPING = {
+    "static_argnums": ["a", -1, 2, 5, 1.0, [0, "b"], True, [None], Opaque()],
+    "donate_argnums": ["a", -1, 2, 9, 0.5, [1, None], False, Opaque()],
+    "static_argnames": [1, [1], "nope", ["w", "nope"], Opaque()],
+    "cache_dir": [3, 1.5, Opaque(), [], b"/tmp"],
+}
+
+
+@pytest.mark.parametrize("name, value", [(n, v) for n, vs in BAD_WRAPPING.items()
+                                         for v in vs], ids=lambda x: repr(x)[:24])
+def test_bad_parallelize_argument(name, value):
+    with pytest.raises(ArgumentError) as info:
+        autopar.parallelize(fn, mesh=MESH, **{name: value})
+    assert f"`{name}`" in str(info.value)
+
+
+def test_unknown_option_of_parallelize():
+    with pytest.raises(ArgumentError, match="`time_limit`"):
+        autopar.parallelize(fn, mesh=MESH, time_limit=5)
+
+
+@pytest.mark.parametrize("value, bytes_", [(np.int64(10**9), 10**9), ("1e9", 10**9),
+                                           (np.float32(2**20), 2**20), ("1.5GiB", 3 * 2**29),
+                                           (1, 1), ("1 B", 1)])
+def test_valid_budgets_are_taken(value, bytes_):
+    from autopar._inputs import memory_budget_bytes
+    assert memory_budget_bytes(value) == bytes_
+
+
+def test_a_one_byte_budget_prints_bytes_not_zero_mib():
+    with pytest.raises(autopar.InfeasiblePlanError) as info:
+        _plan(memory_budget=1, remat=False)
+    assert "`memory_budget` = 1 B" in str(info.value) and "0.0 MiB" not in str(info.value)
+
+
+def test_a_named_sharding_on_an_equal_mesh_is_translated():
+    same = Mesh(np.array(DEVICES).reshape(2, 4), ("data", "model"),
+                axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    plan = _plan(in_shardings=(NamedSharding(same, P(None, "model")), None))
+    assert plan.in_shardings[0].spec == P(None, "model")
+
+
+# ----- Plan.load of any file
+
+
+@pytest.fixture(scope="module")
+def saved():
+    """A valid plan's JSON, as a dict."""
+    plan = autopar.plan(fn, *ARGS, mesh=MESH, hardware="cpu", in_shardings=(P("data"), None))
+    return json.loads(plan.to_json())
+
+
+BAD_FILES = [b"null", b"[]", b"3", b"-1.5", b'"plan"', b"true", b"", b"{", b"\xff\xfe\x00\x81",
+             b"{}", b'{"format_version": 1}', b'{"format_version": 2}',
+             b'{"format_version": "1"}', b"[" * 100_000, b"\x00" * 64, "{\"é\": 1}".encode()]
+BAD_VALUES = [None, "x", 3, -1, [], {}, [None], {"a": 1}, True, [[1, 2]]]
+#: field -> the values a plan file may hold there (not errors).
+VALID = {"pipeline": [None], "hardware": ["x"], "stats": [{}, {"a": 1}],
+         "fallbacks": [{}, {"a": 1}], "donate_argnums": [[]], "in_shardings": [[]],
+         "out_shardings": [[]]}
+FIELDS = ["mesh", "hardware", "estimate", "in_shardings", "out_shardings", "donate_argnums",
+          "fallbacks", "stats", "pipeline"]
+#: Deeper edits: a path into the JSON and a bad value there.
+DEEP = [(("mesh", "axis_names"), v)
+        for v in ([1], ["データ"], [], ["a", "b"], "data", [None])] + [
+    (("mesh", "axis_sizes"), v) for v in ([0], [-8], [8.0], [True], [4], "8", [2, 2, 2])] + [
+    (("mesh", "device_ids"), v) for v in ([0] * 8, [99] * 8, list(range(4)), "0", [0.0] * 8,
+                                         list(range(100, 108)))] + [
+    (("estimate", "step_time_s"), v) for v in (None, "1", [], True)] + [
+    (("estimate", "nope"), 1.0)] + [
+    (("in_shardings", 0, "spec"), v) for v in ("data", 3, [1], ["nope"], ["data", "data"],
+                                               [["data", 1]], None, {"a": 1})] + [
+    (("in_shardings", 0, "path"), v) for v in (None, 3, [])] + [
+    (("stats", "timings_s"), v) for v in ("x", 3, [1])] + [
+    (("stats", "compiler_options"), v) for v in ("x", [1], [{"a": 1}])] + [
+    (("stats", "remat"), v) for v in ("x", [1], {"layers": 3})]
+
+
+def _write(tmp_path, data) -> str:
+    path = tmp_path / "plan.json"
+    path.write_bytes(data if isinstance(data, bytes) else json.dumps(data).encode())
+    return str(path)
+
+
+@pytest.mark.parametrize("data", BAD_FILES, ids=lambda x: repr(x)[:20])
+def test_load_of_a_file_that_is_no_plan(tmp_path, data):
+    with pytest.raises(PlanFormatError, match="plan"):
+        autopar.Plan.load(_write(tmp_path, data))
+
+
+@pytest.mark.parametrize("field, value", [(f, v) for f in FIELDS for v in BAD_VALUES
+                                          if v not in VALID.get(f, [])],
+                         ids=lambda x: repr(x)[:20])
+def test_load_of_a_broken_field(tmp_path, saved, field, value):
+    with pytest.raises(PlanFormatError) as info:
+        autopar.Plan.load(_write(tmp_path, {**saved, field: value}))
+    assert "plan" in str(info.value) or field in str(info.value)
+
+
+@pytest.mark.parametrize("where, value", DEEP, ids=lambda x: repr(x)[:24])
+def test_load_of_a_broken_inner_field(tmp_path, saved, where, value):
+    doc = json.loads(json.dumps(saved))
+    inner = doc
+    for key in where[:-1]:
+        inner = inner[key]
+    inner[where[-1]] = value
+    with pytest.raises(AutoparError) as info:
+        autopar.Plan.load(_write(tmp_path, doc))
+    assert isinstance(info.value, (PlanFormatError, MeshError))
+
+
+def test_load_of_a_folder_or_a_missing_file(tmp_path):
+    with pytest.raises(PlanFormatError, match="not a regular file|cannot read"):
+        autopar.Plan.load(tmp_path)
+    with pytest.raises(PlanFormatError, match="no plan file"):
+        autopar.Plan.load(tmp_path / "missing.json")
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(PlanFormatError, match="not a regular file"):
+        autopar.Plan.load(tmp_path / "fifo")
+
+
+def test_a_sub_mesh_plan_saves_and_loads(tmp_path):
+    sub = Mesh(np.array(DEVICES[4:]).reshape(2, 2), ("data", "model"))
+    plan = autopar.plan(fn, *ARGS, mesh=sub, hardware="cpu", in_shardings=(P("data"), None))
+    plan.save(tmp_path / "sub.json")
+    loaded = autopar.Plan.load(tmp_path / "sub.json")
+    assert [d.id for d in loaded.mesh.devices.flat] == [4, 5, 6, 7]
+    assert loaded.in_shardings[0].spec == P("data")
+    assert loaded.to_json() == plan.to_json()
+
+
+# ----- the CLI, in-process
+
+
+TARGET = '''
+import sys
+import jax.numpy as jnp
+def ok():
+    return (lambda x: (x * 2).sum()), (jnp.ones((8, 8)),)
+def raises():
+    def f(x):
+        raise ValueError("inside the step")
+    return f, (jnp.ones(8),)
+def returns_text():
+    return (lambda x: "text"), (jnp.ones(8),)
+def exits():
+    sys.exit(3)
+def exits_while_traced():
+    def f(x):
+        sys.exit(4)
+    return f, (jnp.ones(8),)
+def fails():
+    raise KeyError("no data")
+def not_a_tuple():
+    return [1, 2]
+def args_not_a_tuple():
+    return (lambda x: x), [jnp.ones(8)]
+not_callable = 3
+'''
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli")
+    (folder / "targets.py").write_text(TARGET)
+    (folder / "targets.txt").write_text(TARGET)
+    (folder / "exits_on_import.py").write_text("import sys\nsys.exit(5)\n")
+    (folder / "a_folder").mkdir()
+    return folder
+
+
+def _cli(argv, capsys) -> tuple[int, str]:
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse's own errors: usage and one error line
+        code = e.code
+    err = capsys.readouterr().err
+    return code, err
+
+
+def _report(target, name, *rest):
+    return ["report", f"{target}/targets.py:{name}", "--mesh", "data=8", "--no-baselines",
+            "--quiet", *rest]
+
+
+#: (argv given the target folder, words the message must hold)
+CLI_CASES = [
+    (lambda t: _report(t, "raises"), "raises()"),
+    (lambda t: _report(t, "returns_text"), "returns_text()"),
+    (lambda t: _report(t, "exits"), "sys.exit(3)"),
+    (lambda t: _report(t, "exits_while_traced"), "sys.exit(4)"),
+    (lambda t: _report(t, "fails"), "fails()"),
+    (lambda t: _report(t, "not_a_tuple"), "not_a_tuple()"),
+    (lambda t: _report(t, "args_not_a_tuple"), "args_not_a_tuple()"),
+    (lambda t: _report(t, "not_callable"), "not_callable"),
+    (lambda t: _report(t, "missing"), "missing"),
+    (lambda t: ["report", f"{t}/targets.txt:ok", "--mesh", "data=8"], "targets.txt"),
+    (lambda t: ["report", f"{t}/exits_on_import.py:ok", "--mesh", "data=8"], "sys.exit(5)"),
+    (lambda t: ["report", f"{t}/nope.py:ok", "--mesh", "data=8"], "nope.py"),
+    (lambda t: ["report", f"{t}/a_folder:ok", "--mesh", "data=8"], "a_folder"),
+    (lambda t: ["report", "no_such_module_here:f", "--mesh", "data=8"], "no_such_module_here"),
+    (lambda t: ["report", f"{t}/targets.py", "--mesh", "data=8"], "FILE.py:NAME"),
+    (lambda t: ["report", ":ok", "--mesh", "data=8"], "FILE.py:NAME"),
+    (lambda t: _report(t, "ok", "--json", f"{t}/missing/plan.json"), "--json"),
+    (lambda t: _report(t, "ok", "--json", f"{t}/a_folder"), "--json"),
+    (lambda t: _report(t, "ok", "--html", f"{t}/missing/plan.html"), "--html"),
+    (lambda t: _report(t, "ok", "--html", f"{t}"), "--html"),
+    (lambda t: _report(t, "ok", "--hardware", "h999"), "hardware"),
+    (lambda t: _report(t, "ok", "--hardware", f"{t}/none.json"), "none.json"),
+    (lambda t: _report(t, "ok", "--memory-budget", "12x"), "--memory-budget"),
+    (lambda t: _report(t, "ok", "--memory-budget", "0"), "--memory-budget"),
+    (lambda t: _report(t, "ok", "--memory-budget", "-1"), "--memory-budget"),
+    (lambda t: _report(t, "ok", "--time-limit", "0"), "--time-limit"),
+    (lambda t: _report(t, "ok", "--time-limit", "-3"), "--time-limit"),
+    (lambda t: _report(t, "ok", "--time-limit", "soon"), "--time-limit"),
+    (lambda t: _report(t, "ok", "--time-limit", "nan"), "--time-limit"),
+    (lambda t: _report(t, "ok", "--simulate-devices", "-1"), "--simulate-devices"),
+    (lambda t: _report(t, "ok", "--simulate-devices", "0"), "--simulate-devices"),
+    (lambda t: _report(t, "ok", "--simulate-devices", "x"), "--simulate-devices"),
+    (lambda t: _report(t, "ok", "--remat", "sometimes"), "--remat"),
+    (lambda t: _report(t, "ok", "--frobnicate"), "--frobnicate"),
+    (lambda t: ["report", f"{t}/targets.py:ok"], "--mesh"),
+    (lambda t: ["frobnicate"], "frobnicate"),
+    (lambda t: [], "command"),
+] + [
+    (lambda t, m=m: ["report", f"{t}/targets.py:ok", "--mesh", m, "--no-baselines"], "mesh")
+    for m in ("data=2,model", "data=two", "=8", "data=0", "data=8,data=8", "データ=8",
+              "da ta=8", "", "data=-8", "data=64", "data=3", "data=2,model=2", ",")
+] + [
+    (lambda t, a=a: ["profile", "--mesh", "data=8", "--out", f"{t}/p.json", *a], a[0])
+    for a in (("--repeats", "0"), ("--repeats", "-1"), ("--repeats", "x"),
+              ("--min-bytes", "0"), ("--max-bytes", "-4"), ("--min-bytes", "1k"),
+              ("--simulate-devices", "-1"), ("--min-bytes", "4096", "--max-bytes", "1024"))
+] + [
+    (lambda t, out=out: ["profile", "--mesh", "data=8", "--out", out(t)], "--out")
+    for out in (lambda t: f"{t}/missing/p.json", lambda t: f"{t}/a_folder", lambda t: str(t))
+] + [
+    (lambda t, m=m: ["profile", "--mesh", m, "--out", f"{t}/p.json"], "mesh")
+    for m in ("data", "data=x", "データ=8")
+]
+
+
+@pytest.mark.parametrize("case", range(len(CLI_CASES)))
+def test_cli_bad_input_is_one_line(target, capsys, case):
+    make, words = CLI_CASES[case]
+    code, err = _cli(make(target), capsys)
+    assert code not in (0, None), err
+    assert "Traceback" not in err
+    assert words.lower() in err.lower(), err
+    lines = [line for line in err.splitlines() if line.startswith("autopar")]
+    assert len(lines) == 1, err  # one error line (argparse adds its usage above it)
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_cli_debug_anywhere_shows_the_traceback(target, where):
+    argv = _report(target, "raises")
+    argv = ["--debug", *argv] if where == "before" else [*argv, "--debug"]
+    with pytest.raises(CLIError, match="inside the step"):
+        cli.main(argv)
+
+
+def test_cli_output_paths_are_checked_before_planning(target, capsys, monkeypatch):
+    planned = []
+    monkeypatch.setattr(autopar, "plan", lambda *a, **k: planned.append(1))
+    code, err = _cli(_report(target, "ok", "--json", f"{target}/missing/plan.json"), capsys)
+    assert code == 2 and not planned and "does not exist" in err
+
+
+def test_cli_a_full_disk_is_one_line(target, capsys, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(cli, "open", full, raising=False)
+    code, err = _cli(_report(target, "ok", "--json", f"{target}/plan.json"), capsys)
+    assert code == 2 and "No space left" in err and "--json" in err and "Traceback" not in err
+
+
+def test_cli_an_unexpected_error_is_one_line(target, capsys, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("XLA said no")
+    monkeypatch.setattr(autopar, "plan", broken)
+    code, err = _cli(_report(target, "ok"), capsys)
+    assert code == 1 and "RuntimeError: XLA said no" in err and "--debug" in err
+    assert "Traceback" not in err
