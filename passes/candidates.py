@@ -1,7 +1,7 @@
 """Plan selection: candidate plans beside the ILP's, made by complete propagation from the
-annotations and from seeds (a hand-written baseline's input shardings), started in child
-processes (``passes.background``) while the ILP is built and solved, and the plan predicted
-fastest among them and the ILP's (:func:`best_of`)."""
+annotations and from seeds (a hand-written baseline's input shardings), started in a
+background thread (``passes.background``) while the ILP is built and solved, and the plan
+predicted fastest among them and the ILP's (:func:`best_of`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from autopar.cost_model.spec import Spec
-from autopar.passes.background import Deferred, usable_cores
+from autopar.passes.background import Deferred
 from autopar.passes.estimate import estimate, plan_collectives, plan_peak_memory_bytes
 from autopar.passes.ir import Graph
 from autopar.passes.propagate import propagate
@@ -129,16 +129,12 @@ def by_node(traced: Traced, seeds: dict[str, list[Spec | None]]) -> dict[str, di
 
 def start(problem: Problem, starts: list[tuple[str, dict | None]],
           batch_seeds: dict[str, dict[int, Spec]]) -> Candidates:
-    """The propagations from ``starts`` (:func:`candidate_starts`) and their
-    predicted step times, started in child processes: seconds of Python each on a deep
-    model. As many children as cores but one (one on two cores; each child copies the pages
-    of the graph it touches, so more children than cores cost more than they save)."""
-    workers = max(1, min(len(starts), usable_cores() - 1))
-    parts = [Deferred(_propagate_and_time, problem, starts[k::workers], process=True).start()
-             for k in range(workers)]
-    names = [name for name, _ in starts]
-    return Candidates(problem=problem, plans=Deferred(_in_order, names, parts, 0),
-                      times=Deferred(_in_order, names, parts, 1), batch_seeds=batch_seeds)
+    """The propagations from ``starts`` (:func:`candidate_starts`) and their predicted step
+    times, started in a background thread: seconds of Python on a deep model, which run while
+    HiGHS solves the ILP (``passes.background``)."""
+    made = Deferred(_propagate_and_time, problem, starts).start()
+    return Candidates(problem=problem, plans=Deferred(_part, made, 0),
+                      times=Deferred(_part, made, 1), batch_seeds=batch_seeds)
 
 
 def best(candidates: Candidates, solution: Solution, memory_budget_bytes: float | None,
@@ -148,7 +144,7 @@ def best(candidates: Candidates, solution: Solution, memory_budget_bytes: float 
     (``best_of``). When the ILP did not finish, the batch seeds' plans
     compete too. ``progress`` reports what it does."""
     p = candidates.problem
-    plans, known_s = candidates.plans.result(), candidates.times.result()
+    plans, known_s = dict(candidates.plans.result()), candidates.times.result()
     if solution.status is not SolveStatus.OPTIMAL and candidates.batch_seeds:
         # The ILP weighs every mesh axis for the batch, but did not finish: try each one
         # outside it, by propagation.
@@ -169,10 +165,6 @@ def _propagate_and_time(problem: Problem, starts: list[tuple[str, dict | None]]
     return plans, step_times(p.graph, p.strats, p.mesh_ctx, plans)
 
 
-def _in_order(names: list[str], parts: list[Deferred], k: int) -> dict:
-    """The ``k``-th dict of each of ``parts`` (name -> plan, name -> time), merged in
-    ``names``' order."""
-    merged = {}
-    for part in parts:
-        merged.update(part.result()[k])
-    return {name: merged[name] for name in names}
+def _part(made: Deferred, k: int) -> dict:
+    """The ``k``-th dict of ``made``'s result (name -> plan, name -> time)."""
+    return made.result()[k]

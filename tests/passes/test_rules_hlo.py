@@ -55,6 +55,8 @@ CASES = {
                                                  "VALID"), ((8, 4, 4, 16),)),
     "cumsum": ("cumsum", lambda a: jnp.cumsum(a, axis=1), ((16, 32),)),
     "concatenate": ("concatenate", lambda a, b: jnp.concatenate([a, b], 1), ((16, 8), (16, 8))),
+    # jax 0.12 emits it for `k, v = kv`; 0.10 has the primitive but emits slices there.
+    "unstack": ("unstack", lambda a: jax.lax.unstack_p.bind(a, axis=1), ((16, 2, 32),)),
 }
 
 
