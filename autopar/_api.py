@@ -293,7 +293,7 @@ def _plan_checked(fn, example_args, memory_budget, check_memory, verbose, option
             check_memory = memory_budget is not None and choice is None
         if check_memory:
             budget = (memory_budget if memory_budget is not None
-                      else default_memory_budget_bytes(get_profile(hardware)))
+                      else default_memory_budget_bytes(get_profile(options["hardware"])))
             planned = check_compiled_memory(
                 planned, budget,
                 lambda target: _plan_once(fn, example_args, memory_budget, target,

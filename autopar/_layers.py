@@ -9,7 +9,8 @@ is opened into them (``encoder/block_0``; nnx and Equinox ``layers[3]``). Haiku'
 Every operation is given a layer: by its source path (``transpose(jvp(GPT))/block_0/mlp_in``
 and ``jvp(GPT)/embed.attend`` name ``block_0`` and ``embed``), else by what it reads (an
 embedding's gather, an optimizer's update of a layer's state), else by what reads it (an
-embedding's gradient scatter). Operations left (the loss, the step counter) are ``other``.
+embedding's gradient scatter). Operations left between the last layer's forward and the
+first layer's backward are the ``loss``; the rest (the step counter) are ``other``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from autopar.passes.liveness import consumers, temporaries, value_bytes
 from autopar.passes.sequence_parallel import attention_label
 
 OTHER = "other"
+LOSS = "loss"
 
 #: A numbered child of a module: ``block_0``, ``layers_12``, ``Dense3`` (stem, number).
 _NUMBERED = re.compile(r"^(.*?\D)_?(\d+)$")
@@ -232,6 +234,8 @@ def _labels(graph, input_names) -> list[str]:
     for node in graph.nodes:
         if node.kind == NodeKind.OP:
             label[node.id] = match(node.where)
+    by_path = [node.id for node in graph.nodes
+               if node.kind == NodeKind.OP and label[node.id] is not None]
     producer = {vid: nid for vid, (nid, _) in graph.producer.items()}
     optimizer = [p == Phase.OPTIMIZER for p in node_phases(graph)]
 
@@ -257,7 +261,23 @@ def _labels(graph, input_names) -> list[str]:
             got = {label[u.id] for v in node.outs for u in users.get(v, ())}
             if len(got) == 1 and None not in got:
                 label[node.id] = got.pop()
+    _label_loss(graph, label, by_path)
     return [x or OTHER for x in label]
+
+
+def _label_loss(graph, label: list, by_path: list[int]) -> None:
+    """Label ``LOSS`` the operations without a layer that run after the last forward operation
+    a layer's source path names and before the first such backward one (all after it
+    without a backward)."""
+    phases = node_phases(graph)
+    forward = [i for i in by_path if phases[i] == Phase.FORWARD]
+    backward = [i for i in by_path if phases[i] == Phase.BACKWARD]
+    if not forward:
+        return
+    end = backward[0] if backward else len(graph.nodes)
+    for i in range(forward[-1] + 1, end):
+        if label[i] is None and graph.nodes[i].kind == NodeKind.OP:
+            label[i] = LOSS
 
 
 def node_phases(graph) -> list[Phase]:
@@ -278,7 +298,8 @@ def node_phases(graph) -> list[Phase]:
 
 # ----- rows
 def layer_rows(plan) -> list[LayerRow]:
-    """Rows in the parameters' order (``block_2`` before ``block_10``), ``other`` last."""
+    """Rows in the parameters' order (``block_2`` before ``block_10``), then ``loss`` and
+    ``other``."""
     graph, strats, choice, comms = plan._details
     sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
     specs = value_specs(graph, strats, choice)
@@ -297,11 +318,15 @@ def layer_rows(plan) -> list[LayerRow]:
                                         spec))
         vid = graph.nodes[graph.input_nodes[i]].outs[0]
         row.state_bytes += value_bytes(graph, vid, specs[vid], sizes)
-    other = LayerRow(OTHER)
+    extra = {LOSS: LayerRow(LOSS), OTHER: LayerRow(OTHER)}
+
+    def row_of(label: str) -> LayerRow:
+        return rows.get(label) or extra.get(label, extra[OTHER])
+
     labels = node_layers(plan)
     for node in graph.nodes:
         taken = strats[node.id][choice[node.id]]
-        row = rows.get(labels[node.id], other)
+        row = row_of(labels[node.id])
         row.compute_s += taken.compute_s * node.trip_count
         if taken.rewrite is not None:
             key = f"{taken.rewrite.kind.value}({','.join(taken.rewrite.axes)})"
@@ -311,11 +336,12 @@ def layer_rows(plan) -> list[LayerRow]:
             row.attention.append(label)
     for c in comms:
         if c.step.wire_bytes:
-            row = rows.get(labels[c.node], other)
+            row = row_of(labels[c.node])
             row.comm_s += c.time_s * c.trips
             row.comm_bytes += c.step.wire_bytes * c.trips
             row.collectives += c.trips
-    return sorted(rows.values(), key=lambda r: natural_key(r.name)) + [other]
+    loss = [extra[LOSS]] if extra[LOSS].compute_s or extra[LOSS].comm_s else []
+    return sorted(rows.values(), key=lambda r: natural_key(r.name)) + loss + [extra[OTHER]]
 
 
 def local_shape(shape, pspec, axis_sizes) -> tuple[int, ...]:

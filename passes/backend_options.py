@@ -32,7 +32,7 @@ class Backend(enum.Enum):
 
 
 _BACKEND_OF_LEVEL = MappingProxyType({
-    LevelKind.NVLINK: Backend.GPU, LevelKind.INFINIBAND: Backend.GPU,
+    LevelKind.NVLINK: Backend.GPU, LevelKind.PCIE: Backend.GPU, LevelKind.INFINIBAND: Backend.GPU,
     LevelKind.ICI: Backend.TPU, LevelKind.DCN: Backend.TPU, LevelKind.HOST: Backend.CPU})
 # jax reports CUDA and ROCm devices as "gpu"; older versions named the platform itself.
 _BACKEND_OF_PLATFORM = MappingProxyType({

@@ -44,7 +44,7 @@ def test_notebook_executes(path, monkeypatch):
                     for o in _outputs(nb, "display_data"))
     assert "no accelerator: falling back to 8 simulated CPU devices" in shown, shown
     text = "".join(o.get("text", "") for o in _outputs(nb, "stream"))
-    assert "autopar plan on mesh {'data': 2, 'model': 4}" in text
+    assert "autopar plan on mesh data=2 x model=4" in text
     assert "autopar " in text and "dp " in text and "fsdp " in text  # the comparison table
     images = [o for o in _outputs(nb, "display_data") if "image/png" in o.get("data", {})]
     assert len(images) >= 2, "the loss curve and the comparison chart"

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import autopar
-from autopar._layers import OTHER, input_layers, layer_rows
+from autopar._layers import LOSS, OTHER, input_layers, layer_rows
 from autopar._summary import DimRole, LayerFacts, describe
 
 SIZES = {"data": 2, "model": 4}
@@ -141,7 +141,8 @@ def test_nested_blocks_get_their_own_rows():
         return optax.apply_updates(params, updates), opt_state, loss
     plan = autopar.plan(step, params, tx.init(params), x, mesh=SIZES, hardware="h100")
     rows = {r.name: r for r in layer_rows(plan)}
-    assert set(rows) == {"encoderdecoderblock_0", "encoderdecoderblock_1", "logitdense", OTHER}
+    assert set(rows) == {"encoderdecoderblock_0", "encoderdecoderblock_1", "logitdense", LOSS,
+                         OTHER}
     assert len(rows["encoderdecoderblock_0"].params) == 4
     blocks = rows["encoderdecoderblock_0"].compute_s + rows["encoderdecoderblock_1"].compute_s
     assert blocks > 2 * rows[OTHER].compute_s

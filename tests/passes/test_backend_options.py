@@ -14,8 +14,8 @@ from autopar.cost_model.hardware import LevelKind, LinkLevel, get_profile, known
 from autopar.passes import backend_options as bo
 from autopar.passes.backend_options import Backend, BackendOption
 
-GPU_PROFILES = ("a100-40gb", "a100-80gb", "h100", "h200", "b200")
-TPU_PROFILES = ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e")
+GPU_PROFILES = ("t4", "l4", "a100-40gb", "a100-80gb", "h100", "h200", "b200")
+TPU_PROFILES = ("tpu-v2", "tpu-v3", "tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e")
 BOGUS = "xla_autopar_no_such_option"
 
 

@@ -136,9 +136,10 @@ def test_a_pass_that_breaks_the_graph_is_named(monkeypatch):
     build_strategies = pipeline.build_strategies
 
     def breaking(graph, *rest):
+        strategies = build_strategies(graph, *rest)
         op = _first(graph, NodeKind.OP)
         op.ins = (len(graph.values),) + op.ins[1:]
-        return build_strategies(graph, *rest)
+        return strategies
 
     monkeypatch.setattr(pipeline, "build_strategies", breaking)
     monkeypatch.setenv("AUTOPAR_DEBUG", "1")
