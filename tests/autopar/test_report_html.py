@@ -40,7 +40,8 @@ def test_layers_split_the_estimate(planned):
 def test_little_time_is_left_outside_the_layers():
     """The tied logits (``embed.attend``), the embedding's gather and gradient scatter and the
     optimizer's updates count in their layers, the loss in its own row: what is left is
-    under 5% of the step of the bundled GPT at realistic widths (planned from shapes; nothing compiles)."""
+    under 5% of the step of the bundled GPT at realistic widths (planned from shapes;
+    nothing compiles)."""
     fn, args = targets.gpt_realistic()
     plan = autopar.plan(fn, *args, mesh=MESH, hardware="h100")
     rows = {r.name: r for r in layer_rows(plan)}
