@@ -9,8 +9,9 @@ simulated CPU devices, in two cases:
   (16 devices);
 * ``one-node``: ``{"data": 2, "model": 4}`` (8 devices, all NVLink).
 
-Each case plans with ``pipeline="auto"`` and compiles that plan, the best plan that does not
-pipeline (``pipeline=None``) and the hand-written baselines (:func:`baseline_specs`). Every
+Each case plans with ``pipeline="auto"`` and compiles that plan, the plan it did not choose
+(``pipeline=None`` when it pipelined, else a pipeline over the axis its search predicted
+fastest) and the hand-written baselines (:func:`baseline_specs`). Every
 program is priced from its compiled HLO by the simulated timeline
 (``cost_model.timeline.simulate``: every kernel at its roofline, loops at their trip counts,
 each collective on the link level its device groups cross); ``reference_s`` is the sum of
@@ -120,10 +121,11 @@ def run_case(case: str, hardware: str = "h100", time_limit_s: float = 60.0) -> d
     auto = autopar.plan(fn, *args, pipeline="auto", **kw)
     planning_s = time.perf_counter() - start
     programs = {"autopar": _row("autopar", auto.jit().lower(*args).compile(), profile)}
-    if auto.pipeline is not None:
-        flat = autopar.plan(fn, *args, pipeline=None, **kw)
-        programs["autopar (no pipeline)"] = _row("flat", flat.jit().lower(*args).compile(),
-                                                 profile)
+    other = _other_choice(auto)
+    if other is not None:
+        name, option = other
+        alternative = autopar.plan(fn, *args, pipeline=option, **kw)
+        programs[name] = _row(name, alternative.jit().lower(*args).compile(), profile)
     for name, specs in baseline_specs(args, mesh).items():
         programs[name] = _row(name, _compile_specs(fn, args, mesh, specs), profile)
     row = {"case": case, "mesh": axes, "overrides": overrides, "planning_s": planning_s,
@@ -134,6 +136,20 @@ def run_case(case: str, hardware: str = "h100", time_limit_s: float = 60.0) -> d
         row["bubble_formula"] = bubble_fraction(Schedule(p["schedule"]), p["stages"],
                                                 p["microbatches"])
     return row
+
+
+def _other_choice(auto) -> tuple[str, object] | None:
+    """The program ``pipeline="auto"`` did not choose, as (row name, ``pipeline=`` option):
+    no pipeline when it pipelined, else the pipeline over the axis its search predicted
+    fastest (None when it tried none)."""
+    if auto.pipeline is not None:
+        return "autopar (no pipeline)", None
+    tried = {axis: s for axis, s in (auto.stats.get("pipeline_search") or {}).items()
+             if axis != "none"}
+    if not tried:
+        return None
+    axis = min(tried, key=tried.get)
+    return f"autopar (pipelined over {axis})", autopar.Pipeline(axis=axis)
 
 
 def table(rows: list[dict]) -> str:
