@@ -8,24 +8,9 @@ import pytest
 from jax.sharding import Mesh
 
 import autopar
+from tests.autopar.export_target import mlp_args, mlp_train_step
 from autopar._axis_roles import roles
 from autopar.cost_model.spec import Spec
-
-
-def _step(batch=2048, d=256, h=1024):
-    def loss_fn(params, x, y):
-        h = jax.nn.relu(x @ params["w1"])
-        return jnp.mean((h @ params["w2"] - y) ** 2)
-
-    def train_step(params, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
-
-    rng = np.random.default_rng(0)
-    params = {"w1": rng.normal(0, 0.02, (d, h)).astype(np.float32),
-              "w2": rng.normal(0, 0.02, (h, d)).astype(np.float32)}
-    x = rng.normal(size=(batch, d)).astype(np.float32)
-    return train_step, (params, x, np.zeros((batch, d), np.float32))
 
 
 def _mesh(names):
@@ -35,7 +20,7 @@ def _mesh(names):
 
 @pytest.mark.parametrize("names", [("data", "model"), ("model", "data")])
 def test_equally_fast_plans_put_the_batch_on_data(names):
-    step, args = _step()
+    step, args = mlp_train_step, mlp_args(batch=2048, d=256, h=1024)
     plan = autopar.plan(step, *args, mesh=_mesh(names), hardware="h100", verbose=False)
     specs = [s.spec for s in jax.tree.leaves(plan.in_shardings)]
     assert specs[2:] == [jax.sharding.PartitionSpec("data")] * 2, specs
@@ -45,7 +30,7 @@ def test_equally_fast_plans_put_the_batch_on_data(names):
 
 
 def test_batch_axes_pins_the_batch_and_a_plan_against_the_names_says_so():
-    step, args = _step(batch=512, d=512, h=2048)  # the README's quickstart
+    step, args = mlp_train_step, mlp_args()  # the README's quickstart
     mesh = {"model": 2, "data": 4}  # tensor parallelism is cheaper over the larger axis
     free = autopar.plan(step, *args, mesh=mesh, hardware="h100", verbose=False)
     assert free.stats["axis_roles"]["batch_split_over"] == ["model"]

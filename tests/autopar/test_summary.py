@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import autopar
+from tests.autopar.export_target import mlp_args, mlp_train_step
 from autopar._layers import LOSS, OTHER, input_layers, layer_rows
 from autopar._summary import DimRole, LayerFacts, describe
 
@@ -87,22 +88,8 @@ def test_describe(roles, batch, expected):
     assert describe(facts, SIZES) == expected
 
 
-def _mlp_step():
-    def loss_fn(params, x, y):
-        h = jax.nn.relu(x @ params["w1"])
-        return jnp.mean((h @ params["w2"] - y) ** 2)
-
-    def step(params, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
-    params = {"w1": jax.ShapeDtypeStruct((512, 2048), jnp.float32),
-              "w2": jax.ShapeDtypeStruct((2048, 512), jnp.float32)}
-    x = jax.ShapeDtypeStruct((512, 512), jnp.float32)
-    return step, (params, x, x)
-
-
 def test_summary_says_megatron_and_batch():
-    step, args = _mlp_step()
+    step, args = mlp_train_step, mlp_args(abstract=True)
     plan = autopar.plan(step, *args, mesh=SIZES, hardware="h100")
     assert plan.summary().splitlines()[:2] == [
         "w1: column-parallel over model(4), batch over data(2)",
