@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import jax
 from jax.extend import core as jex_core
 
+from autopar._compat import scan_counts
+
 
 class Role(enum.Enum):
     COLUMN = "column"
@@ -137,7 +139,7 @@ class _Walker:
     def scan(self, eqn) -> None:
         p = eqn.params
         body = p["jaxpr"].jaxpr
-        n_consts, n_carry = p["num_consts"], p["num_carry"]
+        n_consts, n_carry = scan_counts(p)
         for i, (outer, var) in enumerate(zip(eqn.invars, body.invars)):
             o, t = self.get(self.origin, outer), self.get(self.tag, outer)
             if i >= n_consts + n_carry:  # xs: the body sees one slice of the leading dim
