@@ -10,6 +10,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from autopar._compat import xla_cpu_dots_in_f32  # noqa: E402
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
@@ -54,7 +56,6 @@ KNOWN_GAPS_ON_JAX_0_12 = frozenset({
 
 
 def pytest_collection_modifyitems(config, items):
-    from autopar._compat import xla_cpu_dots_in_f32
     if xla_cpu_dots_in_f32():   # jaxlib 0.10: the line these predictions are calibrated on
         return
     mark = pytest.mark.xfail(strict=True, reason="calibrated on XLA:CPU 0.10 (tests/conftest.py)")
