@@ -194,8 +194,6 @@ def _per_microbatch_run(prep: Prepared, mesh, flat, stack: Callable):
 def _one_f_one_b_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
     axis, n_micro = prep.axis, prep.microbatches
     rows = carry.shape[0] // n_micro
-    float_ins = [a for a, k in zip(flat, kinds, strict=True) if k == "float"]
-    other_ins = [a for a, k in zip(flat, kinds, strict=True) if k == "other"]
     tick = _one_f_one_b_tick(prep, kinds, rows)
 
     held = manual.inner(prep)
@@ -221,19 +219,9 @@ def _one_f_one_b_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
             return lax.switch(phase, branches, c, t), None
 
         end, _ = lax.scan(step, start, jnp.arange(spans[-1][1]))
-        w = prep.loss_weight
-        total = lambda t: manual.psum(t, axis)  # noqa: E731
-        d_consts, d_mbs, d_xs = held(total(end["d_consts"]), total(end["d_mbs"]), end["d_xs"])
-        return (total(end["loss"]) * w, jax.tree.map(lambda a: a * w, total(end["d_post"])),
-                d_consts, d_mbs, d_xs)
+        return manual.region_results(prep, end, held, end["d_mbs"])
 
-    mbs = carry.reshape(n_micro, rows, *carry.shape[1:])
-    out = jax.shard_map(
-        body, mesh=mesh, in_specs=(P(), P(), P(axis), P(), P()),
-        out_specs=(P(), P(), P(), P(), P(axis)), axis_names={axis},
-    )(consts, mbs, xs, float_ins, other_ins)
-    value, d_post, d_consts, d_mbs, d_xs = out
-    return value, d_post, d_consts, d_mbs.reshape(carry.shape), d_xs
+    return manual.run_region(body, prep, mesh, flat, kinds, consts, carry, xs)
 
 
 def phases(stages: int, microbatches: int) -> list[tuple[int, int, bool, bool]]:

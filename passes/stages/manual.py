@@ -83,3 +83,26 @@ def layer(prep: Prepared) -> Callable:
     layer = split.layer_fn(prep.micro)
     carry = None if prep.inner is None else prep.inner.carry
     return lambda consts, x, x_l: constrain(layer(consts, [constrain(x, carry)], x_l)[0], carry)
+
+
+def region_results(prep: Prepared, end: dict, held: Callable, d_mbs):
+    """A backward loop's results inside the region, summed over the stage axis and scaled by
+    the loss weight: (loss, d_post, d_consts, d_mbs, d_xs)."""
+    w, axis = prep.loss_weight, prep.axis
+    d_consts, d_mbs, d_xs = held(psum(end["d_consts"], axis), psum(d_mbs, axis), end["d_xs"])
+    return (psum(end["loss"], axis) * w, jax.tree.map(lambda a: a * w, psum(end["d_post"], axis)),
+            d_consts, d_mbs, d_xs)
+
+
+def run_region(body: Callable, prep: Prepared, mesh, flat, kinds, consts, carry, xs):
+    """``body(consts, mbs, xs, float_ins, other_ins)`` in ``jax.shard_map`` manual over the
+    stage axis, the carry split into microbatches: (loss, d_post, d_consts, d_carry, d_xs)."""
+    axis, n_micro = prep.axis, prep.microbatches
+    float_ins = [a for a, k in zip(flat, kinds, strict=True) if k == "float"]
+    other_ins = [a for a, k in zip(flat, kinds, strict=True) if k == "other"]
+    mbs = carry.reshape(n_micro, carry.shape[0] // n_micro, *carry.shape[1:])
+    value, d_post, d_consts, d_mbs, d_xs = jax.shard_map(
+        body, mesh=mesh, in_specs=(P(), P(), P(axis), P(), P()),
+        out_specs=(P(), P(), P(), P(), P(axis)), axis_names={axis},
+    )(consts, mbs, xs, float_ins, other_ins)
+    return value, d_post, d_consts, d_mbs.reshape(carry.shape), d_xs

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from autopar.passes.stages import manual, split
 from autopar.passes.stages.prepare import Prepared
@@ -31,8 +30,6 @@ def tabled_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
     d_xs)."""
     axis, n_micro = prep.axis, prep.microbatches
     rows = carry.shape[0] // n_micro
-    float_ins = [a for a, k in zip(flat, kinds, strict=True) if k == "float"]
-    other_ins = [a for a, k in zip(flat, kinds, strict=True) if k == "other"]
     tab = table(prep.schedule, prep.stages, n_micro)
     held = manual.inner(prep)
 
@@ -40,21 +37,11 @@ def tabled_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
         consts, mbs, xs = held(consts, mbs, xs)
         consts, float_ins = manual.varying((consts, float_ins), axis)
         end = _run_table(prep, tab, kinds, rows, (consts, mbs, xs, float_ins, other_ins))
-        w = prep.loss_weight
-        total = lambda t: manual.psum(t, axis)  # noqa: E731
         first = lax.axis_index(axis) == 0
         d_mbs = jnp.where(first, end["d_mbs"], jnp.zeros_like(end["d_mbs"]))
-        d_consts, d_mbs, d_xs = held(total(end["d_consts"]), total(d_mbs), end["d_xs"])
-        return (total(end["loss"]) * w, jax.tree.map(lambda a: a * w, total(end["d_post"])),
-                d_consts, d_mbs, d_xs)
+        return manual.region_results(prep, end, held, d_mbs)
 
-    mbs = carry.reshape(n_micro, rows, *carry.shape[1:])
-    out = jax.shard_map(
-        body, mesh=mesh, in_specs=(P(), P(), P(axis), P(), P()),
-        out_specs=(P(), P(), P(), P(), P(axis)), axis_names={axis},
-    )(consts, mbs, xs, float_ins, other_ins)
-    value, d_post, d_consts, d_mbs, d_xs = out
-    return value, d_post, d_consts, d_mbs.reshape(carry.shape), d_xs
+    return manual.run_region(body, prep, mesh, flat, kinds, consts, carry, xs)
 
 
 class _Residuals:
