@@ -212,8 +212,8 @@ def axis_words(plan) -> dict[str, str]:
 
 
 def summary_lines(plan) -> list[str]:
-    """The plan in words: one line per group of like layers, then the other inputs and the
-    optimizer state."""
+    """The plan in words: one line per group of like layers, then the other inputs, the
+    optimizer state, and where the plan splits the batch against the axis names."""
     sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
     if plan._details is None:   # loaded from JSON: the shardings, not the program
         specs = [s.spec for s in jax.tree_util.tree_leaves(plan.in_shardings)]
@@ -230,6 +230,9 @@ def summary_lines(plan) -> list[str]:
                      f"{p['schedule']}, {p['microbatches']} microbatches")
     lines += _input_lines(plan, sizes)
     lines += _optimizer_lines(plan, sizes)
+    note = (plan.stats or {}).get("axis_roles", {}).get("note")
+    if note:
+        lines.append(f"axis names: {note}")
     return lines
 
 

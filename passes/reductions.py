@@ -37,9 +37,22 @@ def reduction_depths(graph: Graph) -> list[int]:
         for node in reversed(graph.nodes):
             for v in node.outs:
                 for r, _ in consumers.get(v, ()):
-                    reader = graph.nodes[r]
-                    reduces = (reader.kind is NodeKind.OP and op_info(reader).reducing
-                               and any(graph.values[o].rank for o in reader.outs))
-                    depth[node.id] = max(depth[node.id], depth[r] + reduces)
+                    depth[node.id] = max(depth[node.id],
+                                         depth[r] + _waits(graph.nodes[r], graph))
         graph.analyses["reductions.reduction_depths"] = depth
     return graph.analyses["reductions.reduction_depths"]
+
+
+def _waits(reader: Node, graph: Graph) -> bool:
+    """Whether ``reader``'s reduction waits for the partial sums it reads to be reduced: a
+    reduction to a non-scalar over a dim longer than 1. A scatter does not: it adds what it
+    reads into rows, so a partial sum it reads is summed in the same all-reduce as its own
+    (an embedding's gradient)."""
+    info = op_info(reader) if reader.kind is NodeKind.OP else None
+    if info is None or not info.reducing or info.gather_scatter:
+        return False
+    if not any(graph.values[o].rank for o in reader.outs):
+        return False
+    axes = reader.params.get("axes")
+    shape = graph.values[reader.ins[0]].shape
+    return axes is None or any(shape[a] > 1 for a in axes)

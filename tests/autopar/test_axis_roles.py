@@ -27,6 +27,7 @@ def test_equally_fast_plans_put_the_batch_on_data(names):
     assert "model" in str(specs[0]) + str(specs[1]), specs  # the weights over `model`
     assert plan.stats["axis_roles"]["batch_split_over"] == ["data"]
     assert "note" not in plan.stats["axis_roles"]
+    assert "axis names:" not in plan.summary()
 
 
 def test_batch_axes_pins_the_batch_and_a_plan_against_the_names_says_so():
@@ -35,6 +36,8 @@ def test_batch_axes_pins_the_batch_and_a_plan_against_the_names_says_so():
     free = autopar.plan(step, *args, mesh=mesh, hardware="h100", verbose=False)
     assert free.stats["axis_roles"]["batch_split_over"] == ["model"]
     assert "batch_axes=('data',)" in free.stats["axis_roles"]["note"]
+    said = free.summary().splitlines()[-1]   # the plan in words, and so the report, says so
+    assert said.startswith("axis names: the batch is split over model(2)"), said
     pinned = autopar.plan(step, *args, mesh=mesh, hardware="h100", verbose=False,
                           batch_axes="data")
     specs = [s.spec for s in jax.tree.leaves(pinned.in_shardings)]

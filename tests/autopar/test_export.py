@@ -74,6 +74,25 @@ def test_exported_plan_runs_under_plain_jit_as_planned(mlp_plan, tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
+def test_a_data_parallel_gpt_runs_under_plain_jit_as_planned(tmp_path):
+    """Where every intermediate split follows from the arguments' (a data-parallel GPT), the
+    exported shardings compile under plain jax.jit to the plan's collectives."""
+    from dataclasses import replace
+
+    from autopar.models import gpt
+    config = replace(gpt.TINY, batch=64, seq=128, hidden=256)
+    fn, args = gpt.make_train_step(config, abstract=True)
+    plan = autopar.plan(fn, *args, mesh=MESH, hardware="h100", verbose=False)
+    assert "batch over data(2) x model(4)" in plan.summary()
+    text = plan.to_python(tmp_path / "gpt_specs.py", fn=fn)
+    assert "compiles to the plan's collectives" in text
+    specs = _load(str(tmp_path / "gpt_specs.py"))
+    mesh = specs.make_mesh()
+    plain = jax.jit(fn, in_shardings=specs.in_shardings(mesh),
+                    out_shardings=specs.out_shardings(mesh))
+    assert _collectives(plain.lower(*args).compile()) == _collectives(plan.compile())
+
+
 class _State(NamedTuple):   # defined in a test module: importable, so written as code
     w: jax.Array
     count: jax.Array

@@ -59,7 +59,7 @@ def test_text_report_shows_baselines_and_layers(planned):
     assert re.search(r"\['block_0'\]\['mlp_in'\]\['kernel'\]\s+\[64,256\]", text)  # its shape
     collectives = text.split("Collectives chosen")[1]
     assert "transpose(" not in collectives and "backward of block_*/mlp_in" in collectives
-    assert re.search(r"all-reduce over data \(groups of 2\): \d+ per step", collectives)
+    assert re.search(r"all-reduce over [a-z,]+ \(groups of [248]\): \d+ per step", collectives)
 
 
 def test_report_names_the_default_hardware():

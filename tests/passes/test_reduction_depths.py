@@ -89,3 +89,19 @@ def test_the_ilp_prices_the_last_reductions_latency_as_the_estimate_does():
     assert x is not None
     ilp_s = sum(c[y] for y, _ in builder.latencies if x[y] == 1) / 1e6
     assert ilp_s == pytest.approx(charged_s)
+
+
+def test_a_sum_read_by_a_scatter_add_is_combined_with_the_gradients():
+    """A position embedding's gradient: the batch's sum of the cotangent, scatter-added into
+    the table. The scatter adds what it reads, so the sum's all-reduce is among the last ones
+    (as XLA compiles it) and its plan needs no all-to-all to dodge a latency."""
+    def loss(table, x):
+        rows = table[jnp.arange(x.shape[1])]
+        return jnp.sum((x + rows[None]) ** 2)
+
+    graph = trace(jax.grad(loss), (jnp.ones((16, 32)), jnp.ones((8, 16, 32)))).graph
+    sums = [n for n in graph.nodes if n.prim == "reduce_sum"
+            and graph.values[n.outs[0]].shape == (16, 32)]
+    scatters = [n for n in graph.nodes if n.prim == "scatter-add"]
+    assert sums and scatters
+    assert all(is_combined_reduction(n, graph) for n in sums)
