@@ -107,17 +107,22 @@ def _projected_loss(batch, seq, kv_heads, groups, causal, mask):
     return loss, params, jax.random.normal(ks[3], (batch, seq, 32))
 
 
+#: Every strategy, forced and the planner's own (None), on each mesh; over the three meshes
+#: each strategy meets causal and not, MHA (1 group) and GQA, padded and not.
+_VARIANTS = [(True, 2, True), (False, 1, False), (False, 2, True)]
+_MESHES = [(8,), (2, 4), (2, 2, 2)]
+
+
 @pytest.mark.parametrize("shape,attention,causal,groups,padded", [
-    ((2, 4), "ulysses", True, 2, False),
-    ((2, 2, 2), "ring", False, 1, True),
-    ((2, 2, 2), None, True, 2, True),
-])
-def test_recognized_attention_planned_on_2d_and_3d_meshes(shape, attention, causal, groups,
-                                                          padded, monkeypatch):
+    (shape, attention, *_VARIANTS[(i + j) % 3])
+    for i, shape in enumerate(_MESHES) for j, attention in enumerate(["ulysses", "ring", None])])
+def test_recognized_attention_equals_one_device(shape, attention, causal, groups, padded,
+                                                monkeypatch):
     monkeypatch.setattr(attn, "BLOCK_K", 32)
     names = ("a", "b", "c")[:len(shape)]
     mask = _padding(2, 256) if padded else jnp.ones((2, 256), bool)
-    loss, params, x = _projected_loss(2, 256, 4, groups, causal, mask)
+    kv_heads = 8 if shape == (8,) else 4   # Ulysses over 8 devices needs 8 kv heads
+    loss, params, x = _projected_loss(2, 256, kv_heads, groups, causal, mask)
 
     def step(p, x):
         return autopar.value_and_grad(loss)(p, x)
@@ -127,7 +132,9 @@ def test_recognized_attention_planned_on_2d_and_3d_meshes(shape, attention, caus
     labels = plan.stats["attention"]
     assert [label.split(":")[0] for label in labels] == ["forward", "backward"]
     if attention is not None:
-        assert all(f"{attention}(" in label for label in labels)
+        assert all(f"{attention}(" in label for label in labels), labels
+        want = "all_to_all" if attention == "ulysses" else "collective_permute"
+        assert want in _collectives(plan, params, x)
     _close(plan.jit()(params, x), jax.jit(jax.value_and_grad(loss))(params, x))
 
 
