@@ -422,6 +422,8 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
     option_notes = choose(profile, device, compiler_option_notes(graph, device.platform))
     stats["compiler_options"] = [n.to_dict() for n in option_notes]
     stats["attention"] = attention_labels(graph, strats, choice)
+    # the compiled program's ops are named jit(<fn>)/..., as under the user's own jax.jit
+    result.flat_fn.__name__ = getattr(fn, "__name__", "step")
     return Plan(jax_mesh, shardings(graph.input_nodes, traced.in_tree, "in"),
                 shardings(graph.output_nodes, traced.out_tree, "out"), est, profile.name,
                 _paths(traced.in_tree), _paths(traced.out_tree), result.fallbacks, stats,

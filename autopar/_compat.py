@@ -64,6 +64,19 @@ def trace_context_state(name: str, doc: str):
         return lambda value: contextlib.nullcontext()
 
 
+def equation_context(eqn):
+    """A context in which binding ``eqn``'s primitive again keeps its source: its name stack
+    (``transpose(jvp(GPT))/block_0/qkv``) and traceback, as ``jax.core.eval_jaxpr`` keeps them,
+    so the compiled program's op names and profiles read like the user's own jit's."""
+    try:
+        from jax._src import source_info_util as siu
+        info = eqn.source_info
+        return siu.user_context(info.traceback,
+                                name_stack=siu.current_name_stack() + info.name_stack)
+    except (ImportError, AttributeError, TypeError):   # a jax without them: names are lost
+        return contextlib.nullcontext()
+
+
 def scan_counts(params) -> tuple[int, int]:
     """(constants, carries) among a scan equation's operands (the rest are the scanned-over
     inputs): jax 0.10 names the counts, 0.12 lists each group's leaves (``ft_in``)."""

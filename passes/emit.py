@@ -22,7 +22,7 @@ from jax.extend import core as jcore
 from jax.extend.core import primitives as P
 from jax.sharding import NamedSharding
 
-from autopar._compat import scan_counts
+from autopar._compat import equation_context, scan_counts
 from autopar.cost_model.collectives import plan_redistribute
 from autopar.passes.ir import Graph
 from autopar.cost_model.spec import Spec
@@ -133,7 +133,7 @@ class Emitter:
             return self.pin_results(scope, eqn.outvars, outs)
 
         def bind():
-            with eqn.ctx.manager:
+            with eqn.ctx.manager, equation_context(eqn):
                 return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
         out = bind()
         outs = list(out) if eqn.primitive.multiple_results else [out]

@@ -117,3 +117,17 @@ def test_custom_jvp_survives_emission(mesh_2d):
     run, _ = _emit_random(fn, (x,), mesh_2d, 1)
     g = jax.grad(lambda a: run(a)[0].sum())(x)
     np.testing.assert_array_equal(np.asarray(g), np.asarray(jax.grad(lambda a: fn(a).sum())(x)))
+
+
+def test_the_compiled_plan_keeps_the_programs_op_names(mesh_2d):
+    """The planned program's ops are named as under the user's own jax.jit (function, module
+    path, forward or backward), so profiles and HLO dumps read alike."""
+    import re
+
+    import autopar
+    from autopar.models import gpt
+    fn, args = gpt.make_train_step(gpt.TINY)
+    plan = autopar.plan(fn, *args, mesh=mesh_2d, hardware="h100", verbose=False)
+    names = set(re.findall(r'op_name="([^"]*)"', plan.compile().as_text()))
+    assert "jit(train_step)/transpose(jvp(GPT))/block_0/qkv/dot_general" in names
+    assert "jit(train_step)/jvp(GPT)/block_1/mlp_out/dot_general" in names
