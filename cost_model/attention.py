@@ -60,11 +60,11 @@ class AttentionShape:
 
 @dataclass(frozen=True)
 class AttentionSplit:
-    """How a strategy splits it: the number of devices over batch and heads, and the
-    (axis, size) of Ulysses and of the ring."""
+    """How a strategy splits it: the number of devices over batch and heads, the (axes,
+    size) of Ulysses (one or more mesh axes, as one group) and the (axis, size) of the ring."""
     batch: int = 1
     heads: int = 1
-    ulysses: tuple[str, int] | None = None
+    ulysses: tuple[tuple[str, ...], int] | None = None
     ring: tuple[str, int] | None = None
 
     @property
@@ -119,7 +119,8 @@ def attention_cost(shape: AttentionShape, split: AttentionSplit, profile, levels
         moved = (3 * q_bytes + 2 * kv_bytes) if s.backward else (2 * q_bytes + kv_bytes)
         scratch += moved + (q_bytes + 2 * kv_bytes if s.backward else q_bytes)
     if split.ring and s.causal and not split.ulysses:  # striped: an all-to-all each way
-        steps += _ulysses_steps(split.ring, q_bytes, kv_bytes, mask_bytes, s)
+        steps += _ulysses_steps(((split.ring[0],), split.ring[1]), q_bytes, kv_bytes,
+                                mask_bytes, s)
         scratch += (3 * q_bytes + 2 * kv_bytes) if s.backward else (2 * q_bytes + kv_bytes)
     if split.ring:
         axis, n = split.ring
@@ -149,16 +150,17 @@ def causal_share(shape: AttentionShape, split: AttentionSplit, blocks: int) -> f
 
 
 def _ulysses_steps(ulysses, q_bytes, kv_bytes, mask_bytes, s: AttentionShape):
-    axis, n = ulysses
+    axes, n = ulysses
+    sizes = (n,) if len(axes) == 1 else ()   # per-axis sizes: a torus prices one axis alone
 
     def a2a(nbytes):
-        return CommStep(CollectiveKind.ALL_TO_ALL, (axis,), n, nbytes, nbytes, axis_sizes=(n,))
+        return CommStep(CollectiveKind.ALL_TO_ALL, axes, n, nbytes, nbytes, axis_sizes=sizes)
     lse_bytes = q_bytes // s.itemsize // s.head_dim * _F32
     moved = [q_bytes, kv_bytes, kv_bytes, lse_bytes]          # q, k, v in; o, lse out
     moved += [q_bytes] + ([q_bytes, q_bytes, kv_bytes, kv_bytes] if s.backward else [])
     steps = [a2a(b) for b in moved]
-    steps.append(CommStep(CollectiveKind.ALL_GATHER, (axis,), n, mask_bytes, mask_bytes * n,
-                          axis_sizes=(n,)))
+    steps.append(CommStep(CollectiveKind.ALL_GATHER, axes, n, mask_bytes, mask_bytes * n,
+                          axis_sizes=sizes))
     return steps
 
 

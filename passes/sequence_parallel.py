@@ -6,9 +6,9 @@ heads (tensor parallel), or carry one of the two rewrites, each at most once (sp
 query sequence alone, keys gathered, is left out: XLA partitions the kernels' block loop over
 a split sequence by gathering in every step, 438 GB on the wire for the (2, 4) 32k Llama):
 
-* **Ulysses** over axis ``u``: operands arrive sequence-sharded; an all-to-all turns them
-  head-sharded (the axis must divide the kv heads), the whole sequence is attended, and an
-  all-to-all turns the results back.
+* **Ulysses** over axes ``u`` (one or more, as one group): operands arrive sequence-sharded;
+  an all-to-all turns them head-sharded (the group must divide the kv heads), the whole
+  sequence is attended, and an all-to-all turns the results back.
 * **Ring** over axis ``r``: each device keeps its query rows; K, V and the mask rotate around
   the axis with ``ppermute``, merged by their log-sum-exp (online softmax). The backward
   rotates them again with their dK, dV accumulators, which arrive home after a full turn.
@@ -54,14 +54,17 @@ def _shape(node) -> AttentionShape:
 def _split(roles: dict[str, str], sizes: dict[str, int]) -> AttentionSplit:
     def prod(role):
         return math.prod(sizes[a] for a, r in roles.items() if r == role)
-    one = {r: (a, sizes[a]) for a, r in roles.items() if r in (_U, _G)}
-    return AttentionSplit(batch=prod(_B), heads=prod(_H), ulysses=one.get(_U),
-                          ring=one.get(_G))
+    ulysses = tuple(a for a, r in roles.items() if r == _U)
+    ring = [(a, sizes[a]) for a, r in roles.items() if r == _G]
+    return AttentionSplit(batch=prod(_B), heads=prod(_H),
+                          ulysses=(ulysses, prod(_U)) if ulysses else None,
+                          ring=ring[0] if ring else None)
 
 
 def _allowed(roles: tuple[str, ...]) -> bool:
-    """One Ulysses and one ring axis at most; Ulysses splits the heads, so no heads axis."""
-    return roles.count(_U) <= 1 and roles.count(_G) <= 1 and not (_U in roles and _H in roles)
+    """One ring axis at most (Ulysses may group several); Ulysses splits the heads, so no
+    heads axis."""
+    return roles.count(_G) <= 1 and not (_U in roles and _H in roles)
 
 
 def _forced(roles: tuple[str, ...], forced: str | None) -> bool:
@@ -159,16 +162,18 @@ STRATEGY_BUILDERS[attn.attention_bwd_p] = attention_strategies
 
 # ----------------------------------------------------------------------------- regions
 
-def positions(seq: int, seq_axes, sizes: dict, index: dict, gathered: str | None):
+def positions(seq: int, seq_axes, sizes: dict, index: dict, gathered: tuple[str, ...] = ()):
     """Global positions of a device's rows: the sequence is cut into chunks over
     ``seq_axes`` (major to minor); the device holds the chunk at ``index`` (axis -> index),
-    or, over the ``gathered`` axis, every chunk along it in order."""
+    or, over the ``gathered`` axes, every chunk along them in order (the first major, as an
+    all-to-all over them concatenates)."""
     c = seq // math.prod(sizes[a] for a in seq_axes)
     strides = {a: math.prod(sizes[b] for b in seq_axes[i + 1:]) for i, a in enumerate(seq_axes)}
-    base = sum(index[a] * strides[a] for a in seq_axes if a != gathered)
+    base = sum(index[a] * strides[a] for a in seq_axes if a not in gathered)
     chunks = jnp.reshape(base, (1,)).astype(jnp.int32)
-    if gathered is not None:
-        chunks = base + jnp.arange(sizes[gathered], dtype=jnp.int32) * strides[gathered]
+    for a in gathered:
+        chunks = (chunks[:, None]
+                  + jnp.arange(sizes[a], dtype=jnp.int32)[None, :] * strides[a]).reshape(-1)
     return (chunks[:, None] * c + jnp.arange(c, dtype=jnp.int32)[None, :]).reshape(-1)
 
 
@@ -178,7 +183,8 @@ class _Region:
     def __init__(self, mesh, rewrite: Rewrite, *, causal: bool, scale: float, seq: int):
         p = dict(rewrite.params)
         self.seq_axes = rewrite.axes
-        self.u, self.r = p["ulysses"], p["ring"]
+        u, self.r = p["ulysses"], p["ring"]
+        self.u = None if u is None else (u,) if isinstance(u, str) else tuple(u)
         self.sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
         self.causal, self.scale, self.seq = causal, scale, seq
         self.mesh = mesh
@@ -200,7 +206,7 @@ class _Region:
         if self.striped:
             n = self.sizes[self.r]
             return jnp.arange(self.seq // n, dtype=jnp.int32) * n + index[self.r]
-        return positions(self.seq, self.seq_axes, self.sizes, index, self.u)
+        return positions(self.seq, self.seq_axes, self.sizes, index, self.u or ())
 
     def stripe(self, x, axis: int = 1):
         """A contiguous chunk of the sequence (dim ``axis``) -> this device's stripe."""
@@ -347,7 +353,8 @@ def attention_label(node, strategy: Strategy) -> str | None:
     q = strategy.in_specs[0]
     p = dict(strategy.rewrite.params) if strategy.rewrite is not None else {}
     manual = (p.get("ulysses"), p.get("ring"))
-    parts = [f"{kind}({axis})" for kind, axis in zip(("ulysses", "ring"), manual) if axis]
+    parts = [f"{kind}({axis if isinstance(axis, str) else ','.join(axis)})"
+             for kind, axis in zip(("ulysses", "ring"), manual) if axis]
     for kind, axes in (("heads", q.dims[2]), ("batch", q.dims[0])):
         if axes:
             parts.append(f"{kind}({','.join(axes)})")
