@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
 
@@ -52,8 +53,6 @@ def primitives(*attrs: str) -> tuple:
 def trace_context_state(name: str, doc: str):
     """A context manager factory ``state(value)`` whose value is part of jax's trace cache key
     (so jit and make_jaxpr trace again when it changes); a no-op where jax lacks the hook."""
-    import contextlib
-
     from jax._src import config as jax_config
     make = getattr(jax_config, "string_or_object_state", None)
     if make is None:
