@@ -164,7 +164,7 @@ def test_a_ulysses_group_of_several_axes_equals_plain_attention(shape, ulysses, 
 def test_the_long_context_llama_on_2x4_takes_ulysses_over_the_whole_mesh():
     """32k tokens, GQA 32/8, batch 2 on (2, 4) (the long-context suite's case, planned from
     shapes): Ulysses over both axes as one group, as the hand-written program over one flat
-    axis; it compiled to 368 ms simulated against that program's 404 (benchmarks/results)."""
+    axis (benchmarks/results/long_context.md compares the compiled programs)."""
     from benchmarks import long_context
     fn, args = long_context.train_step_and_args(32768, 2)
     plan = autopar.plan(fn, *args, mesh={"data": 2, "model": 4}, hardware="h100",
