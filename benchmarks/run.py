@@ -54,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hardware", default="h100", help="profile the programs are priced on")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="rows compiled at once, each in its own process (default: up to 2)")
-    p.add_argument("--time-limit-s", type=float, default=20.0,
-                   help="the ILP's time limit per plan (default: 20 s; on the 3-D meshes the "
-                        "ILP reaches it, and the propagated baseline seeds decide the plan)")
+    p.add_argument("--time-limit-s", type=float, default=None,
+                   help="the ILP's safety-net time limit per plan (default: autopar.plan's; "
+                        "every row's solve ends on its work limits well before it)")
     p.add_argument("--out", default=DEFAULT_OUT,
                    help=f"folder for results.md and results.json (default: {DEFAULT_OUT})")
     return p

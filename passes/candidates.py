@@ -141,14 +141,14 @@ def best(candidates: Candidates, solution: Solution, memory_budget_bytes: float 
          progress) -> tuple[Solution, dict[str, float], dict[str, int]]:
     """The fastest predicted of the ILP's ``solution`` and the candidates, a plan within
     ``memory_budget_bytes`` first; with each plan's predicted step time and peak, by name
-    (``best_of``). When the ILP did not finish, the batch seeds' plans
+    (``best_of``). When the ILP's plan is not proven optimal, the batch seeds' plans
     compete too. ``progress`` reports what it does."""
     p = candidates.problem
     plans, known_s = dict(candidates.plans.result()), candidates.times.result()
     if solution.status is not SolveStatus.OPTIMAL and candidates.batch_seeds:
-        # The ILP weighs every mesh axis for the batch, but did not finish: try each one
-        # outside it, by propagation.
-        progress(f"the ILP did not finish: propagating the batch over each of "
+        # The ILP weighs every mesh axis for the batch, but its plan is not proven optimal:
+        # try each one outside it, by propagation.
+        progress(f"the ILP's plan is not proven optimal: propagating the batch over each of "
                  f"{len(candidates.batch_seeds)} mesh axes")
         plans.update(propagated_plans(p.graph, p.strats, p.mesh_ctx, p.labels, p.ties,
                                       candidates.batch_seeds, annotations_alone=False))

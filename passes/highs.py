@@ -39,11 +39,14 @@ class Work:
     simplex iterations (``lp_iterations_per_row`` per constraint, at least ``lp_iterations``),
     the branch-and-bound nodes of each MIP run (the dive's and the MIP's), and whether HiGHS
     runs its sub-MIP heuristics (RINS, RENS) at the root, which the node limit does not
-    bound."""
+    bound. Above ``mip_max_nonzeros`` constraint nonzeros, no MIP runs after a dive whose plan
+    is outside the gap: its root alone (an LP as large as the relaxation, then cuts) is bound
+    by no work limit, so only the wall clock would stop it."""
     mip_nodes: int = 500
     lp_iterations: int = 100_000
     lp_iterations_per_row: int = 20
     sub_mips: bool = True           # HiGHS's RINS and RENS heuristics (sub-MIPs at the root)
+    mip_max_nonzeros: int = 300_000
 
     def lp_limit(self, rows: int) -> int:
         return max(self.lp_iterations, self.lp_iterations_per_row * rows)
@@ -66,7 +69,8 @@ def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: floa
     without the tie breaks.
 
     The LP relaxation goes first (:func:`_from_relaxation`); the MIP then gets what is left of
-    ``time_limit_s``, and at least :data:`MIP_MIN_SHARE` of it. One thread and fixed tie
+    ``time_limit_s``, and at least :data:`MIP_MIN_SHARE` of it, unless the ILP is larger than
+    ``work.mip_max_nonzeros`` and a dive found a plan: that plan is then the answer. One thread and fixed tie
     breaks, so the same ILP gives the same plan; HiGHS's feasibility jump heuristic is off, as
     these ILPs are solved at the root. A HiGHS that refuses the thread option (its thread pool
     is fixed by a process's first solve) solves again without it."""
@@ -87,6 +91,9 @@ def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: floa
         res = (scipy.optimize.OptimizeResult(x=None, fun=None, status=2,
                                              message=CUTOFF_MESSAGE)
                if res.message == RELAXATION_MESSAGE else None)
+    if res is None and dived is not None and A.nnz > work.mip_max_nonzeros:
+        res = dived   # no MIP at this size (see Work): the dive's plan, the same on any machine
+        res.status, res.message = LIMIT_STATUS, LARGE_DIVE_MESSAGE
     if res is None:
         if callable(cutoff):
             cutoff = cutoff()
@@ -170,6 +177,8 @@ CUTOFF_MESSAGE = "no plan under the cutoff (an integral LP relaxation)"
 DIVE_MESSAGE = "optimal within the gap (a dive from the LP relaxation)"
 #: The message of a solve that took a dive's plan the MIP found none better than in time.
 DIVE_UNPROVEN_MESSAGE = "time limit (the plan of a dive from the LP relaxation)"
+#: The message of a solve that took a dive's plan without the MIP (``Work.mip_max_nonzeros``).
+LARGE_DIVE_MESSAGE = "the plan of a dive from the LP relaxation (no MIP at this size)"
 #: The share of a solve's time limit a dive (:func:`_from_relaxation`) may take (a safety
 #: net: the dive is bounded by ``Work.mip_nodes``).
 DIVE_SHARE = 0.25

@@ -13,6 +13,7 @@ class SolveStatus(enum.Enum):
     OPTIMAL = "optimal"          # proven optimal, within the solver's gap
     TIME_LIMIT = "time_limit"    # the best plan found in the time limit, not proven optimal
     WARM_START = "warm start"    # the warm start's plan: nothing better found in time
+    DIVE = "dive"                # a dive's plan, not proven optimal: no MIP at this size
     GREEDY = "greedy"            # no plan found in time: the greedy plan
     NOT_RUN = "not run"          # no ILP ran (search=False, or a cached plan)
 

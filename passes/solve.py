@@ -18,7 +18,7 @@ from autopar._sizes import format_bytes
 from autopar.errors import InfeasiblePlanError, SolverFallbackWarning
 from autopar.passes.background import Deferred
 from autopar.passes.dedup import Groups
-from autopar.passes.highs import cutoff_of, solve_milp, warm_start
+from autopar.passes.highs import LARGE_DIVE_MESSAGE, cutoff_of, solve_milp, warm_start
 from autopar.passes.ilp import IlpBuilder, choice_of
 from autopar.passes.ir import Graph
 from autopar.passes.memory_budget import BudgetRows, plan_peak
@@ -111,7 +111,8 @@ def _solution(res, builder: IlpBuilder, took: float) -> Solution:
     choice = choice_of(res.x, builder.g, builder.groups, builder.offset)
     inputs_take_their_slices(builder.g, builder.strats, builder.groups, builder.mesh, choice)
     status = (SolveStatus.OPTIMAL if res.status == 0 else SolveStatus.WARM_START
-              if res.message == "warm start" else SolveStatus.TIME_LIMIT)  # not proven
+              if res.message == "warm start" else SolveStatus.DIVE
+              if res.message == LARGE_DIVE_MESSAGE else SolveStatus.TIME_LIMIT)  # not proven
     edges_before, edges_after = builder.edge_counts()
     return Solution(choice=choice, objective_us=float(res.fun), status=status,
                     num_variables=builder.n, num_constraints=len(builder.rows),

@@ -14,7 +14,9 @@ from autopar.passes.highs import (
     CUTOFF_MESSAGE,
     DIVE_MESSAGE,
     DIVE_UNPROVEN_MESSAGE,
+    LARGE_DIVE_MESSAGE,
     RELAXATION_MESSAGE,
+    Work,
     solve_milp,
 )
 
@@ -52,6 +54,26 @@ def test_a_dive_within_the_gap_is_taken_without_the_mip():
     res, _ = solve_milp(*_ilp(1.5), time_limit_s=10, gap=0.3, cutoff=lambda: asked.append(1))
     assert res.message == DIVE_MESSAGE and list(np.round(res.x)) == [0.0, 1.0]
     assert res.fun == -2.0 and asked == []
+
+
+def test_above_the_size_limit_a_dive_outside_the_gap_is_the_answer_without_the_mip(monkeypatch):
+    """The dive's -2 is 25% over the relaxation's -2.5; on an ILP with more nonzeros than
+    ``Work.mip_max_nonzeros`` no MIP runs (nor is the cutoff asked for): the dive's plan is
+    the answer, marked unproven, whatever the clock says."""
+    real, mips, asked = scipy.optimize.milp, [], []
+
+    def milp(c, *, integrality, bounds, constraints, options):
+        if np.any(integrality) and np.size(bounds.ub) == 1:  # the MIP, not the dive
+            mips.append(1)
+        return real(c, integrality=integrality, bounds=bounds, constraints=constraints,
+                    options=options)
+    monkeypatch.setattr(scipy.optimize, "milp", milp)
+    res, _ = solve_milp(*_ilp(1.5), time_limit_s=10, cutoff=lambda: asked.append(1),
+                        work=Work(mip_max_nonzeros=1))
+    assert res.message == LARGE_DIVE_MESSAGE and res.status == 1 and res.fun == -2.0
+    assert list(np.round(res.x)) == [0.0, 1.0] and mips == [] and asked == []
+    res, _ = solve_milp(*_ilp(1.5), time_limit_s=10, work=Work(mip_max_nonzeros=2))
+    assert res.message != LARGE_DIVE_MESSAGE and mips == [1]   # 2 nonzeros: the MIP runs
 
 
 def test_no_plan_over_a_given_cutoff_is_returned():
