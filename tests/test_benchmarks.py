@@ -51,7 +51,7 @@ def _check_simulated_columns(row, meta):
     """Every program has the timeline's makespan, exposed communication and ratio to the
     compute-only limit, which is the single-device program's simulated step over the devices."""
     fn, args = workloads.abstract_train_step("mlp")
-    single = jax.jit(fn).lower(*args).compile(compiler_options=sharding.FAST_COMPILE)
+    single = jax.jit(fn).lower(*args).compile(compiler_options=sharding.COMPILE_OPTIONS)
     one_device = simulate(single.as_text(), get_profile("h100"), jnp.bfloat16)
     assert row["limit_s"] == pytest.approx(one_device.step_time_s / meta["devices"])
     assert one_device.exposed_comm_s == 0 and meta["devices"] == 8
@@ -64,7 +64,7 @@ def _check_simulated_columns(row, meta):
     fitting = {k: p for k, p in row["programs"].items() if k != "autopar" and p["fits"]}
     assert row["best_simulated_baseline"] == min(fitting, key=lambda k: fitting[k]["makespan_s"])
     compiled = sharding.compile_baseline(fn, args, as_auto_mesh(row["axes"]), "dp",
-                                         sharding.FAST_COMPILE)
+                                         sharding.COMPILE_OPTIONS)
     timeline = simulate(compiled.as_text(), get_profile("h100"), jnp.bfloat16)
     assert row["programs"]["dp"]["makespan_s"] == pytest.approx(timeline.step_time_s)
     assert row["programs"]["dp"]["exposed_comm_s"] == pytest.approx(timeline.exposed_comm_s)
