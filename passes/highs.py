@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import scipy.optimize
+import scipy.sparse
 
 from autopar.errors import SolverFallbackWarning
 from autopar.passes.ilp import IlpBuilder
@@ -70,10 +71,11 @@ def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: floa
 
     The LP relaxation goes first (:func:`_from_relaxation`); the MIP then gets what is left of
     ``time_limit_s``, and at least :data:`MIP_MIN_SHARE` of it, unless the ILP is larger than
-    ``work.mip_max_nonzeros`` and a dive found a plan: that plan is then the answer. One thread and fixed tie
-    breaks, so the same ILP gives the same plan; HiGHS's feasibility jump heuristic is off, as
-    these ILPs are solved at the root. A HiGHS that refuses the thread option (its thread pool
-    is fixed by a process's first solve) solves again without it."""
+    ``work.mip_max_nonzeros`` and a dive found a plan: that plan is then the answer. One
+    thread and fixed tie breaks, so the same ILP gives the same plan; HiGHS's feasibility
+    jump heuristic is off, as these ILPs are solved at the root. A HiGHS that refuses the
+    thread option (its thread pool is fixed by a process's first solve) solves again without
+    it."""
     options = {"time_limit": time_limit_s, "disp": bool(os.environ.get("AUTOPAR_HIGHS_LOG")),
                "mip_rel_gap": gap, "mip_heuristic_run_feasibility_jump": False,
                "threads": 1, "node_limit": work.mip_nodes,
@@ -91,7 +93,7 @@ def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: floa
         res = (scipy.optimize.OptimizeResult(x=None, fun=None, status=2,
                                              message=CUTOFF_MESSAGE)
                if res.message == RELAXATION_MESSAGE else None)
-    if res is None and dived is not None and A.nnz > work.mip_max_nonzeros:
+    if res is None and dived is not None and _nonzeros(A) > work.mip_max_nonzeros:
         res = dived   # no MIP at this size (see Work): the dive's plan, the same on any machine
         res.status, res.message = LIMIT_STATUS, LARGE_DIVE_MESSAGE
     if res is None:
@@ -120,6 +122,10 @@ def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: floa
                       "faster or less busy machine. Raise `time_limit_s` for a plan that "
                       "depends only on the program.", SolverFallbackWarning, stacklevel=3)
     return res, took
+
+
+def _nonzeros(A) -> int:
+    return A.nnz if scipy.sparse.issparse(A) else int(np.count_nonzero(A))
 
 
 class _Runner:
