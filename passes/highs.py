@@ -71,7 +71,8 @@ def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: floa
 
     The LP relaxation goes first (:func:`_from_relaxation`); the MIP then gets what is left of
     ``time_limit_s``, and at least :data:`MIP_MIN_SHARE` of it, unless the ILP is larger than
-    ``work.mip_max_nonzeros`` and a dive found a plan: that plan is then the answer. One
+    ``work.mip_max_nonzeros`` and a dive found a plan: that plan is then the answer (none
+    when over a given cutoff). One
     thread and fixed tie breaks, so the same ILP gives the same plan; HiGHS's feasibility
     jump heuristic is off, as these ILPs are solved at the root. A HiGHS that refuses the
     thread option (its thread pool is fixed by a process's first solve) solves again without
@@ -94,7 +95,11 @@ def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: floa
                                              message=CUTOFF_MESSAGE)
                if res.message == RELAXATION_MESSAGE else None)
     if res is None and dived is not None and _nonzeros(A) > work.mip_max_nonzeros:
-        res = dived   # no MIP at this size (see Work): the dive's plan, the same on any machine
+        # No MIP at this size (see Work): the dive's plan, the same on any machine, unless a
+        # given cutoff asks for better.
+        over = (cutoff is not None and not callable(cutoff)
+                and float(costs @ dived.x) > cutoff)
+        res = scipy.optimize.OptimizeResult(x=None, fun=None) if over else dived
         res.status, res.message = LIMIT_STATUS, LARGE_DIVE_MESSAGE
     if res is None:
         if callable(cutoff):
@@ -183,7 +188,8 @@ CUTOFF_MESSAGE = "no plan under the cutoff (an integral LP relaxation)"
 DIVE_MESSAGE = "optimal within the gap (a dive from the LP relaxation)"
 #: The message of a solve that took a dive's plan the MIP found none better than in time.
 DIVE_UNPROVEN_MESSAGE = "time limit (the plan of a dive from the LP relaxation)"
-#: The message of a solve that took a dive's plan without the MIP (``Work.mip_max_nonzeros``).
+#: The message of a solve that took a dive's plan without the MIP (``Work.mip_max_nonzeros``),
+#: or found none under a given cutoff that way.
 LARGE_DIVE_MESSAGE = "the plan of a dive from the LP relaxation (no MIP at this size)"
 #: The share of a solve's time limit a dive (:func:`_from_relaxation`) may take (a safety
 #: net: the dive is bounded by ``Work.mip_nodes``).

@@ -74,6 +74,9 @@ def test_above_the_size_limit_a_dive_outside_the_gap_is_the_answer_without_the_m
     assert list(np.round(res.x)) == [0.0, 1.0] and mips == [] and asked == []
     res, _ = solve_milp(*_ilp(1.5), time_limit_s=10, work=Work(mip_max_nonzeros=2))
     assert res.message != LARGE_DIVE_MESSAGE and mips == [1]   # 2 nonzeros: the MIP runs
+    # A given cutoff the dive's -2 does not beat: no plan, rather than one over it.
+    res, _ = solve_milp(*_ilp(1.5), time_limit_s=10, cutoff=-2.2, work=Work(mip_max_nonzeros=1))
+    assert res.x is None and res.message == LARGE_DIVE_MESSAGE and mips == [1]
 
 
 def test_no_plan_over_a_given_cutoff_is_returned():
