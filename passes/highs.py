@@ -72,11 +72,10 @@ def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: floa
     The LP relaxation goes first (:func:`_from_relaxation`); the MIP then gets what is left of
     ``time_limit_s``, and at least :data:`MIP_MIN_SHARE` of it, unless the ILP is larger than
     ``work.mip_max_nonzeros`` and a dive found a plan: that plan is then the answer (none
-    when over a given cutoff). One
-    thread and fixed tie breaks, so the same ILP gives the same plan; HiGHS's feasibility
-    jump heuristic is off, as these ILPs are solved at the root. A HiGHS that refuses the
-    thread option (its thread pool is fixed by a process's first solve) solves again without
-    it."""
+    when over a given cutoff). One thread and fixed tie breaks, so the same ILP gives the same
+    plan; HiGHS's feasibility jump heuristic is off, as these ILPs are solved at the root. A
+    HiGHS that refuses the thread option (its thread pool is fixed by a process's first solve)
+    solves again without it."""
     options = {"time_limit": time_limit_s, "disp": bool(os.environ.get("AUTOPAR_HIGHS_LOG")),
                "mip_rel_gap": gap, "mip_heuristic_run_feasibility_jump": False,
                "threads": 1, "node_limit": work.mip_nodes,
