@@ -10,12 +10,10 @@ Programs are compiled with :data:`COMPILE_OPTIONS`:
 * :data:`FAST_COMPILE`: XLA skips LLVM optimisation, which halves CPU compile time and
   changes no measure (SPMD partitioning, collectives, flops and buffer assignment all run
   before it; ``tests/test_benchmarks.py`` checks the measures agree);
-* no excess precision: XLA:CPU computes bf16 matmuls and convolutions in f32 and rounds their
-  results to bf16, and with excess precision allowed it drops a round trip (f32 to bf16 and
-  back) wherever nothing stands between the two converts, so a program kept f32 activations a
-  bf16 GPU kernel would write in bf16. A sharding constraint between them (autopar pins every
-  value) kept the round trip in one program and not in another: the ResNet's plan and its data
-  parallel baseline, the same program otherwise, differed by 3.4% simulated.
+* no excess precision: XLA:CPU computes bf16 matmuls and convolutions in f32, and with excess
+  precision allowed it drops the f32-bf16-f32 round trip wherever nothing (such as autopar's
+  sharding constraints) stands between the two converts. Off, every program rounds where its
+  dtypes say, as a bf16 GPU kernel does (docs/benchmarks.md has what it changed).
 """
 
 from __future__ import annotations
