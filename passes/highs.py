@@ -23,6 +23,7 @@ import scipy.sparse
 
 from autopar.errors import SolverFallbackWarning
 from autopar.passes.ilp import IlpBuilder
+from autopar.passes.solution import SolveStatus
 
 #: scipy.optimize.milp's status for "other" (HiGHS refused an option, among others).
 HIGHS_OTHER_STATUS = 4
@@ -67,7 +68,7 @@ def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: floa
     ``cutoff``: an objective some plan is known to reach (a warm start), or a function giving
     it (or None), called only when the MIP runs: HiGHS's ``objective_bound`` option, which
     prunes every branch that cannot beat it. The result's ``fun`` is the cost of its ``x``
-    without the tie breaks.
+    without the tie breaks, and its ``ending`` the :class:`SolveStatus` its plan has.
 
     The LP relaxation goes first (:func:`_from_relaxation`); the MIP then gets what is left of
     ``time_limit_s``, and at least :data:`MIP_MIN_SHARE` of it, unless the ILP is larger than
@@ -100,6 +101,7 @@ def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: floa
                 and float(costs @ dived.x) > cutoff)
         res = scipy.optimize.OptimizeResult(x=None, fun=None) if over else dived
         res.status, res.message = LIMIT_STATUS, LARGE_DIVE_MESSAGE
+        res.ending = SolveStatus.DIVE
     if res is None:
         if callable(cutoff):
             cutoff = cutoff()
@@ -119,6 +121,7 @@ def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: floa
             res = dived
     if res.x is not None:
         res.fun = float(c @ res.x)
+    res.setdefault("ending", SolveStatus.OPTIMAL if res.status == 0 else SolveStatus.TIME_LIMIT)
     took = time.perf_counter() - start
     if run.timed_out:
         warnings.warn(f"autopar: HiGHS reached the {time_limit_s:g}s safety-net time limit "

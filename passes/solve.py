@@ -18,7 +18,7 @@ from autopar._sizes import format_bytes
 from autopar.errors import InfeasiblePlanError, SolverFallbackWarning
 from autopar.passes.background import Deferred
 from autopar.passes.dedup import Groups
-from autopar.passes.highs import LARGE_DIVE_MESSAGE, cutoff_of, solve_milp, warm_start
+from autopar.passes.highs import cutoff_of, solve_milp, warm_start
 from autopar.passes.ilp import IlpBuilder, choice_of
 from autopar.passes.ir import Graph
 from autopar.passes.memory_budget import BudgetRows, plan_peak
@@ -86,7 +86,7 @@ def _keep_warm_start(res, start: tuple[np.ndarray, float], time_limit_s: float):
                       "`time_limit_s` for a better one.", SolverFallbackWarning,
                       stacklevel=4)
     return scipy.optimize.OptimizeResult(x=start[0], fun=start[1], status=0 if proven else 1,
-                                         message="warm start")
+                                         message="warm start", ending=SolveStatus.WARM_START)
 
 
 def _greedy_solution(builder: IlpBuilder, budget: BudgetRows | None, res, took: float,
@@ -110,11 +110,8 @@ def _solution(res, builder: IlpBuilder, took: float) -> Solution:
     """The solver's result as a Solution."""
     choice = choice_of(res.x, builder.g, builder.groups, builder.offset)
     inputs_take_their_slices(builder.g, builder.strats, builder.groups, builder.mesh, choice)
-    status = (SolveStatus.OPTIMAL if res.status == 0 else SolveStatus.WARM_START
-              if res.message == "warm start" else SolveStatus.DIVE
-              if res.message == LARGE_DIVE_MESSAGE else SolveStatus.TIME_LIMIT)  # not proven
     edges_before, edges_after = builder.edge_counts()
-    return Solution(choice=choice, objective_us=float(res.fun), status=status,
+    return Solution(choice=choice, objective_us=float(res.fun), status=res.ending,
                     num_variables=builder.n, num_constraints=len(builder.rows),
                     solve_time_s=took, edges_before=edges_before, edges_after=edges_after,
                     source=Source.ILP)

@@ -19,6 +19,7 @@ from autopar.passes.highs import (
     Work,
     solve_milp,
 )
+from autopar.passes.solution import SolveStatus
 
 
 def _ilp(capacity: float):
@@ -32,7 +33,7 @@ def test_an_integral_relaxation_is_the_solution_and_needs_no_cutoff():
     asked = []
     res, _ = solve_milp(*_ilp(1.0), time_limit_s=10, cutoff=lambda: asked.append(1))
     assert res.message == RELAXATION_MESSAGE and list(res.x) == [0.0, 1.0]
-    assert res.fun == -2.0 and asked == []
+    assert res.fun == -2.0 and asked == [] and res.ending is SolveStatus.OPTIMAL
 
 
 def test_a_fractional_relaxation_runs_the_mip_with_the_cutoff():
@@ -53,7 +54,7 @@ def test_a_dive_within_the_gap_is_taken_without_the_mip():
     # a 30% gap of -2.5 (not within the default 0.1%, as the test above shows).
     res, _ = solve_milp(*_ilp(1.5), time_limit_s=10, gap=0.3, cutoff=lambda: asked.append(1))
     assert res.message == DIVE_MESSAGE and list(np.round(res.x)) == [0.0, 1.0]
-    assert res.fun == -2.0 and asked == []
+    assert res.fun == -2.0 and asked == [] and res.ending is SolveStatus.OPTIMAL
 
 
 def test_above_the_size_limit_a_dive_outside_the_gap_is_the_answer_without_the_mip(monkeypatch):
@@ -71,9 +72,11 @@ def test_above_the_size_limit_a_dive_outside_the_gap_is_the_answer_without_the_m
     res, _ = solve_milp(*_ilp(1.5), time_limit_s=10, cutoff=lambda: asked.append(1),
                         work=Work(mip_max_nonzeros=1))
     assert res.message == LARGE_DIVE_MESSAGE and res.status == 1 and res.fun == -2.0
+    assert res.ending is SolveStatus.DIVE
     assert list(np.round(res.x)) == [0.0, 1.0] and mips == [] and asked == []
     res, _ = solve_milp(*_ilp(1.5), time_limit_s=10, work=Work(mip_max_nonzeros=2))
     assert res.message != LARGE_DIVE_MESSAGE and mips == [1]   # 2 nonzeros: the MIP runs
+    assert res.ending is SolveStatus.OPTIMAL
     # A given cutoff the dive's -2 does not beat: no plan, rather than one over it.
     res, _ = solve_milp(*_ilp(1.5), time_limit_s=10, cutoff=-2.2, work=Work(mip_max_nonzeros=1))
     assert res.x is None and res.message == LARGE_DIVE_MESSAGE and mips == [1]
@@ -107,6 +110,7 @@ def test_a_dive_outside_the_gap_stays_the_answer_when_the_mip_finds_none_better(
         res, _ = solve_milp(*_ilp(1.5), time_limit_s=10)
     assert list(np.round(res.x)) == [0.0, 1.0] and res.fun == -2.0
     assert res.status == 1 and res.message == DIVE_UNPROVEN_MESSAGE
+    assert res.ending is SolveStatus.TIME_LIMIT
     assert bounds_of_mips == [pytest.approx(-2.0, abs=1e-5)]  # the dive's objective
 
 
