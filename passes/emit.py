@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 
 from autopar._compat import equation_context, scan_counts
 from autopar.cost_model.collectives import plan_redistribute
-from autopar.passes.ir import Graph
+from autopar.passes.ir import Graph, NodeKind
 from autopar.cost_model.spec import Spec
 from autopar.passes.backend_options import OptionNote, as_options
 from autopar.passes.rules import info_of
@@ -44,6 +44,31 @@ def _constrainable(x) -> bool:
             and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended))
 
 
+def values_pinned_by_their_converts(graph: Graph, value_specs: dict[int, Spec],
+                                    node_in_specs: dict[int, tuple]) -> set[int]:
+    """The values made by an op and read only by dtype converts that keep their spec: their
+    converts' pins fix them too. Left unpinned, a round trip of converts (XLA:CPU's bf16 result
+    of an f32 dot, then the program's cast back to f32) stays adjacent, and XLA folds it where
+    excess precision is allowed, as it does in a program with no constraints."""
+    out = set()
+    for vid, uses in graph.consumers().items():
+        spec = value_specs.get(vid)
+        made_by = graph.producer.get(vid)
+        if (spec is None or made_by is None
+                or graph.nodes[made_by[0]].kind is not NodeKind.OP):
+            continue
+        if all(_keeps_spec(graph.nodes[n], node_in_specs.get(n), pos, spec, value_specs)
+               for n, pos in uses):
+            out.add(vid)
+    return out
+
+
+def _keeps_spec(node, in_specs, pos: int, spec: Spec, value_specs) -> bool:
+    return (node.kind is NodeKind.OP and node.primitive is lax.convert_element_type_p
+            and in_specs is not None and in_specs[pos] == spec
+            and value_specs.get(node.outs[0]) == spec)
+
+
 class Emitter:
     def __init__(self, traced: Traced, value_specs: dict[int, Spec],
                  node_in_specs: dict[int, tuple], mesh,
@@ -57,6 +82,7 @@ class Emitter:
         # value id -> a function rebuilding it, for recomputable values (broadcasts of a
         # scalar): moving one means building it again in the new spec, with no collective.
         self.rebuild: dict[int, Callable] = {}
+        self.unpinned = values_pinned_by_their_converts(self.graph, value_specs, node_in_specs)
 
     # ----- pinning and moving values
     def pin(self, x, spec: Spec | None):
@@ -76,7 +102,7 @@ class Emitter:
             return x
         src = self.value_specs.get(vid) if vid is not None else None
         if src is None or src == dst:
-            return self.pin(x, dst)
+            return x if vid in self.unpinned else self.pin(x, dst)
         if vid in self.rebuild:
             return self.pin(self.rebuild[vid](), dst)
         for step in plan_redistribute(src, dst, tuple(x.shape), np.dtype(x.dtype).itemsize,
@@ -90,9 +116,12 @@ class Emitter:
         return [self.move(x, self.vid(scope, a), wanted[p]) for x, a, p in zip(xs, atoms, positions)]
 
     def pin_results(self, scope, outvars, vals):
-        return [v if isinstance(var, jcore.DropVar)
-                else self.pin(v, self.value_specs.get(self.vid(scope, var)))
-                for var, v in zip(outvars, vals)]
+        out = []
+        for var, v in zip(outvars, vals):
+            vid = None if isinstance(var, jcore.DropVar) else self.vid(scope, var)
+            out.append(v if vid is None or vid in self.unpinned
+                       else self.pin(v, self.value_specs.get(vid)))
+        return out
 
     # ----- interpretation
     def run(self, jaxpr, consts, args, scope: tuple):

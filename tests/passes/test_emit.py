@@ -131,3 +131,27 @@ def test_the_compiled_plan_keeps_the_programs_op_names(mesh_2d):
     names = set(re.findall(r'op_name="([^"]*)"', plan.compile().as_text()))
     assert "jit(train_step)/transpose(jvp(GPT))/block_0/qkv/dot_general" in names
     assert "jit(train_step)/jvp(GPT)/block_1/mlp_out/dot_general" in names
+
+
+def test_a_cast_back_to_f32_folds_as_under_plain_jit(mesh_1d):
+    """A bf16 matmul's result read only by a cast to f32: the plan pins the cast, not the
+    matmul's result, so XLA folds the round trip of converts (its f32 matmul's bf16 result,
+    then the cast back) as it does in a data-parallel program with no constraints."""
+    import re
+
+    import autopar
+
+    def step(x, w):
+        y = jnp.dot(x, w).astype(jnp.float32)
+        return jnp.mean(y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6))
+
+    x = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((128, 128), jnp.bfloat16)
+    plan = autopar.plan(step, x, w, mesh=mesh_1d, hardware="h100", verbose=False,
+                        in_shardings=(jax.sharding.PartitionSpec("data"), None))
+    plain = jax.jit(step, in_shardings=plan.in_shardings, out_shardings=plan.out_shardings)
+
+    def converts(compiled) -> int:
+        return len(re.findall(r"= \w+\[[^\]]*\]\{?[^ ]* convert\(", compiled.as_text()))
+    assert plan.in_shardings[0].spec == jax.sharding.PartitionSpec("data")
+    assert converts(plan.compile()) == converts(plain.lower(x, w).compile())
