@@ -86,8 +86,9 @@ def scan_counts(params) -> tuple[int, int]:
 
 
 def xla_cpu_dots_in_f32() -> bool:
-    """Whether XLA:CPU computes 16-bit float dots in float32, converting their operands to
-    float32 copies (jaxlib 0.10); jaxlib 0.12's XLA:CPU takes and returns bf16 in its dots."""
+    """Whether XLA:CPU computes every 16-bit float dot in float32, converting its operands to
+    float32 copies (jaxlib 0.10); jaxlib 0.12's XLA:CPU does so only for dots with batch
+    dimensions (attention's), and takes and returns bf16 in the others."""
     import jaxlib
     return _release(jaxlib.__version__) < (0, 12)
 

@@ -26,11 +26,12 @@ XLA:CPU hands dots and reductions to library (YNNPACK) fusions (:func:`library_f
 which grow over the elementwise ops around them but never duplicate one: a value a library
 fusion reads while another consumer reads it too is kept, whatever made it (the layer norm's
 ``rsqrt * scale`` read by the forward pass and by a reduction of the backward pass). A dot's
-bias add and other single-reader epilogues join its fusion. Before jaxlib 0.12
-(:func:`autopar._compat.xla_cpu_dots_in_f32`), XLA:CPU also computes 16-bit float dots in
-float32: an operand read by dots in different fusions gets one float32 copy, kept from the
-first of them to the last (a bf16 weight, an activation read by the forward dot and the
-backward one), beside any 16-bit value other readers keep; and a 16-bit input a scan slices is
+bias add and other single-reader epilogues join its fusion. XLA:CPU also computes 16-bit
+float dots in float32 (jaxlib 0.12 only those with batch dimensions, such as attention's:
+:func:`autopar._compat.xla_cpu_dots_in_f32`): an operand read by such dots in different
+fusions gets one float32 copy, kept from the first of them to the last (a bf16 weight, an
+activation read by the forward dot and the backward one), beside any 16-bit value other
+readers keep. Before jaxlib 0.12, a 16-bit input a scan slices is
 converted to float32 whole, as soon as it is made, and the copy lives to the loop's end
 (:func:`_f32_stacked_copies`): a scanned model's stacked bf16 residuals double in size from
 the end of the forward loop to the end of the backward one.
@@ -268,23 +269,28 @@ def _buffers(graph: Graph, cpu: bool) -> tuple[list[Buffer], list[Buffer]]:
             for b in copies:
                 last[b.vid] = max([u.id for u in users[b.vid]
                                    if not (u.outs and u.outs[0] in sliced)], default=b.born)
-            copies += _f32_dot_copies(graph, users, fusions, skip=sliced)
+        if cpu:
+            # jaxlib 0.12's XLA:CPU computes only batched dots (attention's) in float32
+            copies += _f32_dot_copies(graph, users, fusions, skip=sliced,
+                                      batched_only=not xla_cpu_dots_in_f32())
         values = [Buffer(vid, node_id, last.get(vid, node_id))
                   for node_id, vids in kept.items() for vid in vids]
         graph.analyses[key] = (values, copies)
     return graph.analyses[key]
 
 
-def _f32_dot_copies(graph, users, fusions, skip=frozenset()) -> list[Buffer]:
+def _f32_dot_copies(graph, users, fusions, skip=frozenset(), batched_only=False) -> list[Buffer]:
     """XLA:CPU computes 16-bit float dots in float32: each such operand gets an f32 copy, one
     per value, kept from the first dot reading it to the last when the dots are in different
     fusions (in one fusion the conversion is fused in). ``skip``: values sliced from a float32
-    copy made before their loop (:func:`_f32_stacked_copies`)."""
+    copy made before their loop (:func:`_f32_stacked_copies`). ``batched_only``: only dots
+    with batch dimensions count (jaxlib 0.12, whose other dots take 16-bit operands)."""
     out = []
     for vid, readers in users.items():
         if vid in skip or not _is_16bit_float(graph.values[vid].dtype):
             continue
-        dots = [u for u in readers if u.primitive is lax.dot_general_p]
+        dots = [u for u in readers if u.primitive is lax.dot_general_p
+                and (not batched_only or u.params["dimension_numbers"][1][0])]
         if len({fusions.get(u.id) for u in dots}) > 1:
             out.append(Buffer(vid, min(u.id for u in dots), max(u.id for u in dots),
                               4 / graph.values[vid].itemsize))

@@ -40,17 +40,13 @@ def make_mesh():
 
 
 #: Predictions calibrated on XLA:CPU 0.10.2's compiled programs that XLA:CPU 0.12 compiles
-#: differently (it keeps bf16 temporaries the memory model does not, e.g. a single-device bf16
-#: GPT peaks at 1.41 GB compiled against 0.86 GB predicted; flops 10% under the estimate on
-#: the 1-D BERT and GPT). Known gaps on jax 0.12, marked strict: each must still fail there.
+#: differently: flops 10% under the estimate on the 1-D BERT and GPT, and a single-device bf16
+#: GPT that peaks at 1.41 GB compiled against 1.10 GB predicted (there, float32 copies of the
+#: MLP's bf16 cotangents feed the bias gradients' reductions, which the memory model does not
+#: count). Known gaps on jax 0.12, marked strict: each must still fail there.
 KNOWN_GAPS_ON_JAX_0_12 = frozenset({
-    "tests/autopar/test_memory_budget.py::test_budget_just_under_the_fastest_peak_costs_little_time[0.98-0.05]",
-    "tests/autopar/test_memory_budget.py::test_budget_just_under_the_fastest_peak_costs_little_time[0.9-0.1]",
-    "tests/autopar/test_memory_budget.py::test_budget_just_under_the_fastest_peak_costs_little_time[0.95-0.05]",
     "tests/passes/test_estimate.py::test_flops_match_compiled[bert-1d]",
     "tests/passes/test_estimate.py::test_flops_match_compiled[gpt-1d]",
-    "tests/passes/test_estimate.py::test_peak_memory_matches_compiled[moe-1d]",
-    "tests/passes/test_memory_compiled.py::test_baseline_peak_matches_compiled[megatron]",
     "tests/passes/test_memory_compiled.py::test_single_device_peak_matches_compiled[bfloat16]",
 })
 
