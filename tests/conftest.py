@@ -51,28 +51,7 @@ KNOWN_GAPS_ON_JAX_0_12 = frozenset({
 })
 
 
-#: The files holding the suite's longest tests (20-175 s each on 2 cores), run first so that
-#: xdist's workers end together on short tests instead of one waiting on a long one.
-SLOW_FILES_FIRST = (
-    "tests/autopar/test_memory_budget.py",
-    "tests/cost_model/test_ranking.py",
-    "tests/autopar/test_multiprocess.py",
-    "tests/autopar/test_pipeline_choice.py",
-    "tests/test_notebooks.py",
-    "tests/autopar/test_cli.py",
-    "tests/autopar/test_cli_profile.py",
-    "tests/autopar/test_quality.py",
-    "tests/autopar/test_export.py",
-    "tests/test_examples.py",
-    "tests/autopar/test_api.py",
-    "tests/autopar/test_annotations.py",
-    "tests/autopar/test_numerics.py",
-)
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {path: i for i, path in enumerate(SLOW_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
     if xla_cpu_dots_in_f32():   # jaxlib 0.10: the line these predictions are calibrated on
         return
     mark = pytest.mark.xfail(strict=True, reason="calibrated on XLA:CPU 0.10 (tests/conftest.py)")
