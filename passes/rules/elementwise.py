@@ -12,8 +12,8 @@ from jax.extend.core import primitives as P
 from autopar._compat import primitives
 from autopar.passes.rules import DimMap, RuleContext, mark, register
 
-# Data movement and bookkeeping: no flops.
-_FREE = (lax.convert_element_type_p, lax.bitcast_convert_type_p, lax.copy_p,
+# Data movement and bookkeeping: no flops and no kernel of their own.
+_FREE = (lax.bitcast_convert_type_p, lax.copy_p,
          lax.stop_gradient_p, lax.select_n_p, lax.sharding_constraint_p,
          *primitives("reshard_p"))
 _ARITHMETIC = (
@@ -42,6 +42,9 @@ def elementwise(ctx: RuleContext, **_):
 
 register(*_ARITHMETIC, **_ELEMENTWISE)(elementwise)
 register(*_FREE, free=True, **_ELEMENTWISE)(elementwise)
+# A cast has no flops (XLA counts none) but is a kernel where no fusion takes it in: read by a
+# convolution or a dot, it reads the source dtype and writes the new one.
+register(lax.convert_element_type_p, flops=lambda ctx, **_: 0.0, **_ELEMENTWISE)(elementwise)
 # A constraint pins its result to the sharding in this parameter (passes.trace).
 mark(lax.sharding_constraint_p, pin_param="sharding")
 mark(*primitives("reshard_p"), pin_param="dst_sharding")
