@@ -6,7 +6,9 @@ and reads three things from it:
 * ``compiled.as_text()``, the optimized, SPMD-partitioned HLO. Every collective instruction
   in it becomes a :class:`Collective`: its kind, bytes per device, replica-group size, how
   many times it runs per program execution, and the computation it sits in.
-* ``compiled.cost_analysis()``: per-device ``flops`` and ``bytes accessed``.
+* ``compiled.cost_analysis()``: per-device ``flops`` and ``bytes accessed``. It counts each
+  instruction once, a loop body's too; the matmuls of the trips after the first are added up
+  from the text apart (:attr:`HloSummary.flops_all_trips`).
 * ``compiled.memory_analysis()``: peak, argument, output, temp and alias sizes in bytes.
 
 Bytes on the wire per device, per execution, assume ring algorithms; ``n`` is the number of
@@ -65,6 +67,7 @@ from autopar.cost_model.hlo_ir import (
     shape_bytes,
     tuple_elements,
 )
+from autopar.cost_model.hlo_roofline import matmuls
 from autopar.cost_model.replica_groups import Groups, device_groups, group_size
 
 
@@ -117,13 +120,20 @@ class HloSummary:
     """What one compiled program communicates, computes and holds in memory, per device."""
 
     collectives: tuple[Collective, ...]
-    flops: float  # per device
+    flops: float  # per device, as XLA's cost analysis counts them: a loop body once
     bytes_accessed: float  # per device, from cost_analysis if present else 0
     peak_memory_bytes: int
     argument_bytes: int
     output_bytes: int
     temp_bytes: int
     alias_bytes: int
+    loop_matmul_flops: float = 0.0  # per device: the matmuls of loop trips after the first
+
+    @property
+    def flops_all_trips(self) -> float:
+        """Per-device flops with each loop body's matmuls counted once per trip (XLA's cost
+        analysis counts a body once)."""
+        return self.flops + self.loop_matmul_flops
 
     @property
     def wire_bytes(self) -> float:
@@ -205,6 +215,22 @@ def _trip_counter(module: Module) -> Callable[[str], tuple[int, bool]]:
     return trip_count
 
 
+def loop_matmul_flops(module: Module) -> float:
+    """Matmul flops of ``module`` that a count of each instruction once leaves out: those of a
+    loop body's trips after the first (through nested loops; a loop of unknown trip count runs
+    once)."""
+    trip_count = _trip_counter(module)
+    extra = 0.0
+    for computation, instructions in module.computations.items():
+        runs, _ = trip_count(computation)
+        if runs <= 1:
+            continue
+        direct = sum(m.flops for i in instructions if i.opcode not in ("fusion", "call")
+                     for m in matmuls(module, computation, i))
+        extra += (runs - 1) * direct
+    return extra
+
+
 def _collective(instruction: Instruction, computation: str, trip_count, num_devices: int,
                 ) -> Collective | None:
     kind = _KINDS.get(instruction.opcode.removesuffix("-start"))
@@ -225,7 +251,10 @@ def _collective(instruction: Instruction, computation: str, trip_count, num_devi
 
 def parse_collectives(hlo_text: str, num_devices: int) -> tuple[Collective, ...]:
     """Every collective in HLO text; ``num_devices`` sizes ``replica_groups={}``."""
-    module = parse_module(hlo_text)
+    return _module_collectives(parse_module(hlo_text), num_devices)
+
+
+def _module_collectives(module: Module, num_devices: int) -> tuple[Collective, ...]:
     trip_count = _trip_counter(module)
     collectives = []
     for computation, instructions in module.computations.items():
@@ -285,10 +314,11 @@ def compiled_peak_bytes(memory, platform: str) -> int:
 def analyze(compiled) -> HloSummary:
     """Collectives, per-device flops and memory of a ``jax.stages.Compiled``."""
     hlo_text = compiled.as_text()
+    module = parse_module(hlo_text)
     costs = _per_device_costs(compiled.cost_analysis())
     memory = compiled.memory_analysis()  # None where the backend reports none: sizes read 0
     return HloSummary(
-        collectives=parse_collectives(hlo_text, num_devices(hlo_text)),
+        collectives=_module_collectives(module, num_devices(hlo_text)),
         flops=float(costs.get("flops", 0.0)),
         bytes_accessed=float(costs.get("bytes accessed", 0.0)),
         peak_memory_bytes=compiled_peak_bytes(memory, _platform(compiled)),
@@ -296,6 +326,7 @@ def analyze(compiled) -> HloSummary:
         output_bytes=int(getattr(memory, "output_size_in_bytes", 0)),
         temp_bytes=int(getattr(memory, "temp_size_in_bytes", 0)),
         alias_bytes=int(getattr(memory, "alias_size_in_bytes", 0)),
+        loop_matmul_flops=loop_matmul_flops(module),
     )
 
 

@@ -40,13 +40,11 @@ def make_mesh():
 
 
 #: Predictions calibrated on XLA:CPU 0.10.2's compiled programs that XLA:CPU 0.12 compiles
-#: differently: flops 10% under the estimate on the 1-D BERT and GPT, and a single-device bf16
-#: GPT that peaks at 1.41 GB compiled against 1.10 GB predicted (there, float32 copies of the
-#: MLP's bf16 cotangents feed the bias gradients' reductions, which the memory model does not
-#: count). Known gaps on jax 0.12, marked strict: each must still fail there.
+#: differently: a single-device bf16 GPT that peaks at 1.41 GB compiled against 1.10 GB
+#: predicted (there, float32 copies of the MLP's bf16 cotangents feed the bias gradients'
+#: reductions, which the memory model does not count). Known gaps on jax 0.12, marked strict:
+#: each must still fail there.
 KNOWN_GAPS_ON_JAX_0_12 = frozenset({
-    "tests/passes/test_estimate.py::test_flops_match_compiled[bert-1d]",
-    "tests/passes/test_estimate.py::test_flops_match_compiled[gpt-1d]",
     "tests/passes/test_memory_compiled.py::test_single_device_peak_matches_compiled[bfloat16]",
 })
 

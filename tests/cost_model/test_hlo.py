@@ -13,7 +13,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from autopar.cost_model.hlo import CollectiveKind, HloSummary, analyze, parse_collectives, shape_bytes
+from autopar.cost_model.hlo import (CollectiveKind, HloSummary, analyze, loop_matmul_flops,
+                                    parse_collectives, shape_bytes)
+from autopar.cost_model.hlo_ir import parse_module
 
 AR, AG, RS, A2A, CP = (
     CollectiveKind.ALL_REDUCE,
@@ -434,3 +436,45 @@ def test_trip_counts_multiply_through_nested_loops_and_add_over_callers():
         # the entry (1): 4 + 1 + 1, and unknown because one path is.
         "%cp": (6, False),
     }
+
+
+MATMUL_LOOP_MODULE = """\
+HloModule matmul_loop
+
+%fused_dot (a: f32[16,32], b: f32[32,8]) -> f32[16,8] {
+  %a = f32[16,32]{1,0} parameter(0)
+  %b = f32[32,8]{1,0} parameter(1)
+  ROOT %d = f32[16,8]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (p: (f32[16,32], f32[32,8])) -> (f32[16,32], f32[32,8]) {
+  %p = (f32[16,32]{1,0}, f32[32,8]{1,0}) parameter(0)
+  %x = f32[16,32]{1,0} get-tuple-element(%p), index=0
+  %w = f32[32,8]{1,0} get-tuple-element(%p), index=1
+  %f = f32[16,8]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot
+  ROOT %t = (f32[16,32]{1,0}, f32[32,8]{1,0}) tuple(%x, %w)
+}
+
+%cond (p: (f32[16,32], f32[32,8])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[16,32], w: f32[32,8]) -> f32[16,8] {
+  %x = f32[16,32]{1,0} parameter(0)
+  %w = f32[32,8]{1,0} parameter(1)
+  %t = (f32[16,32]{1,0}, f32[32,8]{1,0}) tuple(%x, %w)
+  %l = (f32[16,32]{1,0}, f32[32,8]{1,0}) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %d = f32[16,8]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_loop_matmul_flops_are_the_trips_after_the_first():
+    """XLA's cost analysis counts the loop's fused dot once; its other 3 trips are added (the
+    entry's dot runs once and adds nothing)."""
+    one_dot = 2 * 16 * 8 * 32
+    assert loop_matmul_flops(parse_module(MATMUL_LOOP_MODULE)) == 3 * one_dot
+    summary = HloSummary(collectives=(), flops=2 * one_dot, bytes_accessed=0.0,
+                         peak_memory_bytes=0, argument_bytes=0, output_bytes=0, temp_bytes=0,
+                         alias_bytes=0, loop_matmul_flops=3 * one_dot)
+    assert summary.flops_all_trips == 5 * one_dot

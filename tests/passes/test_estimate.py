@@ -44,7 +44,8 @@ def test_wire_bytes_match_compiled(case):
 
 
 def test_flops_match_compiled(case):
-    assert case.plan.estimate.flops == pytest.approx(case.truth.flops, rel=0.10)
+    """Loop bodies counted at their trip counts (the overlap rewrites' ring loops hold dots)."""
+    assert case.plan.estimate.flops == pytest.approx(case.truth.flops_all_trips, rel=0.10)
 
 
 def test_peak_memory_matches_compiled(case):
