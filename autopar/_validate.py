@@ -1,7 +1,8 @@
 """Prediction beside ground truth: the plan's estimate against its compiled HLO.
 
 :func:`validate` compiles the plan and reads the program XLA made (``cost_model.hlo``):
-per collective kind, how many run and the wire bytes they move; per-device flops; peak memory.
+per collective kind, how many run and the wire bytes they move; per-device flops (loop bodies at
+their trip counts); peak memory.
 Each sits beside the plan's own prediction.
 
 A collective kind is flagged when XLA runs something the plan did not price:
@@ -83,7 +84,7 @@ def validate(plan) -> dict:
     flags = flag_kinds(predicted, compiled)
     result = {
         "wire_bytes": (plan.estimate.comm_bytes, summary.wire_bytes),
-        "flops": (plan.estimate.flops, summary.flops),
+        "flops": (plan.estimate.flops, summary.flops_all_trips),
         "peak_memory_bytes": (plan.estimate.peak_memory_bytes, summary.peak_memory_bytes),
         "by_kind": {k: (tuple(predicted.get(k, (0, 0.0))), tuple(compiled.get(k, (0, 0.0))))
                     for k in sorted(set(predicted) | set(compiled))},
