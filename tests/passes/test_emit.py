@@ -160,9 +160,7 @@ def test_a_cast_back_to_f32_folds_as_under_plain_jit(mesh_1d):
 def test_images_are_split_before_their_cast_to_a_convolutions_dtype(mesh_2d):
     """A cast read by a convolution is a kernel of its own (no fusion takes it in): where the
     convolution's batch is split over every axis, the plan splits the f32 images the same way
-    before casting them, so no device casts more than its share. (Priced free, the cast ran on
-    the images split over ``data`` alone, at 4x a device's share: the ResNet's 0.2% over data
-    parallel.)"""
+    before casting them, so no device casts more than its share."""
     import re
 
     import autopar
