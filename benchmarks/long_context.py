@@ -15,6 +15,7 @@ compiled text (``cost_model.timeline``), its wire bytes and compiled peak
 
 from __future__ import annotations
 
+import platform
 import re
 import time
 
@@ -143,7 +144,6 @@ def table(rows: list[dict]) -> str:
 
 def _header(hardware: str) -> str:
     """The committed file's title and how its numbers were made."""
-    import platform
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return (
         "# Long-context suite\n\n"
