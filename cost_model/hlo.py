@@ -218,17 +218,29 @@ def _trip_counter(module: Module) -> Callable[[str], tuple[int, bool]]:
 def loop_matmul_flops(module: Module) -> float:
     """Matmul flops of ``module`` that a count of each instruction once leaves out: those of a
     loop body's trips after the first (through nested loops; a loop of unknown trip count runs
-    once)."""
-    trip_count = _trip_counter(module)
-    extra = 0.0
-    for computation, instructions in module.computations.items():
-        runs, _ = trip_count(computation)
-        if runs <= 1:
-            continue
-        direct = sum(m.flops for i in instructions if i.opcode not in ("fusion", "call")
-                     for m in matmuls(module, computation, i))
-        extra += (runs - 1) * direct
-    return extra
+    once). A conditional runs one branch, counted as its costliest."""
+    seen: dict[tuple[str, bool], float] = {}
+
+    def flops(computation: str, all_trips: bool) -> float:
+        if (computation, all_trips) not in seen:
+            seen[computation, all_trips] = sum(
+                instruction_flops(computation, i, all_trips)
+                for i in module.computations.get(computation, ()))
+        return seen[computation, all_trips]
+
+    def instruction_flops(computation: str, instruction: Instruction, all_trips: bool) -> float:
+        if instruction.opcode == "while":
+            trips = _KNOWN_TRIP_COUNT.search(instruction.attributes)
+            times = int(trips[1]) if trips and all_trips else 1
+            return times * sum(flops(b, all_trips) for b in instruction.called("body"))
+        if instruction.opcode == "conditional":
+            branches = (instruction.called("branch_computations")
+                        or instruction.called("true_computation")
+                        + instruction.called("false_computation"))
+            return max((flops(b, all_trips) for b in branches), default=0.0)
+        return sum(m.flops for m in matmuls(module, computation, instruction))
+
+    return flops(module.entry, True) - flops(module.entry, False)
 
 
 def _collective(instruction: Instruction, computation: str, trip_count, num_devices: int,

@@ -478,3 +478,44 @@ def test_loop_matmul_flops_are_the_trips_after_the_first():
                          peak_memory_bytes=0, argument_bytes=0, output_bytes=0, temp_bytes=0,
                          alias_bytes=0, loop_matmul_flops=3 * one_dot)
     assert summary.flops_all_trips == 5 * one_dot
+
+
+COND_LOOP_MODULE = """\
+HloModule cond_loop
+
+%small (a: f32[16,32]) -> f32[16,16] {
+  %a = f32[16,32]{1,0} parameter(0)
+  ROOT %d = f32[16,16]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+%large (a: f32[16,32]) -> f32[16,16] {
+  %a = f32[16,32]{1,0} parameter(0)
+  %d = f32[16,16]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  ROOT %e = f32[16,16]{1,0} dot(%d, %d), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (p: (s32[], f32[16,32])) -> (s32[], f32[16,32]) {
+  %p = (s32[], f32[16,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[16,32]{1,0} get-tuple-element(%p), index=1
+  %c = f32[16,16]{1,0} conditional(%i, %x, %x), branch_computations={%small, %large}
+  ROOT %t = (s32[], f32[16,32]{1,0}) tuple(%i, %x)
+}
+
+%cond (p: (s32[], f32[16,32])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[16,32]) -> (s32[], f32[16,32]) {
+  %x = f32[16,32]{1,0} parameter(0)
+  %z = s32[] constant(0)
+  %t = (s32[], f32[16,32]{1,0}) tuple(%z, %x)
+  ROOT %l = (s32[], f32[16,32]{1,0}) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+
+
+def test_a_conditional_in_a_loop_runs_one_branch_per_trip():
+    """Each trip runs one branch: the costlier one's matmuls count per trip, not both's."""
+    small, large = 2 * 16 * 16 * 32, 2 * 16 * 16 * 32 + 2 * 16 * 16 * 16
+    assert loop_matmul_flops(parse_module(COND_LOOP_MODULE)) == 3 * max(small, large)
