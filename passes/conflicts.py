@@ -8,6 +8,7 @@ ILP's choice otherwise) and a :class:`~autopar.errors.ShardingConflictWarning` n
 
 from __future__ import annotations
 
+from autopar.cost_model.spec import Spec
 from autopar.passes.fixed import (
     Propagation,
     compatible,
@@ -21,8 +22,10 @@ def find_conflicts(graph: Graph, strats, prop: Propagation, labels: dict[int, st
                    ) -> list[str]:
     """Same-tensor nodes where a user annotation and another annotation (or a sharding
     propagated from one) admit no common strategy; one warning per pair of annotations. Two
-    propagated shardings meeting is ordinary resharding, left to the plan without a word."""
+    propagated shardings meeting, or two annotations one of which refines the other
+    (:func:`nested`), is ordinary resharding, left to the plan without a word."""
     seen, messages = set(), []
+    annotated = {o.label: prop.specs[v] for v, o in prop.origins.items() if o.user}
     for node in graph.nodes:
         if not op_info(node).same_tensor:
             continue
@@ -37,7 +40,8 @@ def find_conflicts(graph: Graph, strats, prop: Propagation, labels: dict[int, st
         if len(wants) < 2 or not users or compatible(node, strats[node.id], prop.specs):
             continue
         pair = [users[0], next(lab for lab in wants if lab != users[0])]
-        if tuple(sorted(pair)) in seen:
+        if tuple(sorted(pair)) in seen or nested(*(annotated.get(lab, wants[lab][1])
+                                                     for lab in pair)):
             continue
         seen.add(tuple(sorted(pair)))
         said = "; ".join(f"{lab} wants {wants[lab][1]}{'' if wants[lab][0] else ' (propagated)'}"
@@ -48,3 +52,19 @@ def find_conflicts(graph: Graph, strats, prop: Propagation, labels: dict[int, st
             "propagated one; the value is resharded where they meet. Make the two annotations "
             "agree to avoid the resharding.")
     return messages
+
+
+def nested(a: Spec, b: Spec) -> bool:
+    """Whether one spec refines the other: one replicates everything, or on every dim the
+    coarser one's axes begin the finer one's (ZeRO's optimizer state split beyond its
+    parameter). The finer is a local slice of the coarser, which a gather undoes: ordinary
+    resharding, not two annotations at odds."""
+    if not (isinstance(a, Spec) and isinstance(b, Spec)):   # forced mode's partial Splits
+        return False
+    if not a.axes or not b.axes:
+        return True
+    if a.rank != b.rank:
+        return False
+    pairs = list(zip(a.dims, b.dims))
+    return (all(y[:len(x)] == x for x, y in pairs)
+            or all(x[:len(y)] == y for x, y in pairs))

@@ -14,6 +14,7 @@ from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar.errors import ShardingConflictWarning
 from autopar.passes.estimate import value_specs
 from autopar.cost_model.hardware import axis_levels, get_profile
+from autopar.passes import conflicts
 from autopar.passes.annotate import annotate
 from autopar.passes.fixed import Splits
 from autopar.passes.propagate import propagate
@@ -53,6 +54,7 @@ def _spec_of_prim(g, specs, prim):
     return [str(specs[n.outs[0]]) for n in g.nodes if n.prim == prim]
 
 
+D, M = "data", "model"
 X = jnp.ones((8, 16))
 W = jnp.ones((16, 32))
 W2 = jnp.ones((32, 16))
@@ -150,6 +152,28 @@ def test_fsdp_weight_with_data_parallel_batch_is_no_conflict():
     with warnings.catch_warnings():
         warnings.simplefilter("error", ShardingConflictWarning)
         _complete(lambda x, w: (x @ w).sum(), (X, W), [P("data"), P("data")])
+
+
+def test_a_zero_split_beside_its_parameter_is_no_conflict():
+    """A parameter split over `data` and its optimizer state split further (ZeRO), meeting at
+    the update's add: the state is a local slice of the parameter, and the update is gathered
+    back, ordinary resharding: no warning. Split otherwise, they conflict."""
+    def update(w, m):
+        return w - 0.1 * m
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShardingConflictWarning)
+        _complete(update, (W, W), [P("data"), P("data", "model")])
+        _complete(update, (W, W), [P(), P("data", "model")])
+    with pytest.warns(ShardingConflictWarning, match=r"in_shardings\[0\].*in_shardings\[1\]"):
+        _complete(update, (W, W), [P("data"), P("model")])
+
+
+@pytest.mark.parametrize("a, b, nested", [
+    (((D,), ()), ((D,), (M,)), True), (((D, M), ()), ((D,), ()), True),
+    (((D,), ()), ((), (D,)), False), (((D,), ()), ((M, D), ()), False),
+    (((), ()), ((D,), (M,)), True), (((D,),), ((D,), ()), False)])
+def test_nested_specs(a, b, nested):
+    assert conflicts.nested(Spec(a), Spec(b)) is nested
 
 
 def test_fsdp_weight_is_gathered_where_it_meets_the_batch():
