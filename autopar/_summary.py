@@ -230,10 +230,28 @@ def summary_lines(plan) -> list[str]:
                      f"{p['schedule']}, {p['microbatches']} microbatches")
     lines += _input_lines(plan, sizes)
     lines += _optimizer_lines(plan, sizes)
-    note = (plan.stats or {}).get("axis_roles", {}).get("note")
+    roles = (plan.stats or {}).get("axis_roles", {})
+    note = roles.get("note") or _activation_note(plan, sizes, roles)
     if note:
         lines.append(f"axis names: {note}")
     return lines
+
+
+def _activation_note(plan, sizes, roles: dict) -> str | None:
+    """Where the layers' matmuls take the batch split over axes other than the batch axes,
+    though the inputs hold it on them (``_axis_roles.check`` speaks for the inputs)."""
+    batch = roles.get("batch_axes") or []
+    facts = layer_facts(plan) if batch else {}
+    others = sorted({a for f in facts.values() for a in f.batch if a not in batch})
+    if not others:
+        return None
+    layers = [name for name, f in facts.items() if any(a not in batch for a in f.batch)]
+    on = " x ".join(f"{a}({sizes[a]})" for a in others)
+    said = "batch_axes" if roles.get("explicit") else "axis names"
+    heads = [g[0] if len(g) == 1 else f"{g[0]}..{g[-1]}" for g in same_layer_groups(layers)]
+    return (f"{', '.join(heads)} take the batch split over {on}, not over "
+            f"{', '.join(f'`{a}`' for a in batch)} as the {said} say: predicted faster. The "
+            "inputs hold it on the batch axes, and the plan moves it.")
 
 
 def _input_lines(plan, sizes) -> list[str]:

@@ -27,19 +27,20 @@ _REAL_HARDWARE = """
 On real hardware:
   This demo ran on simulated CPU devices, with costs from the `{hardware}` profile. On a TPU or
   GPU host, leave XLA_FLAGS and JAX_PLATFORMS unset and wrap your own step:
-    step = autopar.parallelize(train_step, mesh={{'data': 2, 'model': 4}}, hardware='h100',
+    step = autopar.parallelize(train_step, mesh={mesh_dict}, hardware='h100',
                                donate_argnums=(0, 1))
   with a mesh as large as your device count. Built-in profiles: {profiles}.
-  Or measure this machine: autopar profile --mesh data=2,model=4 --out profile.json,
+  Or measure this machine: autopar profile --mesh {mesh_flag} --out profile.json,
   then pass --hardware profile.json (hardware='profile.json').
   To explain a plan at real sizes first (it compiles from shapes; nothing runs):
-    autopar report {targets}:gpt_realistic --mesh data=2,model=4 --hardware h100 --html plan.html"""
+    autopar report {targets}:gpt_realistic --mesh {mesh_flag} --hardware h100 --html plan.html"""
 
 
-def _real_hardware_hint(hardware: str) -> str:
+def _real_hardware_hint(hardware: str, mesh: dict[str, int]) -> str:
     from autopar.cost_model.hardware import known_profiles
     return _REAL_HARDWARE.format(hardware=hardware, profiles=", ".join(known_profiles()),
-                                 targets="autopar.models.targets")
+                                 targets="autopar.models.targets", mesh_dict=mesh,
+                                 mesh_flag=",".join(f"{a}={n}" for a, n in mesh.items()))
 
 
 def _carried_hints(plan, args):
@@ -75,11 +76,11 @@ def cmd_demo(args) -> int:
 
     devices = jax.devices()
     _say(f"autopar demo: a GPT train step (flax linen + optax adam) on {len(devices)} "
-         f"{devices[0].platform} devices, mesh data=2 x model=4\n")
+         f"{devices[0].platform} devices, mesh data=4 x model=2\n")
     if len(devices) < 8:
         raise CLIError(f"the demo needs 8 devices and {len(devices)} exist; unset XLA_FLAGS "
                        "or set XLA_FLAGS=--xla_force_host_platform_device_count=8")
-    mesh = {"data": 2, "model": 4}
+    mesh = {"data": 4, "model": 2}
     # 1. At realistic widths, from shapes only: this is where sharding decisions pay.
     big_step, big_state = targets.gpt_realistic()
     _say("Planned at realistic size (hidden 1024, 16 x 512 tokens; from ShapeDtypeStructs, "
@@ -113,7 +114,7 @@ def cmd_demo(args) -> int:
                                    jax.tree_util.tree_leaves(ref_params)))
         _say(f"  step {i}: loss {float(loss):.5f} (single device {float(ref_loss):.5f}), "
              f"max parameter difference {diff:.2e}")
-    _say(_real_hardware_hint(args.hardware))
+    _say(_real_hardware_hint(args.hardware, mesh))
     return 0
 
 

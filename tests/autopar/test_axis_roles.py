@@ -55,3 +55,18 @@ def test_roles_from_names_and_a_bad_batch_axes():
     assert r.penalty(Spec((("model",), ()))) == 2  # model on the batch, data missing
     with pytest.raises(autopar.ArgumentError, match="`batch_axes`"):
         roles(("data", "model"), batch_axes="rows")
+
+
+def test_layers_that_move_the_batch_off_its_axes_say_so():
+    """The inputs pinned on `data`, the GPT's blocks take the batch over `model` (tensor
+    parallelism is cheaper over the smaller axis at this width): the plan in words says so."""
+    from autopar.models import targets
+    step, args = targets.gpt_realistic()
+    plan = autopar.plan(step, *args, mesh={"data": 2, "model": 4}, hardware="h100",
+                        verbose=False, batch_axes="data")
+    assert plan.stats["axis_roles"]["batch_split_over"] == ["data"]   # the inputs keep it
+    said = plan.summary().splitlines()
+    assert any(line.startswith("block_0..block_1:") and "batch over model(4)" in line
+               for line in said), said
+    assert said[-1].startswith("axis names: block_0..block_1 take the batch split over model(4), "
+                               "not over `data` as the batch_axes say"), said

@@ -108,6 +108,7 @@ def test_demo_trains_on_simulated_devices_and_points_at_real_hardware():
     assert "Per layer" in r.stdout and "autopar profile --mesh" in r.stdout
     assert "autopar.models.targets:gpt_realistic" in r.stdout
     assert "Warning" not in r.stderr, r.stderr   # the plan's own shardings, carried, are no conflict
+    assert "batch over data(4)" in r.stdout and "axis names:" not in r.stdout  # names hold
 
 
 def test_version():
