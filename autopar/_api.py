@@ -18,6 +18,7 @@ from autopar._check_memory import check_compiled_memory
 from autopar._dispatch import Program, SignatureChanged, Split, as_planned, signature
 from autopar._export import logical_names
 from autopar._gc import with_gc_paused
+from autopar._layers import weight_leaves
 from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar._multiprocess import process_0_plan
 from autopar import _axis_roles, _inputs, _pipeline, _stage_plan
@@ -234,7 +235,8 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         ``plan.stats["overlap"]`` records it; the report names each rewritten op.
       batch_axes: the mesh axes that carry the batch (a name or names): the leading dim of
         every batch argument (each argument after the first that no result replaces) is
-        split over them, unless ``in_shardings`` says otherwise. Default None: by the axis
+        split over them, unless ``in_shardings`` says otherwise, and the layers' matmuls take
+        their activations' batch split over them, whatever that costs. Default None: by the axis
         names, as a tie break only: among plans predicted equally fast, the batch goes on
         axes named ``data``, ``batch``, ``dp`` or ``fsdp``, and model dims on ``model``,
         ``tensor``, ``tp`` or ``expert``. ``plan.stats["axis_roles"]`` says which axes split
@@ -364,7 +366,8 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
 
     def preferences_of(traced) -> dict:
         """The ILP's tie break by axis names (node -> a penalty per strategy)."""
-        return _axis_roles.preferences(traced.graph, batch_of(traced), axis_roles)
+        return _axis_roles.preferences(traced.graph, batch_of(traced), axis_roles,
+                                       weight_leaves(traced.in_tree))
 
     traced_fn = traced_under_rules(fn, logical_axis_rules, jax_mesh)
     options = PlanOptions(

@@ -3,8 +3,9 @@ batch, and ``model``, ``tensor``, ``tp`` or ``expert`` carry model dimensions, a
 MaxText and pod setups expect.
 
 Among plans predicted equally fast the planner takes one that follows the names (a tie break
-in the ILP, ``passes.ilp``); ``plan(batch_axes=...)`` makes the batch axes explicit and pins
-the batch's leading dim on them. :func:`check` says when a plan splits the batch otherwise.
+in the ILP, ``passes.ilp``); ``plan(batch_axes=...)`` makes the batch axes explicit: it pins
+the batch's leading dim on them, and the ILP pays heavily for a layer that takes the batch
+split otherwise. :func:`check` says when a plan splits the batch otherwise.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from jax import lax
+
+from autopar._layers import Phase, input_source, node_phases
 from autopar.cost_model.spec import Spec
 from autopar.errors import ArgumentError
 
@@ -28,12 +32,12 @@ class AxisRoles:
     model: tuple[str, ...]
     explicit: bool
 
-    def penalty(self, spec: Spec) -> float:
-        """How far a batch leaf's spec is from the roles: each axis on its leading dim that
-        is not a batch axis, and each batch axis missing from it."""
-        if spec.rank == 0:
+    def penalty(self, spec: Spec, dim: int = 0) -> float:
+        """How far a batch value's spec is from the roles: each axis on its batch dim ``dim``
+        that is not a batch axis, and each batch axis missing from it."""
+        if spec.rank <= dim:
             return 0.0
-        lead = spec.dims[0]
+        lead = spec.dims[dim]
         return float(sum(a not in self.batch for a in lead)
                      + sum(a not in lead for a in self.batch))
 
@@ -81,11 +85,14 @@ def batch_leaves(traced, ties: Sequence[tuple[int, int]]) -> list[int]:
 EXPLICIT_WEIGHT = 1e4
 
 
-def preferences(graph, leaves: Sequence[int], axis_roles: AxisRoles) -> dict:
+def preferences(graph, leaves: Sequence[int], axis_roles: AxisRoles,
+                weights: Sequence[int] = ()) -> dict:
     """The ILP's preferences (node id -> a penalty per strategy): each input by its role
     (:meth:`AxisRoles.penalty` for the batch ``leaves``, :meth:`AxisRoles.state_penalty` for
-    the rest); with explicit roles also every reader of the batch, by the spec it reads the
-    batch in, at :data:`EXPLICIT_WEIGHT`: so the batch stays on its axes past the inputs."""
+    the rest). With explicit roles, at :data:`EXPLICIT_WEIGHT`, also every reader of the
+    batch by the spec it reads the batch in, and every forward matmul of an activation with
+    one of the ``weights`` (flat input indices) by the activation's batch dim
+    (:func:`activation_batch_dims`): so the batch stays on its axes through the layers."""
     if not axis_roles.batch:
         return {}
     batch = set(leaves)
@@ -96,12 +103,36 @@ def preferences(graph, leaves: Sequence[int], axis_roles: AxisRoles) -> dict:
     if not axis_roles.explicit:
         return out
     values = {graph.nodes[graph.input_nodes[i]].outs[0] for i in leaves}
+    reads: dict[int, list[tuple[int, int]]] = {}   # node -> (operand, batch dim) to keep
     for reader in graph.nodes:
-        positions = [pos for pos, v in enumerate(reader.ins) if v in values]
-        if positions and reader.id not in out:
-            out[reader.id] = lambda st, positions=positions: EXPLICIT_WEIGHT * sum(
-                axis_roles.penalty(st.in_specs[p]) for p in positions
+        reads[reader.id] = [(pos, 0) for pos, v in enumerate(reader.ins) if v in values]
+    weight_nodes = {graph.input_nodes[i] for i in weights if i not in batch}
+    for node, pos, dim in activation_batch_dims(graph, weight_nodes):
+        reads[node].append((pos, dim))
+    for node, kept in reads.items():
+        if kept and node not in out:
+            out[node] = lambda st, kept=kept: EXPLICIT_WEIGHT * sum(
+                axis_roles.penalty(st.in_specs[p], d) for p, d in kept
                 if st.in_specs[p] is not None)
+    return out
+
+
+def activation_batch_dims(graph, weights: set[int]) -> list[tuple[int, int, int]]:
+    """(node id, operand, dim) of the batch in the activation that each forward matmul
+    multiplies with a weight (an input node in ``weights``, read through casts): the
+    activation's first dim the matmul does not sum over."""
+    phases = node_phases(graph)
+    out = []
+    for node in graph.nodes:
+        if node.primitive is not lax.dot_general_p or phases[node.id] is not Phase.FORWARD:
+            continue
+        sources = [input_source(graph, v) if v is not None else None for v in node.ins]
+        (contract, _) = node.params["dimension_numbers"]
+        for pos in (0, 1):
+            if sources[1 - pos] in weights and sources[pos] not in weights:
+                free = [d for d in range(len(node.in_avals[pos][0])) if d not in contract[pos]]
+                if free:
+                    out.append((node.id, pos, free[0]))
     return out
 
 

@@ -155,6 +155,24 @@ def input_layers(in_tree, shapes) -> tuple[list[str | None], int]:
     return names, len(params)
 
 
+def weight_leaves(in_tree) -> list[int]:
+    """The flat argument indices of the parameters, from the arguments' tree alone."""
+    return _params(leaf_keys(in_tree), _param_count(in_tree))
+
+
+#: Ops looked through when tracing a value back to the input it is (a weight's bf16 cast).
+CASTS = frozenset({lax.convert_element_type_p, lax.copy_p})
+
+
+def input_source(graph, vid) -> int | None:
+    """The input node value ``vid`` is, looked at through dtype casts, or None."""
+    producer = graph.producer
+    node = graph.nodes[producer[vid][0]] if vid in producer else None
+    while node is not None and node.primitive in CASTS and node.ins and node.ins[0] in producer:
+        node = graph.nodes[producer[node.ins[0]][0]]
+    return node.id if node is not None and node.kind == NodeKind.INPUT else None
+
+
 def _params(keys, n) -> list[int]:
     rel = [k[1:] for k in keys[:n]]
     if any(k[:1] == ("params",) for k in rel) and len({k[:1] for k in rel}) > 1:
@@ -187,7 +205,7 @@ def _common_prefix(key_lists) -> int:
 
 def param_leaves(plan) -> list[int]:
     """The flat argument indices of the parameters (see :func:`input_layers`)."""
-    return _params(leaf_keys(plan._in_tree), _param_count(plan._in_tree))
+    return weight_leaves(plan._in_tree)
 
 
 def _prod(shape) -> int:

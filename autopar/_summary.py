@@ -23,6 +23,7 @@ from jax import lax
 from autopar._layers import (
     Phase,
     input_layers,
+    input_source,
     leaf_keys,
     node_layers,
     node_phases,
@@ -30,10 +31,6 @@ from autopar._layers import (
     same_layer_groups,
     state_of,
 )
-from autopar.passes.ir import NodeKind
-
-#: Operations that change a value's dtype or nothing: looked through to the parameter.
-_CASTS = frozenset({lax.convert_element_type_p, lax.copy_p})
 
 
 class DimRole(enum.Enum):
@@ -59,14 +56,6 @@ def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _source(graph, producer, vid):
-    """The input node ``vid`` is, looked at through dtype casts, or None."""
-    node = graph.nodes[producer[vid]] if vid in producer else None
-    while node is not None and node.primitive in _CASTS and node.ins and node.ins[0] in producer:
-        node = graph.nodes[producer[node.ins[0]]]
-    return node.id if node is not None and node.kind == NodeKind.INPUT else None
-
-
 def _dim_roles(node, pos, rank) -> list[DimRole] | None:
     """Roles of the dims of operand ``pos`` of ``node``, when it tells them."""
     if node.primitive is lax.gather_p and pos == 0 and rank == 2:
@@ -90,7 +79,6 @@ def layer_facts(plan) -> dict[str, LayerFacts]:
 
 def _layer_facts(plan) -> dict[str, LayerFacts]:
     graph, strats, choice, _ = plan._details
-    producer = {vid: nid for vid, (nid, _) in graph.producer.items()}
     arg_of = {nid: i for i, nid in enumerate(graph.input_nodes)}
     specs = [s.spec for s in jax.tree_util.tree_leaves(plan.in_shardings)]
     params = set(param_leaves(plan))
@@ -99,7 +87,7 @@ def _layer_facts(plan) -> dict[str, LayerFacts]:
     batch: dict[str, Counter] = {}
     seq: dict[str, Counter] = {}
     for node in graph.nodes:
-        sources = [_source(graph, producer, v) if v is not None else None for v in node.ins]
+        sources = [input_source(graph, v) if v is not None else None for v in node.ins]
         leaves = [arg_of.get(s) for s in sources]
         for pos, leaf in enumerate(leaves):
             if leaf in params and phases[node.id] == Phase.FORWARD:

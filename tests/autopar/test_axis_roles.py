@@ -57,16 +57,33 @@ def test_roles_from_names_and_a_bad_batch_axes():
         roles(("data", "model"), batch_axes="rows")
 
 
-def test_layers_that_move_the_batch_off_its_axes_say_so():
-    """The inputs pinned on `data`, the GPT's blocks take the batch over `model` (tensor
-    parallelism is cheaper over the smaller axis at this width): the plan in words says so."""
+def test_batch_axes_keep_the_batch_through_the_layers():
+    """At this width the GPT's blocks are faster with tensor parallelism over the smaller
+    axis, `data`, and the batch over `model`; with batch_axes="data" they keep the batch on
+    `data` (the forward matmuls' activations, not only the inputs), and pay for it."""
     from autopar.models import targets
     step, args = targets.gpt_realistic()
+    mesh = {"data": 2, "model": 4}
+    free = autopar.plan(step, *args, mesh=mesh, hardware="h100", verbose=False)
+    assert free.summary().splitlines()[0] == (
+        "block_0..block_1: Megatron TP over data(2), batch over model(4)")
+    pinned = autopar.plan(step, *args, mesh=mesh, hardware="h100", verbose=False,
+                          batch_axes="data")
+    said = pinned.summary().splitlines()
+    assert said[0] == "block_0..block_1: Megatron TP over model(4), batch over data(2)", said
+    assert not any(line.startswith("axis names:") for line in said), said
+    assert pinned.estimate.step_time_s > free.estimate.step_time_s
+
+
+def test_layers_that_move_the_batch_off_its_axes_say_so(monkeypatch):
+    """Inputs on the batch axes, layers' matmuls taking the batch over another axis: the
+    plan in words ends naming them."""
+    from autopar import _summary
+    step, args = mlp_train_step, mlp_args()
     plan = autopar.plan(step, *args, mesh={"data": 2, "model": 4}, hardware="h100",
                         verbose=False, batch_axes="data")
-    assert plan.stats["axis_roles"]["batch_split_over"] == ["data"]   # the inputs keep it
-    said = plan.summary().splitlines()
-    assert any(line.startswith("block_0..block_1:") and "batch over model(4)" in line
-               for line in said), said
-    assert said[-1].startswith("axis names: block_0..block_1 take the batch split over model(4), "
-                               "not over `data` as the batch_axes say"), said
+    facts = {f"block_{i}": _summary.LayerFacts({}, ("model",), ()) for i in range(3)}
+    monkeypatch.setattr(_summary, "layer_facts", lambda plan: facts)
+    note = _summary._activation_note(plan, {"data": 2, "model": 4}, plan.stats["axis_roles"])
+    assert note.startswith("block_0..block_2 take the batch split over model(4), not over "
+                           "`data` as the batch_axes say"), note
