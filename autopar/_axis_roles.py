@@ -119,14 +119,15 @@ def preferences(graph, leaves: Sequence[int], axis_roles: AxisRoles,
 
 def activation_batch_dims(graph, weights: set[int]) -> list[tuple[int, int, int]]:
     """(node id, operand, dim) of the batch in the activation that each forward matmul
-    multiplies with a weight (an input node in ``weights``, read through casts): the
-    activation's first dim the matmul does not sum over."""
+    multiplies with a weight (an input node in ``weights``, read through casts and scan
+    slices): the activation's first dim the matmul does not sum over."""
     phases = node_phases(graph)
     out = []
     for node in graph.nodes:
         if node.primitive is not lax.dot_general_p or phases[node.id] is not Phase.FORWARD:
             continue
-        sources = [input_source(graph, v) if v is not None else None for v in node.ins]
+        sources = [input_source(graph, v, scans=True) if v is not None else None
+                   for v in node.ins]
         (contract, _) = node.params["dimension_numbers"]
         for pos in (0, 1):
             if sources[1 - pos] in weights and sources[pos] not in weights:

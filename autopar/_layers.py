@@ -164,11 +164,13 @@ def weight_leaves(in_tree) -> list[int]:
 CASTS = frozenset({lax.convert_element_type_p, lax.copy_p})
 
 
-def input_source(graph, vid) -> int | None:
-    """The input node value ``vid`` is, looked at through dtype casts, or None."""
+def input_source(graph, vid, scans: bool = False) -> int | None:
+    """The input node value ``vid`` is, looked at through dtype casts (and with ``scans``,
+    through a scan's per-iteration slices: a scanned layer's weight), or None."""
     producer = graph.producer
     node = graph.nodes[producer[vid][0]] if vid in producer else None
-    while node is not None and node.primitive in CASTS and node.ins and node.ins[0] in producer:
+    while (node is not None and node.ins and node.ins[0] in producer
+           and (node.primitive in CASTS or scans and node.kind is NodeKind.SCAN_IN)):
         node = graph.nodes[producer[node.ins[0]][0]]
     return node.id if node is not None and node.kind == NodeKind.INPUT else None
 

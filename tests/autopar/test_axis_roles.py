@@ -87,3 +87,30 @@ def test_layers_that_move_the_batch_off_its_axes_say_so(monkeypatch):
     note = _summary._activation_note(plan, {"data": 2, "model": 4}, plan.stats["axis_roles"])
     assert note.startswith("block_0..block_2 take the batch split over model(4), not over "
                            "`data` as the batch_axes say"), note
+
+
+def test_batch_axes_keep_the_batch_inside_scanned_layers():
+    """In a scanned GPT (the weights reach the matmuls through the scan's slices), every
+    forward matmul of an activation with a weight takes the batch split over `data` alone
+    with batch_axes="data"; without it, some take it otherwise."""
+    import dataclasses
+
+    from autopar._axis_roles import activation_batch_dims
+    from autopar._layers import weight_leaves
+    from autopar.models import gpt
+    config = dataclasses.replace(gpt.REALISTIC, vocab=16384, seq=512, hidden=1024, heads=16,
+                                 layers=2, batch=16, scan_layers=True)
+    step, args = gpt.make_train_step(config, abstract=True)
+
+    def batch_splits(plan):
+        graph, strats, choice, _ = plan._details
+        weights = {graph.input_nodes[i] for i in weight_leaves(plan._in_tree)}
+        found = activation_batch_dims(graph, weights)
+        assert len(found) >= 4, found   # qkv, attn_out, mlp_in, mlp_out at least
+        return {strats[n][choice[n]].in_specs[p].dims[d] for n, p, d in found}
+    mesh = {"data": 2, "model": 4}
+    free = autopar.plan(step, *args, mesh=mesh, hardware="h100", verbose=False)
+    assert batch_splits(free) != {("data",)}
+    pinned = autopar.plan(step, *args, mesh=mesh, hardware="h100", verbose=False,
+                          batch_axes="data")
+    assert batch_splits(pinned) == {("data",)}
