@@ -108,7 +108,8 @@ def preferences(graph, leaves: Sequence[int], axis_roles: AxisRoles,
         reads[reader.id] = [(pos, 0) for pos, v in enumerate(reader.ins) if v in values]
     weight_nodes = {graph.input_nodes[i] for i in weights if i not in batch}
     for node, pos, dim in activation_batch_dims(graph, weight_nodes):
-        reads[node].append((pos, dim))
+        if (pos, dim) not in reads[node]:   # the batch input itself, read by a matmul
+            reads[node].append((pos, dim))
     for node, kept in reads.items():
         if kept and node not in out:
             out[node] = lambda st, kept=kept: EXPLICIT_WEIGHT * sum(
