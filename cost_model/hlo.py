@@ -54,6 +54,7 @@ Instructions are read one per line, as ``Compiled.as_text()`` prints them (``cos
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import re
@@ -63,6 +64,7 @@ from dataclasses import dataclass
 from autopar.cost_model.hlo_ir import (
     Instruction,
     Module,
+    array_dims,
     parse_module,
     shape_bytes,
     tuple_elements,
@@ -108,6 +110,13 @@ class Collective:
     trip_count_known: bool = True  # False when an enclosing loop has no known trip count
     # The groups of partition ids it runs within (cost_model.replica_groups); None: unknown.
     groups: Groups | None = None
+    # How much wider XLA:CPU made the data than the program's values (:func:`widening`).
+    widened: int = 1
+
+    def at_program_dtype(self) -> Collective:
+        """This collective moving the program's values, as a GPU or TPU runs it."""
+        return dataclasses.replace(self, in_bytes=self.in_bytes // self.widened,
+                                   out_bytes=self.out_bytes // self.widened, widened=1)
 
     @property
     def wire_bytes(self) -> float:
@@ -243,8 +252,38 @@ def loop_matmul_flops(module: Module) -> float:
     return flops(module.entry, True) - flops(module.entry, False)
 
 
-def _collective(instruction: Instruction, computation: str, trip_count, num_devices: int,
-                ) -> Collective | None:
+#: Ops that move or relabel a value without changing it, looked through to a convert.
+_PASS_THROUGH = frozenset({"bitcast", "copy", "reshape", "transpose"})
+_FLOAT16 = frozenset({"bf16", "f16"})
+
+
+def widening(module: Module, computation: str, instruction: Instruction) -> int:
+    """2 where XLA:CPU runs a collective of 16-bit floats in float32, else 1. It clones an
+    all-reduce's reducer as ``*.clone_promoted``; for the other kinds it converts the operand
+    up first (a ``convert``, or a fusion whose result is one, of a bf16 or f16 value)."""
+    result = array_dims(_output_type(instruction.opcode, instruction.result_type) or "")
+    if result is None or result[0] != "f32":
+        return 1
+    if any(name.endswith(".clone_promoted") for name in instruction.called("to_apply")):
+        return 2
+    names = {i.name: i for i in module.computations.get(computation, ())}
+    operand = names.get(instruction.operands[0]) if instruction.operands else None
+    if operand is not None and operand.opcode == "fusion":
+        called = operand.called("calls")
+        inside = module.computations.get(called[0], ()) if called else ()
+        names = {i.name: i for i in inside}
+        computation = called[0] if called else computation
+        operand = next((i for i in inside if i.root), None)
+    while operand is not None and operand.opcode in _PASS_THROUGH and operand.operands:
+        operand = names.get(operand.operands[0])
+    if operand is None or operand.opcode != "convert" or not operand.operands:
+        return 1
+    source = array_dims(module.type_of(computation, operand.operands[0]) or "")
+    return 2 if source is not None and source[0] in _FLOAT16 else 1
+
+
+def _collective(module: Module, instruction: Instruction, computation: str, trip_count,
+                num_devices: int) -> Collective | None:
     kind = _KINDS.get(instruction.opcode.removesuffix("-start"))
     if kind is None:
         return None
@@ -258,7 +297,8 @@ def _collective(instruction: Instruction, computation: str, trip_count, num_devi
     return Collective(
         kind=kind, in_bytes=in_bytes, out_bytes=out_bytes, group_size=n, trip_count=trips,
         computation=computation, text=instruction.line, trip_count_known=known,
-        groups=device_groups(instruction.line, num_devices))
+        groups=device_groups(instruction.line, num_devices),
+        widened=widening(module, computation, instruction))
 
 
 def parse_collectives(hlo_text: str, num_devices: int) -> tuple[Collective, ...]:
@@ -271,7 +311,8 @@ def _module_collectives(module: Module, num_devices: int) -> tuple[Collective, .
     collectives = []
     for computation, instructions in module.computations.items():
         for instruction in instructions:
-            if collective := _collective(instruction, computation, trip_count, num_devices):
+            if collective := _collective(module, instruction, computation, trip_count,
+                                         num_devices):
                 collectives.append(collective)
     return tuple(collectives)
 

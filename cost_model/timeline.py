@@ -232,7 +232,7 @@ class _Simulator:
 
 
 def simulate(hlo_text: str, profile, dtype=None, device_ids: Sequence[int] | None = None,
-             scheduled: bool = False) -> Timeline:
+             scheduled: bool = False, program_dtypes: bool = False) -> Timeline:
     """One device's step of the compiled program ``hlo_text`` on ``profile``.
 
     ``dtype`` (a jnp dtype or profile dtype name) prices every matmul at that rate (None: at
@@ -240,12 +240,17 @@ def simulate(hlo_text: str, profile, dtype=None, device_ids: Sequence[int] | Non
     (``cost_model.reference``). ``scheduled``: read every synchronous collective as an
     asynchronous one issued when its operands are ready and awaited at its first use
     (``cost_model.hlo_async``), as a GPU or TPU would run a program XLA:CPU compiled.
+    ``program_dtypes``: price each collective XLA:CPU widened (16-bit floats carried as
+    float32, ``cost_model.hlo.widening``) at the program's own dtype, as a GPU or TPU moves
+    it; the converts XLA:CPU put around it still count as kernels.
     """
     if scheduled:
         hlo_text = as_async(hlo_text)
     module = parse_module(hlo_text)
-    simulator = _Simulator(module, profile, dtype,
-                           parse_collectives(hlo_text, num_devices(hlo_text)), device_ids)
+    collectives = parse_collectives(hlo_text, num_devices(hlo_text))
+    if program_dtypes:
+        collectives = tuple(c.at_program_dtype() for c in collectives)
+    simulator = _Simulator(module, profile, dtype, collectives, device_ids)
     entry = module.computations.get(module.entry, ())
     params = sum(1 for i in entry if i.opcode == "parameter")
     result = simulator.run(module.entry, [0.0] * params)
@@ -258,6 +263,6 @@ def simulate(hlo_text: str, profile, dtype=None, device_ids: Sequence[int] | Non
 
 def simulate_compiled(compiled, profile, dtype=None,
                       device_ids: Sequence[int] | None = None,
-                      scheduled: bool = False) -> Timeline:
+                      scheduled: bool = False, program_dtypes: bool = False) -> Timeline:
     """:func:`simulate` of a ``jax.stages.Compiled``."""
-    return simulate(compiled.as_text(), profile, dtype, device_ids, scheduled)
+    return simulate(compiled.as_text(), profile, dtype, device_ids, scheduled, program_dtypes)

@@ -519,3 +519,22 @@ def test_a_conditional_in_a_loop_runs_one_branch_per_trip():
     """Each trip runs one branch: the costlier one's matmuls count per trip, not both's."""
     small, large = 2 * 16 * 16 * 32, 2 * 16 * 16 * 32 + 2 * 16 * 16 * 16
     assert loop_matmul_flops(parse_module(COND_LOOP_MODULE)) == 3 * max(small, large)
+
+
+@pytest.mark.parametrize("kind, body, out_spec, out_rows", [
+    (AR, lambda a: lax.psum(a, "model"), P(), 64),
+    (AG, lambda a: lax.all_gather(a, "model", tiled=True), P(), 256),
+    (CP, lambda a: lax.ppermute(a, "model", [(i, (i + 1) % 4) for i in range(4)]),
+     P("model"), 64),
+])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_a_collective_priced_at_the_programs_dtype(kind, body, out_spec, out_rows, dtype,
+                                                   mesh_2d):
+    """XLA:CPU may carry a bf16 collective in float32 (converts around it); at the program's
+    dtype the collective moves what a GPU would: 2 bytes an element for bf16, 4 for f32."""
+    compiled = _shard_map(mesh_2d, body, P("model"), out_spec, (GLOBAL, dtype))
+    (c,) = [c for c in analyze(compiled).collectives if c.kind is kind]
+    itemsize = jnp.dtype(dtype).itemsize
+    assert c.at_program_dtype().out_bytes == out_rows * 128 * itemsize
+    assert c.out_bytes == c.widened * out_rows * 128 * itemsize
+    assert c.widened == 1 or dtype == jnp.bfloat16

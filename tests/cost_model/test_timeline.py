@@ -353,3 +353,18 @@ def test_realistic_plans_compiled_on_cpu_expose_all_their_communication(model):
     # reference's flops-only compute time
     assert timeline.compute_busy_s >= reference_compute_time_s(case.truth, H100, jnp.bfloat16)
     assert timeline.trip_counts_known
+
+
+def test_a_widened_collective_at_the_programs_dtype(mesh_2d):
+    """A bf16 psum that XLA:CPU carries in float32 moves half the bytes read at the program's
+    dtype: its stream is busy for the all-reduce of the bf16 values."""
+    fn = jax.shard_map(lambda a: lax.psum(a, "model"), mesh=mesh_2d, in_specs=P("model"),
+                       out_specs=P(), check_vma=False)
+    text = jax.jit(fn).lower(jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16)).compile(
+        ).as_text()
+    (widened,) = parse_collectives(text, 8)
+    as_compiled = simulate(text, ROUND).comm_busy_s[NVLINK]
+    at_bf16 = simulate(text, ROUND, program_dtypes=True).comm_busy_s[NVLINK]
+    assert as_compiled == pytest.approx(collective_time_s(ROUND, widened))
+    assert at_bf16 == pytest.approx(collective_time_s(ROUND, widened.at_program_dtype()))
+    assert at_bf16 == pytest.approx(as_compiled / widened.widened)   # no latency in ROUND
