@@ -53,7 +53,8 @@ def _measured_dict(m, profile, limit_s: float) -> dict:
     return {"step_time_s": m.step_time_s, "wire_bytes": m.wire_bytes, "flops": m.flops,
             "peak_memory_bytes": m.peak_memory_bytes, "fits": m.fits(profile),
             "collectives": len(m.summary.collectives), "makespan_s": m.makespan_s,
-            "exposed_comm_s": m.exposed_comm_s, "limit_ratio": m.makespan_s / limit_s}
+            "exposed_comm_s": m.exposed_comm_s, "limit_ratio": m.makespan_s / limit_s,
+            "makespan_program_dtypes_s": m.makespan_program_dtypes_s}
 
 
 def limit_s(model: str, hardware: str, dtype, devices: int) -> float:
@@ -130,4 +131,5 @@ def _measure_row(model, shape, hardware, dtype, plan_kwargs) -> dict:
             "predicted_step_time_s": plan.estimate.step_time_s, "programs": programs,
             "best_baseline": best, "ratio": ratio, "limit_s": limit,
             "best_simulated_baseline": best_baseline(programs, "makespan_s"),
+            "best_program_dtypes_baseline": best_baseline(programs, "makespan_program_dtypes_s"),
             "devices": jax.device_count()}

@@ -20,12 +20,13 @@ def summary_table(rows: list[dict]) -> str:
     lines = [("| model | mesh | autopar ms | best baseline | its ms | ratio | autopar wire MiB "
               "| autopar TFLOP/dev | autopar peak GiB | planning s | solver | plan from "
               "| ILP objective / estimate | limit ms | autopar sim ms | autopar exposed ms "
-              "| autopar / limit | best sim baseline / limit |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| autopar / limit | best sim baseline / limit "
+              "| at 16-bit collectives: autopar / best sim baseline |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['mesh']} | error: {r['error'][:80]} "
-                         "| | | | | | | | | | | | | | | |")
+                         "| | | | | | | | | | | | | | | | |")
             continue
         ours = r["programs"]["autopar"]
         best = r["best_baseline"]
@@ -36,8 +37,20 @@ def summary_table(rows: list[dict]) -> str:
             f"| {best_ms} | {ratio} | {ours['wire_bytes'] / MIB:.0f} "
             f"| {ours['flops'] / 1e12:.3f} | {ours['peak_memory_bytes'] / GIB:.2f} "
             f"| {r['planning_s']:.1f} | {r['solver_status']} | {r.get('source', '-')} "
-            f"| {_objective_ratio(r)} | {_simulated_cells(r)} |")
+            f"| {_objective_ratio(r)} | {_simulated_cells(r)} | {_program_dtypes_cell(r)} |")
     return "\n".join(lines)
+
+
+def _program_dtypes_cell(row: dict) -> str:
+    """autopar's makespan over the best fitting baseline's, both with their widened
+    collectives at the program's dtypes (dash for a row from before that measure)."""
+    best = row.get("best_program_dtypes_baseline")
+    ours = row["programs"]["autopar"].get("makespan_program_dtypes_s")
+    if ours is None:
+        return "-"
+    if not best:
+        return "none fits"
+    return f"{best} {ours / row['programs'][best]['makespan_program_dtypes_s']:.2f}"
 
 
 def _simulated_cells(row: dict) -> str:
@@ -63,12 +76,14 @@ def detail_table(rows: list[dict]) -> str:
     """Every compiled program of every row: reference step time, then the simulated
     timeline's makespan, exposed communication and ratio to the compute-only limit."""
     lines = ["| model | mesh | program | step ms | wire MiB | TFLOP/dev | peak GiB | fits "
-             "| sim ms | exposed ms | / limit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| sim ms | exposed ms | / limit | sim ms, 16-bit collectives |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for name, p in r.get("programs", {}).items():
             simulated = (f"{_ms(p['makespan_s'])} | {_ms(p['exposed_comm_s'])} "
                          f"| {p['limit_ratio']:.2f}" if "makespan_s" in p else "- | - | -")
+            native = p.get("makespan_program_dtypes_s")
+            simulated += f" | {_ms(native)}" if native is not None else " | -"
             lines.append(f"| {r['model']} | {r['mesh']} | {name} | {_ms(p['step_time_s'])} "
                          f"| {p['wire_bytes'] / MIB:.1f} | {p['flops'] / 1e12:.3f} "
                          f"| {p['peak_memory_bytes'] / GIB:.2f} | {'yes' if p['fits'] else 'no'} "
@@ -92,7 +107,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"stream waits for communication; limit ms: the compute-only limit, the "
             f"single-device program's simulated step over the {meta['devices']} devices with "
             f"all communication hidden; / limit: sim ms over limit ms (1.00 is the best any "
-            f"plan can do); best sim baseline: the fitting baseline with the least sim ms. "
+            f"plan can do); best sim baseline: the fitting baseline with the least sim ms; at "
+            f"16-bit collectives: the same timelines with each collective XLA:CPU carries in "
+            f"float32 for bf16 values priced at bf16, as a GPU moves it "
+            f"(`simulate(..., program_dtypes=True)`), autopar's over the best fitting "
+            f"baseline's (lower is better). "
             f"Ran {meta['duration_s']:.0f} s ({meta.get('rows_cpu_s', 0):.0f} CPU s) with "
             f"{meta['jobs']} worker(s) on {meta['cpus']} CPU core(s), jax {meta['jax']}, "
             f"{meta['date']}.\n\n")

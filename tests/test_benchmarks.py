@@ -68,6 +68,15 @@ def _check_simulated_columns(row, meta):
     timeline = simulate(compiled.as_text(), get_profile("h100"), jnp.bfloat16)
     assert row["programs"]["dp"]["makespan_s"] == pytest.approx(timeline.step_time_s)
     assert row["programs"]["dp"]["exposed_comm_s"] == pytest.approx(timeline.exposed_comm_s)
+    # At the program's dtypes a widened collective moves less, and no step gets longer.
+    native = simulate(compiled.as_text(), get_profile("h100"), jnp.bfloat16,
+                      program_dtypes=True)
+    assert row["programs"]["dp"]["makespan_program_dtypes_s"] == pytest.approx(
+        native.step_time_s)
+    for name, p in row["programs"].items():
+        assert p["makespan_program_dtypes_s"] <= p["makespan_s"] * (1 + 1e-9), name
+    assert row["best_program_dtypes_baseline"] == min(
+        fitting, key=lambda k: fitting[k]["makespan_program_dtypes_s"])
 
 
 def test_fast_compile_changes_no_measure(mesh_2d):
