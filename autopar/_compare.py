@@ -60,8 +60,11 @@ def measure(name: str, compiled, profile, dtype) -> Measured:
     text cannot tell)."""
     s = analyze(compiled)
     text = compiled.as_text()
-    timeline, native = (simulate(text, profile, dtype, scheduled=profile.async_collectives,
-                                 program_dtypes=native) for native in (False, True))
+
+    def timeline_of(program_dtypes: bool):
+        return simulate(text, profile, dtype, scheduled=profile.async_collectives,
+                        program_dtypes=program_dtypes)
+    timeline, native = timeline_of(False), timeline_of(True)
     return Measured(name=name, step_time_s=reference_step_time_s(s, profile, dtype),
                     wire_bytes=s.wire_bytes, flops=s.flops,
                     peak_memory_bytes=s.peak_memory_bytes, summary=s,
