@@ -37,8 +37,6 @@ class Measured:
     asynchronously (GPU, TPU) every collective issued when its operands are ready and awaited
     at its first use, as their schedulers run them (XLA:CPU compiles them synchronously);
     ``exposed_comm_s`` is the part of the makespan the compute stream waits for communication.
-    ``makespan_program_dtypes_s``: the same timeline with each collective XLA:CPU widened
-    (bf16 carried as float32) moving the program's own values, as a GPU or TPU moves them.
     """
     name: str
     step_time_s: float        # reference step time on the profile, from the compiled HLO
@@ -48,7 +46,6 @@ class Measured:
     summary: HloSummary
     makespan_s: float         # the simulated timeline's step time
     exposed_comm_s: float     # the communication no compute hides, on the timeline
-    makespan_program_dtypes_s: float
 
     def fits(self, profile) -> bool:
         return self.peak_memory_bytes <= profile.hbm_capacity_bytes
@@ -59,17 +56,12 @@ def measure(name: str, compiled, profile, dtype) -> Measured:
     program's own: :func:`main_dtype`; XLA:CPU computes bf16 matmuls in f32, so the compiled
     text cannot tell)."""
     s = analyze(compiled)
-    text = compiled.as_text()
-
-    def timeline_of(program_dtypes: bool):
-        return simulate(text, profile, dtype, scheduled=profile.async_collectives,
-                        program_dtypes=program_dtypes)
-    timeline, native = timeline_of(False), timeline_of(True)
+    timeline = simulate(compiled.as_text(), profile, dtype,
+                        scheduled=profile.async_collectives)
     return Measured(name=name, step_time_s=reference_step_time_s(s, profile, dtype),
                     wire_bytes=s.wire_bytes, flops=s.flops,
                     peak_memory_bytes=s.peak_memory_bytes, summary=s,
-                    makespan_s=timeline.step_time_s, exposed_comm_s=timeline.exposed_comm_s,
-                    makespan_program_dtypes_s=native.step_time_s)
+                    makespan_s=timeline.step_time_s, exposed_comm_s=timeline.exposed_comm_s)
 
 
 def compute_only_limit_s(fn, args, profile, dtype, devices: int, compiler_options=None) -> float:

@@ -161,7 +161,7 @@ def weight_leaves(in_tree) -> list[int]:
 
 
 #: Ops looked through when tracing a value back to the input it is (a weight's bf16 cast).
-CASTS = frozenset({lax.convert_element_type_p, lax.copy_p})
+_CASTS = frozenset({lax.convert_element_type_p, lax.copy_p})
 
 
 def input_source(graph, vid, scans: bool = False) -> int | None:
@@ -170,7 +170,7 @@ def input_source(graph, vid, scans: bool = False) -> int | None:
     producer = graph.producer
     node = graph.nodes[producer[vid][0]] if vid in producer else None
     while (node is not None and node.ins and node.ins[0] in producer
-           and (node.primitive in CASTS or scans and node.kind is NodeKind.SCAN_IN)):
+           and (node.primitive in _CASTS or scans and node.kind is NodeKind.SCAN_IN)):
         node = graph.nodes[producer[node.ins[0]][0]]
     return node.id if node is not None and node.kind == NodeKind.INPUT else None
 
