@@ -4,7 +4,8 @@
 
 * matmuls per dtype over a few square sizes: the best rate becomes the dtype's peak, and the
   rate of each size relative to it becomes the profile's ``matmul_curve``;
-* an elementwise copy on one device: the memory bandwidth;
+* an elementwise pass on one device: the memory bandwidth. Matmuls and this pass are timed
+  as chains inside one program, so the time to dispatch a program does not count;
 * every collective (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute) on
   every mesh axis over message sizes from ``min_bytes`` to ``max_bytes`` (per device: the
   operand, or the result for all-gather). ``time = a + b * wire_bytes`` is fitted by
@@ -120,27 +121,69 @@ def measure_collective(kind: CollectiveKind, axis: str, mesh, sizes_bytes, *, wa
     return wires, times
 
 
-def measure_matmul(device, dtype, sizes, *, warmup: int = 2, repeats: int = 5
-                   ) -> list[tuple[int, float]]:
+def _per_call_s(program: Callable[[int], Callable], arg, iters: int, warmup: int,
+                repeats: int) -> float:
+    """Seconds one call takes on the device, without the cost of dispatching a program.
+
+    ``program(n)`` is a jitted function making ``n`` chained calls. ``program(iters)`` and
+    ``program(2 * iters)`` are timed; their difference over ``iters`` is the per-call time. A
+    single timed call on a GPU is mostly dispatch for any kernel shorter than a few hundred
+    microseconds. Falls back to the longer program's time over ``2 * iters`` where timing
+    noise makes the difference negative.
+    """
+    once = _time_s(program(iters), arg, warmup, repeats)
+    twice = _time_s(program(2 * iters), arg, warmup, repeats)
+    return (twice - once) / iters if twice > once else twice / (2 * iters)
+
+
+def _unrolled(body: Callable) -> Callable[[int], Callable]:
+    """``n`` -> ``body`` applied ``n`` times in straight-line code (XLA:GPU syncs with the
+    host on every trip of a while loop); for ops XLA does not fuse, such as matmuls."""
+    import jax
+
+    def program(n: int):
+        def chain(x):
+            for _ in range(n):
+                x = body(x)
+            return x
+        return jax.jit(chain)
+    return program
+
+
+def _looped(body: Callable) -> Callable[[int], Callable]:
+    """``n`` -> ``body`` applied ``n`` times in a loop, so XLA cannot fuse the calls into one
+    kernel; for kernels long enough that a trip's host sync is small beside them."""
+    import jax
+
+    return lambda n: jax.jit(lambda x: jax.lax.fori_loop(0, n, lambda _, c: body(c), x))
+
+
+def measure_matmul(device, dtype, sizes, *, warmup: int = 2, repeats: int = 5,
+                   iters: int = 8) -> list[tuple[int, float]]:
     """[(size, FLOP/s)] of square matmuls of ``dtype`` on ``device``."""
     import jax
-    import jax.numpy as jnp
 
     out = []
-    mm = jax.jit(lambda a: a @ a)
     for size in sizes:
-        a = jax.device_put(jnp.ones((size, size), dtype), device)
-        out.append((size, 2.0 * size ** 3 / _time_s(mm, a, warmup, repeats)))
+        # Unit-scale random values keep the chained products finite (and, unlike zeros or
+        # ones, exercise the matrix units at their usual power).
+        key = jax.random.PRNGKey(size)
+        a = jax.device_put(
+            (jax.random.normal(key, (size, size)) / size ** 0.5).astype(dtype), device)
+        seconds = _per_call_s(_unrolled(lambda c, a=a: c @ a), a, iters, warmup, repeats)
+        out.append((size, 2.0 * size ** 3 / seconds))
     return out
 
 
-def measure_copy_bandwidth(device, nbytes: int, *, warmup: int = 2, repeats: int = 5) -> float:
+def measure_copy_bandwidth(device, nbytes: int, *, warmup: int = 2, repeats: int = 5,
+                           iters: int = 8) -> float:
     """Bytes/s of an elementwise pass over ``nbytes`` (each byte read once and written once)."""
     import jax
     import jax.numpy as jnp
 
     x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device)
-    return 2.0 * x.nbytes / _time_s(jax.jit(lambda v: v * 2.0), x, warmup, repeats)
+    seconds = _per_call_s(_looped(lambda c: c * 0.5 + 1.0), x, iters, warmup, repeats)
+    return 2.0 * x.nbytes / seconds
 
 
 def _sizes(min_bytes: int, max_bytes: int) -> list[int]:
@@ -206,7 +249,8 @@ def profile(mesh, *, base=None, min_bytes: int = 2**10, max_bytes: int = 2**26,
         if i == 0:
             curve = tuple((s, r / best) for s, r in rates)
     say("memory bandwidth")
-    hbm = measure_copy_bandwidth(device, min(max_bytes, 2**28), warmup=warmup, repeats=repeats)
+    hbm = measure_copy_bandwidth(device, 2**24 if device.platform == "cpu" else 2**30,
+                                 warmup=warmup, repeats=repeats)
     say(f"  {hbm / 1e9:.1f} GB/s")
 
     fits = []
@@ -227,4 +271,6 @@ def profile(mesh, *, base=None, min_bytes: int = 2**10, max_bytes: int = 2**26,
     return dataclasses.replace(
         base, name=f"{base.name}-profiled", peak_flops_per_s=peaks,
         hbm_bandwidth_bytes_per_s=hbm, matmul_efficiency=1.0, matmul_curve=curve,
+        # Measured as XLA runs them: float32 at the default precision, bandwidth as reached.
+        float32_matmul="float32", hbm_efficiency=1.0,
         collective_fits=tuple(fits))
