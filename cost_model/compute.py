@@ -40,15 +40,14 @@ def roofline_s(flops: float, bytes_moved: float, profile, dtype, *, contraction:
     """max(compute, memory) time on one device; contractions run at the matmul efficiency of
     their per-device ``dims`` (see :func:`matmul_efficiency`), the rest is usually fused by
     XLA so only its flops count."""
-    peak = profile.peak_flops(dtype)
     if contraction:
-        return max(flops / (peak * matmul_efficiency(profile, dims)),
-                   bytes_moved / profile.hbm_bandwidth_bytes_per_s)
-    return flops / peak
+        return max(flops / (profile.matmul_flops(dtype) * matmul_efficiency(profile, dims)),
+                   bytes_moved / profile.achieved_hbm_bytes_per_s)
+    return flops / profile.peak_flops(dtype)
 
 
 def memory_bound_s(flops: float, bytes_moved: float, profile, dtype) -> float:
     """max(compute, memory) time on one device of an op outside matrix units (elementwise,
     layout, reductions): its flops at peak, or the bytes its kernel reads and writes."""
     return max(flops / profile.peak_flops(dtype) if flops else 0.0,
-               bytes_moved / profile.hbm_bandwidth_bytes_per_s)
+               bytes_moved / profile.achieved_hbm_bytes_per_s)

@@ -292,6 +292,13 @@ class HardwareProfile:
     # Measured collectives: ((mesh axis name, collective kind name, latency_s,
     # bandwidth_bytes_per_s), ...). An axis of that name in a planned mesh is priced with them.
     collective_fits: tuple[tuple[str, str, float, float], ...] = ()
+    # The peak_flops_per_s entry a float32 matmul runs at under jax's default precision:
+    # "tensorfloat32" on NVIDIA GPUs since Ampere, where XLA:GPU computes default-precision
+    # float32 dots on TF32 tensor cores. A dot at HIGHEST precision runs at "float32".
+    float32_matmul: str = "float32"
+    # Fraction of hbm_bandwidth_bytes_per_s that memory-bound kernels reach; each factory sets
+    # its own with a source (1.0 where the bandwidth is itself measured).
+    hbm_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -387,6 +394,12 @@ class HardwareProfile:
                          _number(owner, f"collective_fits[{i}] latency_s", fit[2], positive=False),
                          _number(owner, f"collective_fits[{i}] bandwidth_bytes_per_s", fit[3])))
         object.__setattr__(self, "collective_fits", tuple(fits))
+        if self.float32_matmul not in checked:
+            raise ProfileError(f"{owner}: field 'float32_matmul' must name an entry of "
+                               f"'peak_flops_per_s' ({', '.join(sorted(checked))}), got "
+                               f"{self.float32_matmul!r}")
+        object.__setattr__(self, "hbm_efficiency",
+                           _number(owner, "hbm_efficiency", self.hbm_efficiency, at_most=1.0))
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -409,6 +422,19 @@ class HardwareProfile:
         if name.startswith(("float8_", "float6_", "float4_")):
             return table.get("float8_e4m3fn", table["bfloat16"])
         return table["float32"]
+
+    def matmul_flops(self, dtype: Any, highest: bool = False) -> float:
+        """Peak FLOP/s of a matmul whose operands have ``dtype``, as XLA runs it: a float32
+        one at jax's default precision runs at ``float32_matmul``'s rate; ``highest``
+        (``precision=HIGHEST``) keeps it at the float32 rate."""
+        if not highest and _dtype_name(dtype) == "float32":
+            return self.peak_flops(self.float32_matmul)
+        return self.peak_flops(dtype)
+
+    @property
+    def achieved_hbm_bytes_per_s(self) -> float:
+        """The memory bandwidth a memory-bound kernel reaches."""
+        return self.hbm_bandwidth_bytes_per_s * self.hbm_efficiency
 
     def level(self, kind: LevelKind | str) -> LinkLevel:
         """The level of ``kind`` (a LevelKind or its name); ProfileError if the profile lacks it."""
@@ -461,6 +487,8 @@ class HardwareProfile:
             "matmul_tile": self.matmul_tile,
             "matmul_curve": [list(p) for p in self.matmul_curve],
             "collective_fits": [list(f) for f in self.collective_fits],
+            "float32_matmul": self.float32_matmul,
+            "hbm_efficiency": self.hbm_efficiency,
         }
         return json.dumps(doc, indent=2) + "\n"
 
@@ -494,7 +522,8 @@ _TOP_FIELDS = (
     "launch_overhead_s",
 )
 # Fields added in format version 2, optional so that version-1 files still load.
-_OPTIONAL_TOP_FIELDS = ("matmul_tile", "matmul_curve", "collective_fits")
+_OPTIONAL_TOP_FIELDS = ("matmul_tile", "matmul_curve", "collective_fits", "float32_matmul",
+                        "hbm_efficiency")
 _COLLECTIVE_NAMES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                      "collective-permute")
 _LEVEL_FIELDS = ("kind", "bandwidth_bytes_per_s", "latency_s", "devices_per_group")
@@ -557,6 +586,8 @@ def _profile_from_doc(cls: type[HardwareProfile], doc: Any) -> HardwareProfile:
                            for p in _json_list(doc, "matmul_curve")),
         collective_fits=tuple(tuple(f) if isinstance(f, list) else f
                               for f in _json_list(doc, "collective_fits")),
+        float32_matmul=doc.get("float32_matmul", "float32"),
+        hbm_efficiency=doc.get("hbm_efficiency", 1.0),
     )
 
 
@@ -600,9 +631,16 @@ _TPU_LAUNCH_OVERHEAD_S = 1e-6
 # https://github.com/NVIDIA/nccl/blob/master/src/graph/tuning.cc (hwLat). We take 2 us and 6 us.
 _NVLINK_LATENCY_S = 2e-6
 _IB_LATENCY_S = 6e-6
-# Per-kernel floor on NVIDIA GPUs: 3.8 us per back-to-back tiny kernel without CUDA Graphs
-# (https://developer.nvidia.com/blog/cuda-graphs/); we round to 4 us.
-_GPU_LAUNCH_OVERHEAD_S = 4e-6
+# Per-kernel floor on NVIDIA GPUs. XLA:GPU records a program's kernels into CUDA graphs
+# (command buffers), which run back to back: on an H200 (jax 0.11.2, 2026-11-27,
+# benchmarks.device_step, docs/design.md "Measured on a GPU") the median kernel under 10 us
+# took 1.5-1.7 us in each of seven train steps, loop bodies included. We take 2 us. Without
+# CUDA graphs a tiny kernel takes 3.8 us (https://developer.nvidia.com/blog/cuda-graphs/).
+_GPU_LAUNCH_OVERHEAD_S = 2e-6
+# Memory-bound kernels reach about 80% of the datasheet's HBM bandwidth: on the same H200
+# run, XLA's elementwise and transpose fusions of 100 MB to 3 GB moved 3.6-3.9 TB/s of 4.8,
+# and a chained elementwise pass 4.2; reductions reach less.
+_GPU_HBM_EFFICIENCY = 0.8
 
 
 def _ici_axis_bandwidth(bidirectional_per_chip_bytes_per_s: float, ports_per_chip: int) -> float:
@@ -766,7 +804,10 @@ def _pcie_gpu(name: str, flops: dict, hbm_bytes_per_s: float, hbm_bytes: int,
             LinkLevel(LevelKind.ETHERNET, 100e9 / 8 / 8, _DCN_LATENCY_S, devices_per_group=None),
         ),
         matmul_efficiency=_A100_MATMUL_EFFICIENCY,  # estimate: no GEMM study at hand
-        launch_overhead_s=_GPU_LAUNCH_OVERHEAD_S, matmul_tile=128)
+        launch_overhead_s=_GPU_LAUNCH_OVERHEAD_S, matmul_tile=128,
+        # Turing (T4) has no TF32 tensor cores; Ada (L4) has.
+        float32_matmul="tensorfloat32" if "tensorfloat32" in flops else "float32",
+        hbm_efficiency=_GPU_HBM_EFFICIENCY)
 
 
 def t4() -> HardwareProfile:
@@ -835,6 +876,8 @@ def _gpu_node(name: str, flops: dict, hbm_bytes_per_s: float, hbm_bytes: int,
         ),
         matmul_efficiency=matmul_efficiency,
         launch_overhead_s=_GPU_LAUNCH_OVERHEAD_S,
+        float32_matmul="tensorfloat32",
+        hbm_efficiency=_GPU_HBM_EFFICIENCY,
         # cuBLAS/CUTLASS GEMMs run in thread-block tiles, typically 128 rows/cols on Ampere and
         # Hopper; dims not a multiple of the tile leave part of the last tile idle ("tile
         # quantization", NVIDIA Matrix Multiplication Background User's Guide,
@@ -877,9 +920,11 @@ _HOPPER_NVLINK_BYTES_PER_S = 900 * _GB / 2
 # (DGX H100/H200 User Guide, https://docs.nvidia.com/dgx/dgxh100-user-guide/) -> 50 GB/s.
 _HOPPER_IB_BYTES_PER_S = 400e9 / 8
 # Best-case torch.mm bf16 on H100 SXM measured at ~780 TFLOP/s = 0.79 of 989
-# (https://gist.github.com/Chillee/2ec89696db8b7ed1c24461159e325405); typical shapes land
-# lower, so 0.75.
-_HOPPER_MATMUL_EFFICIENCY = 0.75
+# (https://gist.github.com/Chillee/2ec89696db8b7ed1c24461159e325405). On an H200 (jax
+# 0.11.2, 2026-11-27, benchmarks.device_step), the gemms of seven realistic train steps took
+# 0.95-1.05x of their time priced at 0.8 (the largest ran at 0.85, (16384, 2048, 2048) ones
+# at 0.74-0.79).
+_HOPPER_MATMUL_EFFICIENCY = 0.8
 
 
 def _hopper(name: str, hbm_bytes_per_s: float, hbm_bytes: int) -> HardwareProfile:

@@ -1,12 +1,15 @@
 """Roofline time of one kernel of a compiled HLO module, on one device of a hardware profile.
 
 A kernel (a fusion, a dot, a custom-call, any op that is not bookkeeping) takes
-``max(matmul time, bytes moved / HBM bandwidth, launch_overhead_s)``:
+``max(matmul time, bytes moved / achieved HBM bandwidth, launch_overhead_s)``:
 
 * matmul time: each dot, convolution or cuBLAS gemm custom-call in it (through fused and
-  called computations) at the profile's peak for its operand type times the matmul
-  efficiency of its (M, N, K) (``cost_model.compute.matmul_efficiency``). Other flops are
-  not counted: elementwise work is bound by the bytes.
+  called computations) at the profile's peak for its operand type
+  (``HardwareProfile.matmul_flops``: a float32 one below HIGHEST precision at TF32's on a
+  GPU) times the matmul efficiency of its (M, N, K)
+  (``cost_model.compute.matmul_efficiency``). Other flops are not counted: elementwise
+  work is bound by the bytes.
+* achieved HBM bandwidth: ``HardwareProfile.achieved_hbm_bytes_per_s``.
 * bytes moved: the operands read and the result written, each once (a fusion's intermediate
   values stay on chip). Slicing ops read only what they return; a dynamic-update-slice or
   scatter writes its update in place and does not read the buffer it updates (so does a
@@ -16,6 +19,7 @@ A kernel (a fusion, a dot, a custom-call, any op that is not bookkeeping) takes
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -39,8 +43,14 @@ FREE_OPCODES = frozenset({
 _SLICING = frozenset({"dynamic-slice", "slice", "gather"})
 # In-place ops -> the operand holding what they write into their operand 0.
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}
+# A fusion's kernel; XLA:GPU runs some in-place dynamic-update-slice fusions as an async
+# ``fusion-start`` (its result tuple holds the operands, then the fusion's result) and
+# ``fusion-done``, which launches nothing.
+_FUSIONS = frozenset({"fusion", "fusion-start"})
 _GEMM_TARGET = re.compile(r'custom_call_target="__cublas\$(?:lt\$)?(?:gemm|matmul)')
 _JSON_DIMS = r'"{}":\[(?P<dims>[^\]]*)\]'
+# HLO's dot and convolution attribute, or a cuBLAS custom-call's backend config.
+_HIGHEST = re.compile(r'operand_precision=\{highest|"operand_precision":\["HIGHEST"')
 _DIM_LABELS = re.compile(r"dim_labels=[^_]+_(?P<kernel>[^-]+)->")
 # HLO element types -> the profile's dtype names (hardware.HardwareProfile.peak_flops).
 _DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64",
@@ -54,6 +64,7 @@ class Matmul:
     flops: float
     dtype: str  # profile dtype name
     dims: tuple[int, int, int] | None
+    highest: bool = False  # precision=HIGHEST: a float32 one runs at the float32 rate
 
 
 def _dtype(hlo_type: str) -> str:
@@ -88,6 +99,14 @@ def _convolution(module: Module, computation: str, instruction: Instruction) -> 
 
 def matmuls(module: Module, computation: str, instruction: Instruction) -> list[Matmul]:
     """The contractions an instruction runs, through the computations it calls."""
+    found = _matmuls(module, computation, instruction)
+    if instruction.opcode in _FUSIONS or instruction.opcode == "call":
+        return found
+    highest = bool(_HIGHEST.search(instruction.attributes))
+    return [dataclasses.replace(m, highest=highest) for m in found]
+
+
+def _matmuls(module: Module, computation: str, instruction: Instruction) -> list[Matmul]:
     op = instruction.opcode
     lhs = module.type_of(computation, instruction.operands[0]) if instruction.operands else None
     if op == "dot":
@@ -103,7 +122,7 @@ def matmuls(module: Module, computation: str, instruction: Instruction) -> list[
                                                   "lhs_contracting_dimensions"),
                              _json_dims(instruction.attributes, "lhs_batch_dimensions"))
         return [found] if found else []
-    if op in ("fusion", "call"):
+    if op in _FUSIONS or op == "call":
         callee = (instruction.called("calls") or instruction.called("to_apply") or ("",))[0]
         return [m for inner in module.computations.get(callee, ())
                 for m in matmuls(module, callee, inner)]
@@ -127,18 +146,27 @@ def _written(module: Module, computation: str, instruction: Instruction) -> int:
     """Bytes an instruction writes: its result, or the updates of an in-place root."""
     if instruction.opcode in _IN_PLACE:
         return _update_bytes(module, computation, instruction)
-    if instruction.opcode != "fusion":
+    if instruction.opcode not in _FUSIONS:
         return type_bytes(instruction.result_type)
+    result_type = _fusion_result_type(instruction)
     fused = instruction.called("calls")[0]
     body = {i.name: i for i in module.computations.get(fused, ())}
     root = next((i for i in body.values() if i.root), None)
     if root is None:
-        return type_bytes(instruction.result_type)
+        return type_bytes(result_type)
     parts = [body.get(name) for name in root.operands] if root.opcode == "tuple" else [root]
     if any(p is None for p in parts):
-        return type_bytes(instruction.result_type)
+        return type_bytes(result_type)
     return sum(_update_bytes(module, fused, p) if p.opcode in _IN_PLACE
                else type_bytes(p.result_type) for p in parts)
+
+
+def _fusion_result_type(instruction: Instruction) -> str:
+    """The type a fusion computes: a ``fusion-start``'s is the second of its tuple."""
+    if instruction.opcode == "fusion-start":
+        parts = tuple_elements(instruction.result_type)
+        return parts[1] if len(parts) > 1 else instruction.result_type
+    return instruction.result_type
 
 
 def _update_bytes(module: Module, computation: str, instruction: Instruction) -> int:
@@ -156,7 +184,7 @@ def bytes_moved(module: Module, computation: str, instruction: Instruction) -> i
         full = type_bytes(module.type_of(computation, operand))
         if instruction.opcode in _IN_PLACE and index == 0:
             full = 0
-        elif instruction.opcode == "fusion":
+        elif instruction.opcode in _FUSIONS:
             full = _fused_reads(module, instruction.called("calls")[0], index, full)
         read += full
     return read + written
@@ -166,8 +194,9 @@ def kernel_time_s(module: Module, computation: str, instruction: Instruction, pr
                   dtype=None) -> float:
     """Roofline time of one kernel; ``dtype`` (a profile dtype name or jnp dtype) prices
     every matmul at that rate instead of its operands' type."""
-    matmul_s = sum(m.flops / (profile.peak_flops(dtype if dtype is not None else m.dtype)
+    matmul_s = sum(m.flops / (profile.matmul_flops(dtype if dtype is not None else m.dtype,
+                                                   m.highest)
                               * matmul_efficiency(profile, m.dims))
                    for m in matmuls(module, computation, instruction))
-    memory_s = bytes_moved(module, computation, instruction) / profile.hbm_bandwidth_bytes_per_s
+    memory_s = bytes_moved(module, computation, instruction) / profile.achieved_hbm_bytes_per_s
     return max(matmul_s, memory_s, profile.launch_overhead_s)

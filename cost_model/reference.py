@@ -61,7 +61,7 @@ def reference_comm_time_s(summary: HloSummary, profile,
 
 
 def reference_compute_time_s(summary: HloSummary, profile, dtype) -> float:
-    return summary.flops / (profile.peak_flops(dtype) * profile.matmul_efficiency)
+    return summary.flops / (profile.matmul_flops(dtype) * profile.matmul_efficiency)
 
 
 def reference_step_time_s(summary: HloSummary, profile, dtype,

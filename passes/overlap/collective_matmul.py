@@ -241,7 +241,7 @@ def _chunked(node: Node, graph: Graph, mesh: MeshContext, s: Strategy, cm: Colle
     place_bytes = {Mode.GATHER_FREE: 2 * piece_bytes,
                    Mode.GATHER_CONTRACTING: 2 * out_bytes * max(4 // out.itemsize, 1) + out_bytes,
                    Mode.SCATTER: 3 * piece_bytes}[cm.mode]
-    return overlap.Chunked(matmul_s, place_bytes / mesh.profile.hbm_bandwidth_bytes_per_s, pieces)
+    return overlap.Chunked(matmul_s, place_bytes / mesh.profile.achieved_hbm_bytes_per_s, pieces)
 
 
 def with_collective_matmuls(graph: Graph, strats: list[list[Strategy]], mesh: MeshContext

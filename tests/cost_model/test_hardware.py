@@ -197,6 +197,24 @@ def test_gpu_precision_ladder(name):
     assert p.peak_flops("float16") == p.peak_flops("bfloat16")
 
 
+@pytest.mark.parametrize("name", GPUS)
+def test_gpu_float32_matmuls_run_as_xla_runs_them(name):
+    # XLA:GPU computes default-precision float32 dots on TF32 tensor cores (Ampere and later)
+    p = get_profile(name)
+    tf32 = name != "t4"
+    assert p.matmul_flops("float32") == p.peak_flops("tensorfloat32" if tf32 else "float32")
+    assert p.matmul_flops("float32", highest=True) == p.peak_flops("float32")
+    assert p.matmul_flops("bfloat16") == p.peak_flops("bfloat16")
+    assert 0 < p.achieved_hbm_bytes_per_s < p.hbm_bandwidth_bytes_per_s
+
+
+def test_cpu_and_tpu_float32_matmuls_at_the_float32_rate():
+    for name in ("cpu", "tpu-v5e"):
+        p = get_profile(name)
+        assert p.matmul_flops("float32") == p.peak_flops("float32")
+        assert p.achieved_hbm_bytes_per_s == p.hbm_bandwidth_bytes_per_s
+
+
 @pytest.mark.parametrize("name", ALL_NAMES)
 def test_peak_flops_accepts_every_dtype_spelling(name):
     p = get_profile(name)
@@ -419,6 +437,8 @@ def test_json_not_json(text):
         (lambda d: d["levels"][0].__setitem__("speed", 1), "speed"),
         (lambda d: d.__setitem__("colour", "green"), "colour"),
         (lambda d: d.__setitem__("matmul_efficiency", 2.0), "matmul_efficiency"),
+        (lambda d: d.__setitem__("float32_matmul", "float64"), "float32_matmul"),
+        (lambda d: d.__setitem__("hbm_efficiency", 0), "hbm_efficiency"),
     ],
 )
 def test_json_bad_field_is_named(mutate, needle):

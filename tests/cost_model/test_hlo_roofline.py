@@ -52,6 +52,10 @@ ENTRY %main (a: f32[8,1024], i: s32[], x: bf16[4,64,128], y: bf16[4,128,32]) -> 
   %x3 = bf16[64,128]{1,0} parameter(6)
   %td = bf16[64,32]{1,0} fusion(%x3, %y2), kind=kOutput, calls=%fused_two_dots
   %e = f32[8,1024]{1,0} exponential(%a)
+  %fs = ((f32[8,1024]{1,0}, f32[1,1024]{1,0}, s32[]), f32[8,1024]{1,0}, u32[]) fusion-start(%a, %sl, %i), kind=kLoop, calls=%fused_update
+  %fd = f32[8,1024]{1,0} fusion-done(%fs)
+  %hi = f32[64,32]{1,0} dot(%x2, %y2), lhs_contracting_dims={1}, rhs_contracting_dims={0}, operand_precision={highest,highest}
+  %lo = f32[64,32]{1,0} dot(%x2, %y2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
   ROOT %out = (f32[8,1024]{1,0}, f32[1,1024]{1,0}) tuple(%up, %sl)
 }
 """
@@ -102,6 +106,24 @@ def test_bytes_moved(module):
     # a fusion whose root updates its operand 0 in place: reads the row and the index, writes
     # the row; the f32[8,1024] buffer is neither read nor written whole
     assert bytes_moved(module, "main", _get(module, "up")) == 1024 * 4 + 4 + 1024 * 4
+    # XLA:GPU's async form of the same fusion (its result tuple holds the operands first)
+    assert bytes_moved(module, "main", _get(module, "fs")) == 1024 * 4 + 4 + 1024 * 4
+
+
+def test_float32_dots_run_at_the_profiles_default_precision_rate(module):
+    # XLA:GPU computes a default-precision float32 dot on TF32 tensor cores; HIGHEST does not
+    tf32 = dataclasses.replace(ROUND, peak_flops_per_s={"float32": 1e11, "bfloat16": 1e12,
+                                                        "tensorfloat32": 5e11},
+                               float32_matmul="tensorfloat32", launch_overhead_s=0.0)
+    flops = 2 * 64 * 32 * 128
+    (lo,), (hi,) = matmuls(module, "main", _get(module, "lo")), matmuls(module, "main",
+                                                                         _get(module, "hi"))
+    assert (lo.highest, hi.highest) == (False, True)
+    assert kernel_time_s(module, "main", _get(module, "lo"), tf32) == pytest.approx(flops / 5e11)
+    assert kernel_time_s(module, "main", _get(module, "hi"), tf32) == pytest.approx(flops / 1e11)
+    # a profile without TF32 prices both at the float32 rate
+    plain = dataclasses.replace(tf32, float32_matmul="float32")
+    assert kernel_time_s(module, "main", _get(module, "lo"), plain) == pytest.approx(flops / 1e11)
 
 
 def test_kernel_time_is_the_roofline(module):
@@ -118,6 +140,10 @@ def test_kernel_time_is_the_roofline(module):
 def test_kernel_time_has_the_launch_floor_and_dtype_override(module):
     floored = dataclasses.replace(ROUND, launch_overhead_s=1e-3)
     assert kernel_time_s(module, "main", _get(module, "e"), floored) == 1e-3
+    # memory-bound kernels at the bandwidth they reach
+    slower = dataclasses.replace(ROUND, hbm_efficiency=0.5)
+    assert kernel_time_s(module, "main", _get(module, "e"), slower) == pytest.approx(
+        2 * 2 * 8 * 1024 * 4 / 1e12)
     slow_f32 = dataclasses.replace(ROUND, peak_flops_per_s={"float32": 1e11, "bfloat16": 1e12})
     bd = _get(module, "bd")
     assert kernel_time_s(module, "main", bd, slow_f32) == pytest.approx(2 * 4 * 64 * 32 * 128 / 1e12)
