@@ -219,9 +219,10 @@ def _replaced_comm_s(node: Node, graph: Graph, mesh: MeshContext, s: Strategy,
 def _chunked(node: Node, graph: Graph, mesh: MeshContext, s: Strategy, cm: CollectiveMatmul,
              pieces: int) -> overlap.Chunked:
     """``s``'s matmul cut into ``pieces`` along the chunked dim, each at the roofline of its
-    own dims (it reads the whole uncut operand again), and the kernel placing its result:
+    own dims (it reads the whole uncut operand again), and the kernels placing its result:
     a slice written (free gather), or an accumulator read and written (float32 for 16-bit
-    floats: contracting gather), or the arrived partial sum added (scatter)."""
+    floats: contracting gather), or the arrived partial sum added (scatter); and slicing
+    its operand piece where the piece is cut from a block held whole."""
     local = [sp.local_shape(shape, mesh.axis_sizes)
              for sp, (shape, _) in zip(s.in_specs, node.in_avals)]
     cut = [(cm.operand, cm.dim)] if cm.mode is not Mode.SCATTER else list(cm.slices)
@@ -241,6 +242,10 @@ def _chunked(node: Node, graph: Graph, mesh: MeshContext, s: Strategy, cm: Colle
     place_bytes = {Mode.GATHER_FREE: 2 * piece_bytes,
                    Mode.GATHER_CONTRACTING: 2 * out_bytes * max(4 // out.itemsize, 1) + out_bytes,
                    Mode.SCATTER: 3 * piece_bytes}[cm.mode]
+    # An operand piece cut out of a block the device holds whole (the scatter's slices, or a
+    # block that arrives in two chunks) is a dynamic-slice kernel: read and written once.
+    sliced = cut if cm.mode is Mode.SCATTER or cm.chunks > 1 else []
+    place_bytes += sum(2 * math.prod(local[k]) * itemsize(node.in_avals[k][1]) for k, _ in sliced)
     return overlap.Chunked(matmul_s, place_bytes / mesh.profile.achieved_hbm_bytes_per_s, pieces)
 
 
