@@ -161,17 +161,21 @@ def test_a_ulysses_group_of_several_axes_equals_plain_attention(shape, ulysses, 
     _close(jax.jit(sequence_parallel.backward_region(reg))(q, k, v, mask, o, lse, w), vjp(w))
 
 
-def test_the_long_context_llama_on_2x4_takes_ulysses_over_the_whole_mesh():
+def test_the_long_context_llama_on_2x4_splits_attention_over_the_whole_mesh():
     """32k tokens, GQA 32/8, batch 2 on (2, 4) (the long-context suite's case, planned from
-    shapes): Ulysses over both axes as one group, as the hand-written program over one flat
-    axis (benchmarks/results/long_context.md compares the compiled programs)."""
+    shapes): Ulysses over ``model`` in both passes, and ``data`` splitting the attention too,
+    in the Ulysses group or over the batch (which of the two the estimate prefers moved with
+    the cost model's calibration; benchmarks/results/long_context.md compares the compiled
+    program with the hand-written Ulysses over one flat axis)."""
     from benchmarks import long_context
     fn, args = long_context.train_step_and_args(32768, 2)
     plan = autopar.plan(fn, *args, mesh={"data": 2, "model": 4}, hardware="h100",
                         memory_budget="80GB", check_memory=False, pipeline=None,
                         verbose=False)
-    assert set(plan.stats["attention"]) == {"forward: ulysses(data,model)",
-                                            "backward: ulysses(data,model)"}
+    attention = set(plan.stats["attention"])
+    assert attention in ({"forward: ulysses(data,model)", "backward: ulysses(data,model)"},
+                         {"forward: ulysses(model) + batch(data)",
+                          "backward: ulysses(model) + batch(data)"}), attention
 
 
 def test_recognition_needs_the_forward_pass():
