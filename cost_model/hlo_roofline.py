@@ -129,7 +129,8 @@ def _matmuls(module: Module, computation: str, instruction: Instruction) -> list
     return []
 
 
-def _fused_reads(module: Module, fused: str, index: int, full_bytes: int) -> int:
+def _fused_reads(module: Module, fused: str, index: int, full_bytes: int,
+                 round_trips: bool = False) -> int:
     """Bytes a fusion reads of its operand ``index`` (see the module docstring)."""
     body = module.computations.get(fused, ())
     param = next((i for i in body if i.opcode == "parameter" and i.operands == (str(index),)),
@@ -139,10 +140,13 @@ def _fused_reads(module: Module, fused: str, index: int, full_bytes: int) -> int
         return sum(type_bytes(u.result_type) for u in users)
     if users and all(u.opcode in _IN_PLACE and u.operands[0] == param.name for u in users):
         return 0
+    if round_trips and param is not None and param.name in _round_trip_buffers(body):
+        return 0
     return full_bytes
 
 
-def _written(module: Module, computation: str, instruction: Instruction) -> int:
+def _written(module: Module, computation: str, instruction: Instruction,
+             round_trips: bool = False) -> int:
     """Bytes an instruction writes: its result, or the updates of an in-place root."""
     if instruction.opcode in _IN_PLACE:
         return _update_bytes(module, computation, instruction)
@@ -157,8 +161,53 @@ def _written(module: Module, computation: str, instruction: Instruction) -> int:
     parts = [body.get(name) for name in root.operands] if root.opcode == "tuple" else [root]
     if any(p is None for p in parts):
         return type_bytes(result_type)
-    return sum(_update_bytes(module, fused, p) if p.opcode in _IN_PLACE
-               else type_bytes(p.result_type) for p in parts)
+    written = 0
+    for p in parts:
+        trip = _round_trip(body, p) if round_trips else None
+        if p.opcode in _IN_PLACE:
+            written += _update_bytes(module, fused, p)
+        elif trip is not None:  # the update, at the result's element size
+            update = module.type_of(fused, trip.operands[_IN_PLACE[trip.opcode]])
+            written += type_bytes(p.result_type) * elements(update) // max(
+                elements(p.result_type), 1)
+        else:
+            written += type_bytes(p.result_type)
+    return written
+
+
+def _through_converts(body: dict[str, Instruction], instruction: Instruction | None):
+    while instruction is not None and instruction.opcode == "convert":
+        instruction = body.get(instruction.operands[0])
+    return instruction
+
+
+def _round_trip(body: dict[str, Instruction], part: Instruction) -> Instruction | None:
+    """The in-place op under ``part`` when ``part`` converts it back to the element type of
+    the parameter its buffer was converted from: XLA:CPU's 16-bit update carried in float32,
+    exact, which XLA:GPU and TPU compile as an update in place."""
+    op = _through_converts(body, part)
+    if op is part or op is None or op.opcode not in _IN_PLACE:
+        return None
+    buffer = _through_converts(body, body.get(op.operands[0]))
+    if buffer is None or buffer.opcode != "parameter" or \
+            array_dims(buffer.result_type)[0] != array_dims(part.result_type)[0]:
+        return None
+    return op
+
+
+def _round_trip_buffers(body) -> set[str]:
+    """Parameters a fusion updates in place through a convert round trip (:func:`_round_trip`)."""
+    by_name = {i.name: i for i in body}
+    root = next((i for i in body if i.root), None)
+    if root is None:
+        return set()
+    parts = [by_name.get(n) for n in root.operands] if root.opcode == "tuple" else [root]
+    found = set()
+    for p in parts:
+        op = _round_trip(by_name, p) if p is not None else None
+        if op is not None:
+            found.add(_through_converts(by_name, by_name.get(op.operands[0])).name)
+    return found
 
 
 def _fusion_result_type(instruction: Instruction) -> str:
@@ -174,18 +223,21 @@ def _update_bytes(module: Module, computation: str, instruction: Instruction) ->
     return type_bytes(module.type_of(computation, update))
 
 
-def bytes_moved(module: Module, computation: str, instruction: Instruction) -> int:
-    """HBM bytes a kernel reads and writes (see the module docstring)."""
+def bytes_moved(module: Module, computation: str, instruction: Instruction,
+                round_trips: bool = False) -> int:
+    """HBM bytes a kernel reads and writes (see the module docstring). ``round_trips``: price
+    an update XLA:CPU carries through a convert round trip as the update in place a GPU or
+    TPU compiles (:func:`_round_trip`)."""
     if instruction.opcode in _SLICING:
         return 2 * type_bytes(instruction.result_type)
-    written = _written(module, computation, instruction)
+    written = _written(module, computation, instruction, round_trips)
     read = 0
     for index, operand in enumerate(instruction.operands):
         full = type_bytes(module.type_of(computation, operand))
         if instruction.opcode in _IN_PLACE and index == 0:
             full = 0
         elif instruction.opcode in _FUSIONS:
-            full = _fused_reads(module, instruction.called("calls")[0], index, full)
+            full = _fused_reads(module, instruction.called("calls")[0], index, full, round_trips)
         read += full
     return read + written
 
@@ -198,5 +250,8 @@ def kernel_time_s(module: Module, computation: str, instruction: Instruction, pr
                                                    m.highest)
                               * matmul_efficiency(profile, m.dims))
                    for m in matmuls(module, computation, instruction))
-    memory_s = bytes_moved(module, computation, instruction) / profile.achieved_hbm_bytes_per_s
+    # on a GPU or TPU (collectives beside compute), XLA:CPU's convert round trips go
+    accelerator = profile.async_collectives
+    memory_s = (bytes_moved(module, computation, instruction, round_trips=accelerator)
+                / profile.achieved_hbm_bytes_per_s)
     return max(matmul_s, memory_s, profile.launch_overhead_s)

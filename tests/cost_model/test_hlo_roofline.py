@@ -31,6 +31,16 @@ HloModule m, is_scheduled=true
   ROOT %dus = f32[8,1024]{1,0} dynamic-update-slice(%q0, %neg, %q2, %z)
 }
 
+%fused_round_trip (t0: bf16[8,1024], t1: f32[1,1024], t2: s32[]) -> bf16[8,1024] {
+  %t0 = bf16[8,1024]{1,0} parameter(0)
+  %t1 = f32[1,1024]{1,0} parameter(1)
+  %t2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %wide = f32[8,1024]{1,0} convert(%t0)
+  %dus = f32[8,1024]{1,0} dynamic-update-slice(%wide, %t1, %t2, %z)
+  ROOT %narrow = bf16[8,1024]{1,0} convert(%dus)
+}
+
 %fused_two_dots (r0: bf16[64,128], r1: bf16[128,32]) -> bf16[64,32] {
   %r0 = bf16[64,128]{1,0} parameter(0)
   %r1 = bf16[128,32]{1,0} parameter(1)
@@ -54,6 +64,8 @@ ENTRY %main (a: f32[8,1024], i: s32[], x: bf16[4,64,128], y: bf16[4,128,32]) -> 
   %e = f32[8,1024]{1,0} exponential(%a)
   %fs = ((f32[8,1024]{1,0}, f32[1,1024]{1,0}, s32[]), f32[8,1024]{1,0}, u32[]) fusion-start(%a, %sl, %i), kind=kLoop, calls=%fused_update
   %fd = f32[8,1024]{1,0} fusion-done(%fs)
+  %b16 = bf16[8,1024]{1,0} parameter(7)
+  %rt = bf16[8,1024]{1,0} fusion(%b16, %sl, %i), kind=kLoop, calls=%fused_round_trip
   %hi = f32[64,32]{1,0} dot(%x2, %y2), lhs_contracting_dims={1}, rhs_contracting_dims={0}, operand_precision={highest,highest}
   %lo = f32[64,32]{1,0} dot(%x2, %y2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
   ROOT %out = (f32[8,1024]{1,0}, f32[1,1024]{1,0}) tuple(%up, %sl)
@@ -108,6 +120,12 @@ def test_bytes_moved(module):
     assert bytes_moved(module, "main", _get(module, "up")) == 1024 * 4 + 4 + 1024 * 4
     # XLA:GPU's async form of the same fusion (its result tuple holds the operands first)
     assert bytes_moved(module, "main", _get(module, "fs")) == 1024 * 4 + 4 + 1024 * 4
+    # XLA:CPU carries a bf16 update in f32: the whole buffer converted, updated and converted
+    # back, each element exactly; a GPU updates in place (reads the f32 row and the index,
+    # writes a bf16 row)
+    rt = _get(module, "rt")
+    assert bytes_moved(module, "main", rt) == 8 * 1024 * 2 + 1024 * 4 + 4 + 8 * 1024 * 2
+    assert bytes_moved(module, "main", rt, round_trips=True) == 1024 * 4 + 4 + 1024 * 2
 
 
 def test_float32_dots_run_at_the_profiles_default_precision_rate(module):
