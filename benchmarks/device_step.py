@@ -122,19 +122,24 @@ class Comparison:
 
 
 def _is_gemm_kernel(name: str) -> bool:
-    """cuBLAS (nvjet, cutlass) kernels and XLA's Triton gemm fusions."""
+    """cuBLAS (nvjet, cutlass) kernels and XLA's Triton gemm fusions, for kernels the
+    compiled program does not name."""
     return name.startswith(("nvjet", "sm90_", "sm80_")) or "cutlass" in name or "gemm" in name
 
 
 def _kernels(trace: bytes) -> list[dict]:
+    """A trace's kernels in time order: the device's events on a GPU or TPU, the thunks
+    XLA:CPU ran (events naming their ``hlo_op``) on the CPU."""
     import gzip
 
     doc = json.loads(gzip.decompress(trace))
-    events = doc["traceEvents"] if isinstance(doc, dict) else doc
-    devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") ==
+    events = [e for e in (doc["traceEvents"] if isinstance(doc, dict) else doc)
+              if e.get("ph") in ("X", "M")]
+    devices = {e["pid"] for e in events if e["ph"] == "M" and e.get("name") ==
                "process_name" and "/device:" in str(e.get("args", {}).get("name", ""))}
-    return sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in devices),
-                  key=lambda e: e["ts"])
+    kernels = [e for e in events if e["ph"] == "X" and (
+        e.get("pid") in devices if devices else "hlo_op" in (e.get("args") or {}))]
+    return sorted(kernels, key=lambda e: e["ts"])
 
 
 def _members(path: str) -> dict[str, bytes]:
@@ -171,27 +176,30 @@ def compare(folder: str, profile=None) -> list[Comparison]:
         # XLA:GPU names a kernel after its fusion, or the fusion it deduplicated it with.
         kernel_of = dict(re.findall(r'%(\S+) = [^\n]*deduplicated_name="([^"]+)"', text))
         simulated = collections.Counter()
+        is_matmul: dict[str, bool] = {}
         sim_gemm = sim_other = 0.0
         for event in timeline.events:
             if event.level is not None:
                 continue
             computation, instruction = where[event.name]
             took = event.end_s - event.start_s
-            if matmuls(module, computation, instruction):
+            kernel = kernel_of.get(event.name, event.name).replace(".", "_")
+            is_matmul[kernel] = bool(matmuls(module, computation, instruction))
+            if is_matmul[kernel]:
                 sim_gemm += took
             else:
                 sim_other += took
-                simulated[kernel_of.get(event.name, event.name).replace(".", "_")] += took
+                simulated[kernel] += took
         kernels = _kernels(traces[f"{name}.trace.json.gz"])
         traced = collections.Counter()
         gemm = other = 0.0
         for k in kernels:
-            took = k["dur"] * 1e-6
-            if _is_gemm_kernel(k["name"]):
+            took, kernel = k["dur"] * 1e-6, k["name"].replace(".", "_")
+            if is_matmul.get(kernel, _is_gemm_kernel(kernel)):
                 gemm += took
             else:
                 other += took
-                traced[k["name"]] += took
+                traced[kernel] += took
         # Among kernels both sides name alike (XLA:GPU may rename a deduplicated one).
         worst = max((k for k in traced if k in simulated),
                     key=lambda k: traced[k] - simulated[k], default="")

@@ -36,3 +36,13 @@ def test_bert_gap_is_its_repeated_index_scatter(rows):
     kernel, traced_s, simulated_s = r.slowest_other
     assert "scatter" in kernel and traced_s > 0.5 * r.span_s
     assert 0.8 <= (r.simulated_s - simulated_s) / (r.span_s - traced_s) <= 1.1
+
+
+def test_a_run_on_this_machine_can_be_compared(tmp_path):
+    # the tiny MLP on the CPU: the same path a GPU session runs, down to the trace it reads
+    from benchmarks import device_step
+    assert device_step.main(["--tiny", "--only", "mlp", "--warmup", "1", "--repeats", "2",
+                             "--trace", "--out", str(tmp_path)]) == 0
+    (row,) = compare(str(tmp_path))
+    assert row.name == "mlp" and row.measured_s > 0 and row.span_s > 0
+    assert row.simulated_s > 0 and row.matmul_kernels_s + row.other_kernels_s > 0
