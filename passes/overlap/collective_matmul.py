@@ -242,9 +242,11 @@ def _chunked(node: Node, graph: Graph, mesh: MeshContext, s: Strategy, cm: Colle
     place_bytes = {Mode.GATHER_FREE: 2 * piece_bytes,
                    Mode.GATHER_CONTRACTING: 2 * out_bytes * max(4 // out.itemsize, 1) + out_bytes,
                    Mode.SCATTER: 3 * piece_bytes}[cm.mode]
-    # An operand piece cut out of a block the device holds whole (the scatter's slices, or a
-    # block that arrives in two chunks) is a dynamic-slice kernel: read and written once.
-    sliced = cut if cm.mode is Mode.SCATTER or cm.chunks > 1 else []
+    # An operand piece cut out of a block the device holds whole is a dynamic-slice kernel,
+    # read and written once: the scatter's slices, the other operand of a contracting gather,
+    # and an arriving block where it arrives in two chunks.
+    sliced = [(k, d) for k, d in cut
+              if cm.mode is Mode.SCATTER or k != cm.operand or cm.chunks > 1]
     place_bytes += sum(2 * math.prod(local[k]) * itemsize(node.in_avals[k][1]) for k, _ in sliced)
     return overlap.Chunked(matmul_s, place_bytes / mesh.profile.achieved_hbm_bytes_per_s, pieces)
 
