@@ -37,7 +37,9 @@ def paused_gc():
         yield
     finally:
         if was_enabled:
-            if gc.get_freeze_count() == _FROZEN_AT_IMPORT:  # (see the module docstring)
+            # (see the module docstring) Not "==": the hand-over unfreezes the interpreter's
+            # own frozen objects too, and frozen objects that are freed leave the count.
+            if gc.get_freeze_count() <= _FROZEN_AT_IMPORT:
                 gc.freeze()
                 gc.unfreeze()
             gc.enable()
