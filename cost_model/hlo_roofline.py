@@ -100,7 +100,7 @@ def _convolution(module: Module, computation: str, instruction: Instruction) -> 
 def matmuls(module: Module, computation: str, instruction: Instruction) -> list[Matmul]:
     """The contractions an instruction runs, through the computations it calls."""
     found = _matmuls(module, computation, instruction)
-    if instruction.opcode in _FUSIONS or instruction.opcode == "call":
+    if not found or instruction.opcode in _FUSIONS or instruction.opcode == "call":
         return found
     highest = bool(_HIGHEST.search(instruction.attributes))
     return [dataclasses.replace(m, highest=highest) for m in found]
@@ -155,15 +155,12 @@ def _written(module: Module, computation: str, instruction: Instruction,
     result_type = _fusion_result_type(instruction)
     fused = instruction.called("calls")[0]
     body = {i.name: i for i in module.computations.get(fused, ())}
-    root = next((i for i in body.values() if i.root), None)
-    if root is None:
-        return type_bytes(result_type)
-    parts = [body.get(name) for name in root.operands] if root.opcode == "tuple" else [root]
-    if any(p is None for p in parts):
+    parts = _root_parts(body)
+    if parts is None:
         return type_bytes(result_type)
     written = 0
     for p in parts:
-        trip = _round_trip(body, p) if round_trips else None
+        trip = _round_trip(body, p) if round_trips and p.opcode not in _IN_PLACE else None
         if p.opcode in _IN_PLACE:
             written += _update_bytes(module, fused, p)
         elif trip is not None:  # the update, at the result's element size
@@ -173,6 +170,16 @@ def _written(module: Module, computation: str, instruction: Instruction,
         else:
             written += type_bytes(p.result_type)
     return written
+
+
+def _root_parts(body: dict[str, Instruction]) -> list[Instruction] | None:
+    """What a fused computation returns: its root, or the operands of a root tuple; None
+    where the root or a part is not found."""
+    root = next((i for i in body.values() if i.root), None)
+    if root is None:
+        return None
+    parts = [body.get(name) for name in root.operands] if root.opcode == "tuple" else [root]
+    return None if any(p is None for p in parts) else parts
 
 
 def _through_converts(body: dict[str, Instruction], instruction: Instruction | None):
@@ -198,13 +205,9 @@ def _round_trip(body: dict[str, Instruction], part: Instruction) -> Instruction 
 def _round_trip_buffers(body) -> set[str]:
     """Parameters a fusion updates in place through a convert round trip (:func:`_round_trip`)."""
     by_name = {i.name: i for i in body}
-    root = next((i for i in body if i.root), None)
-    if root is None:
-        return set()
-    parts = [by_name.get(n) for n in root.operands] if root.opcode == "tuple" else [root]
     found = set()
-    for p in parts:
-        op = _round_trip(by_name, p) if p is not None else None
+    for p in _root_parts(by_name) or ():
+        op = _round_trip(by_name, p)
         if op is not None:
             found.add(_through_converts(by_name, by_name.get(op.operands[0])).name)
     return found
@@ -250,7 +253,8 @@ def kernel_time_s(module: Module, computation: str, instruction: Instruction, pr
                                                    m.highest)
                               * matmul_efficiency(profile, m.dims))
                    for m in matmuls(module, computation, instruction))
-    # on a GPU or TPU (collectives beside compute), XLA:CPU's convert round trips go
+    # A GPU or TPU profile (collectives beside compute) prices XLA:CPU's round-trip updates
+    # as the in-place updates its backend compiles.
     accelerator = profile.async_collectives
     memory_s = (bytes_moved(module, computation, instruction, round_trips=accelerator)
                 / profile.achieved_hbm_bytes_per_s)
