@@ -25,6 +25,7 @@ from collections import defaultdict
 
 from autopar._sizes import format_bytes, format_flops
 from autopar.cost_model.hlo import analyze, permute_loops
+from autopar.passes.stages.schedules import Schedule, tick_loops
 
 #: Compiled wire bytes of a kind over this multiple of the prediction are flagged.
 _EXCESS = 1.10
@@ -101,12 +102,13 @@ def validate(plan) -> dict:
 
 def _pipeline(pipeline: dict | None, hlo_text: str, peak_bytes: int) -> dict | None:
     """A pipelined plan's schedule beside its compiled loops: the tick loops' trip counts
-    (GPipe and interleaved: a forward and a backward loop; 1F1B: one), the predicted bubble,
+    (``passes.stages.schedules.tick_loops``), the predicted bubble,
     and the per-stage peak beside the compiled peak (every device runs the same program)."""
     if pipeline is None:
         return None
-    loops = 1 if pipeline["schedule"] == "1f1b" else 2
-    return {"ticks": ([pipeline["ticks"]] * loops, permute_loops(hlo_text)),
+    loops = tick_loops(Schedule(pipeline["schedule"]), pipeline["stages"],
+                       pipeline["microbatches"], pipeline["virtual_stages"] or 1)
+    return {"ticks": (loops, permute_loops(hlo_text)),
             "bubble_fraction": pipeline["bubble_fraction"],
             "stage_peak_bytes": (max(pipeline["stage_peak_bytes"]), peak_bytes)}
 

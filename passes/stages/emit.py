@@ -12,10 +12,9 @@ activations and cotangents move with ``lax.ppermute``.
 - 1F1B: lockstep ticks; at tick t stage s runs the forward of microbatch t - s and the
   backward (``jax.vjp``, recomputing the stage from a stashed input) of microbatch
   t - 2(S-1) + s. The last stage computes each microbatch's loss and its cotangent in the same
-  tick. Each tick runs its phase's branch (:func:`phases`: warmup forwards, steady, cooldown
-  backwards; a ``lax.switch`` on the tick, the same on every device), so no tick computes a
-  slot no stage needs. The result is a ``jax.custom_vjp``
-  whose forward runs the whole schedule.
+  tick. Each phase (:func:`phases`: warmup forwards, steady, cooldown backwards) is its own
+  ``lax.scan``, so no tick computes a slot no stage needs and no tick branches. The result is
+  a ``jax.custom_vjp`` whose forward runs the whole schedule.
 - ZB-H1: the same ``custom_vjp``, its region the tabled loop of :mod:`.tabled`.
 
 Idle slots are masked with ``jnp.where``, never skipped with a device-varying ``lax.cond``
@@ -36,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from autopar.passes.stages import manual, split, tabled
 from autopar.passes.stages.prepare import Prepared
-from autopar.passes.stages.schedules import Schedule, stash_slots, ticks
+from autopar.passes.stages.schedules import Schedule, phases, stash_slots, ticks
 
 
 def pipelined(prep: Prepared, mesh) -> Callable:
@@ -210,27 +209,15 @@ def _one_f_one_b_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
                      d_mbs=manual.varying(jnp.zeros_like(mbs), axis),
                      loss=manual.varying(jnp.zeros((), jnp.float32), axis))
         fixed = (consts, mbs, xs, float_ins, other_ins)
-        spans = phases(prep.stages, n_micro)
-        branches = [functools.partial(tick, fixed, forward=f, backward=b)
-                    for _, _, f, b in spans]
-
-        def step(c, t):  # the phase is the same on every device: no device-varying branch
-            phase = (t >= spans[1][0]).astype(jnp.int32) + (t >= spans[2][0]).astype(jnp.int32)
-            return lax.switch(phase, branches, c, t), None
-
-        end, _ = lax.scan(step, start, jnp.arange(spans[-1][1]))
+        end = start
+        for first, stop, forward, backward in phases(prep.stages, n_micro):
+            if stop > first:  # one loop per phase: its ticks run no branch
+                one = functools.partial(tick, fixed, forward=forward, backward=backward)
+                end, _ = lax.scan(lambda c, t, one=one: (one(c, t), None), end,
+                                  jnp.arange(first, stop))
         return manual.region_results(prep, end, held, end["d_mbs"])
 
     return manual.run_region(body, prep, mesh, flat, kinds, consts, carry, xs)
-
-
-def phases(stages: int, microbatches: int) -> list[tuple[int, int, bool, bool]]:
-    """The 1F1B loop's phases, ``(first tick, stop, forward, backward)``: S-1 warmup ticks
-    with forwards only, M steady ticks with both, S-1 cooldown ticks with backwards only
-    (no stage has the other slot's work there, so it is not computed)."""
-    s, m = stages, microbatches
-    return [(0, s - 1, True, False), (s - 1, m + s - 1, True, True),
-            (m + s - 1, m + 2 * (s - 1), False, True)]
 
 
 def _one_f_one_b_tick(prep: Prepared, kinds, rows: int) -> Callable:

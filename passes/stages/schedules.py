@@ -150,6 +150,36 @@ def ticks(schedule: Schedule, stages: int, microbatches: int, virtual: int = 1) 
     return table(schedule, s, m).slots
 
 
+def phases(stages: int, microbatches: int) -> list[tuple[int, int, bool, bool]]:
+    """1F1B's tick loops, ``(first tick, stop, forward, backward)``: S-1 warmup ticks with
+    forwards only, M steady ticks with both, S-1 cooldown ticks with backwards only (no stage
+    has the other slot's work there, so it is not computed).
+
+    With two stages the cooldown is one tick, and XLA inlines a loop of one trip; an inlined
+    backward cannot share the steady loop's buffers for its residuals (a compiled 26B GPT
+    stage held 21 GB more), so that tick runs in the steady loop, its forward masked."""
+    s, m = stages, microbatches
+    if s == 2:
+        return [(0, 1, True, False), (1, m + 2, True, True)]
+    return [(0, s - 1, True, False), (s - 1, m + s - 1, True, True),
+            (m + s - 1, m + 2 * (s - 1), False, True)]
+
+
+def tick_loops(schedule: Schedule, stages: int, microbatches: int, virtual: int = 1
+               ) -> list[int]:
+    """Trip counts of the emitted tick loops, sorted: GPipe and interleaved run a forward and
+    a backward loop of :func:`ticks` each, 1F1B one loop per phase (:func:`phases`), ZB-H1 one
+    loop over its table's slots. XLA inlines a loop of one trip, so those are left out."""
+    n = ticks(schedule, stages, microbatches, virtual)
+    if schedule in (Schedule.GPIPE, Schedule.INTERLEAVED):
+        loops = [n, n]
+    elif schedule is Schedule.ONE_F_ONE_B:
+        loops = [stop - first for first, stop, _, _ in phases(stages, microbatches)]
+    else:
+        loops = [n]
+    return sorted(k for k in loops if k > 1)
+
+
 def bubble_fraction(schedule: Schedule, stages: int, microbatches: int, virtual: int = 1) -> float:
     """The schedule's bubble by its published formula (0 when S = 1)."""
     _check(stages, microbatches, virtual)

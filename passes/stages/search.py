@@ -15,7 +15,7 @@ gpipe           (M + S - 1) (l t + 2 h)         M l a n
 interleaved     (v M + S - 1) (l t / v + 2 h)   M l a n
 1f1b            (S - 1) (l t f + h)             (2S - 1) c + l a
                 + M (l t (1 + f) + 2 h)
-                + (S - 1) (l t + h)
+                + (S - 1) (l t + h) [1]
 zb-h1           T (l t f + 2 h)                 R l a + P l c + (Q_f + Q_b) c
 ==============  ==============================  ============================================
 
@@ -23,7 +23,9 @@ with l layers per stage, t one layer's forward and backward on a microbatch, h o
 its kept activations, c one microbatch's activation entering a layer, n the devices of a
 stage, and f = 1/3 a forward's share of t (a matmul's backward is two matmuls of the
 forward's size). 1F1B's warmup ticks run forwards only, its cooldown ticks backwards only,
-and a backward re-runs the stage's forward from the stashed input. ZB-H1 runs the T slots of
+and a backward re-runs the stage's forward from the stashed input. [1] With two stages the
+one cooldown tick runs in the steady loop, its forward masked (:func:`.schedules.phases`):
+(l t (1 + f) + 2 h) instead. ZB-H1 runs the T slots of
 its table (:func:`.schedules.table`), each one F, B or W, and holds R microbatches'
 residuals, P microbatches' per-layer cotangents between B and W, and Q_f, Q_b received
 activations and cotangents (the table's buffer sizes). GPipe's backward is jax's
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.passes.stages.schedules import TABLED, Schedule, stash_slots, table, ticks
+from autopar.passes.stages.schedules import TABLED, Schedule, phases, stash_slots, table, ticks
 
 #: The share of a layer's forward-and-backward time its forward takes, and each of ZB-H1's B
 #: and W (a matmul's backward is two matmuls of the forward's size).
@@ -76,10 +78,9 @@ def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: 
         time_s = n * (stage_s + 2 * layer.hop_s)
         held = microbatches * layers_per_stage * layer.kept_bytes * layer.devices
     elif schedule is Schedule.ONE_F_ONE_B:
-        ramp = stages - 1
-        time_s = (ramp * (stage_s * FORWARD_SHARE + layer.hop_s)
-                  + microbatches * (stage_s * (1 + FORWARD_SHARE) + 2 * layer.hop_s)
-                  + ramp * (stage_s + layer.hop_s))
+        forward_s, backward_s = stage_s * FORWARD_SHARE + layer.hop_s, stage_s + layer.hop_s
+        time_s = sum((stop - first) * (forward_s * f + backward_s * b)
+                     for first, stop, f, b in phases(stages, microbatches))
         held = stash_slots(stages) * layer.carry_bytes + layers_per_stage * layer.kept_bytes
     else:
         assert schedule in TABLED, schedule

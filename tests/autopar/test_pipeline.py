@@ -19,6 +19,7 @@ from autopar.errors import ArgumentError, PipelineError
 from autopar.models import common, gpt, llama_nnx
 from autopar.passes.stages import search
 from autopar.passes.stages.prepare import Inner
+from autopar.passes.stages.schedules import Schedule, tick_loops
 
 CONFIG = gpt.Config(scan_layers=True, layers=4)   # gpt.TINY_SCAN with one layer per stage
 
@@ -246,15 +247,16 @@ def _compiled(schedule):
     return _pipelined(step, settings, _mesh({"stage": 4, "data": 2}))(params, batch)
 
 
-@pytest.mark.parametrize("schedule, loops", [("gpipe", [11, 11]), ("1f1b", [14]),
+@pytest.mark.parametrize("schedule, loops", [("gpipe", [11, 11]), ("1f1b", [3, 3, 8]),
                                              ("interleaved", [11, 11]), ("zb-h1", [29])])
 def test_compiled_loop_runs_the_schedule_s_ticks(schedule, loops):
-    # GPipe: forward and backward loops of M + S - 1 ticks; 1F1B: one loop of M + 2(S - 1)
-    # ticks (warmup, steady and cooldown branches); ZB-H1: 3M + S - 1 slots of F, B or W and
+    # GPipe: forward and backward loops of M + S - 1 ticks; 1F1B: M + 2(S - 1) ticks in three
+    # loops (S - 1 warmup, M steady, S - 1 cooldown); ZB-H1: 3M + S - 1 slots of F, B or W and
     # two more here; interleaved with v = 1 (4 layers on 4 stages) runs GPipe's ticks,
     # v M + S - 1 in general
     hlo = _compiled(schedule).as_text()
     assert sorted(_loops_with_permutes(hlo)) == loops
+    assert loops == tick_loops(Schedule(schedule), 4, 8, 1)
 
 
 def test_interleaved_loop_runs_v_m_plus_s_minus_1_ticks():
