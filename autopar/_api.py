@@ -18,6 +18,7 @@ from autopar._check_memory import check_compiled_memory
 from autopar._dispatch import Program, SignatureChanged, Split, as_planned, signature
 from autopar._export import logical_names
 from autopar._gc import with_gc_paused
+from autopar._judge import main_dtype, simulated_step_s
 from autopar._layers import weight_leaves
 from autopar._mesh import as_auto_mesh, axis_sizes
 from autopar._multiprocess import process_0_plan
@@ -226,7 +227,9 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         (microbatches, schedule) by the stage search; ``plan.pipeline`` says what was chosen.
         "auto" (the default): when the step marks its loss, also plan pipelined over each
         axis on a slower link than the mesh's fastest (across nodes; every axis when nothing
-        else fits) and keep the fastest plan that fits (``plan.stats["pipeline_search"]``).
+        else fits), compile each candidate, and keep the one whose compiled program simulates
+        fastest on ``hardware`` among those predicted to fit (``plan.stats["pipeline_search"]``
+        gives each one's estimate, ``plan.stats["pipeline_search_compiled"]`` its program's).
         None: never pipeline.
       overlap: True (the default): also consider strategies that hide communication behind
         compute where the hardware runs collectives asynchronously (a GPU or TPU profile):
@@ -449,9 +452,11 @@ def _rewrites(graph, strats, choice) -> dict[str, int]:
 def _plan_auto(fn, example_args, memory_budget, target_bytes, *, progress, **options) -> Plan:
     """``pipeline="auto"``: the plan that does not pipeline and, when the step marks its loss
     (``autopar.value_and_grad``), a pipelined plan over each candidate axis
-    (``_pipeline.candidate_axes``: the slow ones, or all when nothing else fits); the fastest
-    that fits the memory budget is kept. ``plan.stats["pipeline_search"]`` gives each
-    candidate's predicted step time, or why it cannot pipeline."""
+    (``_pipeline.candidate_axes``: the slow ones, or all when nothing else fits); among those
+    predicted to fit the memory budget, the one whose compiled program simulates fastest
+    (:func:`_referee`) is kept. ``plan.stats["pipeline_search"]`` gives each candidate's
+    predicted step time, or why it cannot pipeline; ``"pipeline_search_compiled"`` the
+    simulated step of each one's program."""
     def planned(pipeline):
         return _plan_once(fn, example_args, memory_budget, target_bytes, progress=progress,
                           pipeline=pipeline, **options)
@@ -472,9 +477,25 @@ def _plan_auto(fn, example_args, memory_budget, target_bytes, *, progress, **opt
             tried[axis] = plans[-1].estimate.step_time_s
         except PipelineError as e:
             tried[axis] = f"{type(e).__name__}: {e}"
-    best = min(plans, key=lambda p: (not fits(p), p.estimate.step_time_s))
+    compiled = _referee(plans, fn, example_args, profile, progress) if len(plans) > 1 else {}
+    best = min(plans, key=lambda p: (not fits(p), compiled.get(id(p), p.estimate.step_time_s)))
     best.stats["pipeline_search"] = tried
+    if compiled:
+        names = ["none"] + [a for a, t in tried.items() if a != "none" and not isinstance(t, str)]
+        best.stats["pipeline_search_compiled"] = {
+            name: compiled[id(p)] for name, p in zip(names, plans, strict=True)}
     return best
+
+
+def _referee(plans: list[Plan], fn, example_args, profile, progress) -> dict[int, float]:
+    """Each candidate of ``pipeline="auto"`` compiled (from the arguments' shapes; nothing
+    runs) and its step simulated on ``profile`` (``_judge.simulated_step_s``), keyed by the
+    plan's id: the estimates of a pipelined and an unpipelined plan err differently (the
+    pipeline's stages are priced from one layer's plan), so the programs decide."""
+    progress(f"pipeline search: compiling the {len(plans)} candidates to compare their programs")
+    dtype = main_dtype(fn, example_args)
+    return {id(p): simulated_step_s(p.jit().lower(*example_args).compile(), profile, dtype)
+            for p in plans}
 
 
 def _activation_budget(example_args, mesh, options: PlanOptions) -> float:

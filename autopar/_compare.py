@@ -7,15 +7,14 @@ baselines for the same function and mesh, from abstract arguments, so nothing ru
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from dataclasses import dataclass
 
 import jax
-import jax.extend.core as jax_core
 
 from autopar import _api, baselines
+from autopar._judge import main_dtype
 from autopar.baselines import baseline_kinds
 from autopar.baselines import baseline_kwargs as _baseline_kwargs
 from autopar._mesh import as_auto_mesh
@@ -72,29 +71,6 @@ def compute_only_limit_s(fn, args, profile, dtype, devices: int, compiler_option
     shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
     compiled = jax.jit(fn).lower(*shapes).compile(compiler_options=compiler_options)
     return simulate(compiled.as_text(), profile, dtype).step_time_s / devices
-
-
-def main_dtype(fn, args):
-    """The dtype of the matmul operands that do most of ``fn``'s flops on ``args`` (float32
-    when it has no matmul): the rate a program of ``fn`` is priced at."""
-    closed = jax.make_jaxpr(fn)(*args)
-    flops: dict = {}
-    for eqn in _eqns(closed.jaxpr):
-        if eqn.primitive is jax.lax.dot_general_p:
-            (contract, _), _ = eqn.params["dimension_numbers"]
-            lhs = eqn.invars[0].aval
-            k = math.prod(lhs.shape[d] for d in contract)
-            out = math.prod(eqn.outvars[0].aval.shape)
-            flops[lhs.dtype] = flops.get(lhs.dtype, 0) + 2 * out * k
-    return max(flops, key=flops.get) if flops else jax.numpy.float32
-
-
-def _eqns(jaxpr):
-    """Every equation of ``jaxpr`` and of the jaxprs inside it (calls, loops, branches)."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jax_core.jaxprs_in_params(eqn.params):
-            yield from _eqns(sub)
 
 
 def compile_baseline(fn, args, mesh, kind: str):

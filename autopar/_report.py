@@ -63,6 +63,7 @@ def render_text(plan, baselines: dict | None = None) -> str:
                      "their buffers are reused for the results")
     lines += _remat_lines(plan.stats.get("remat"))
     lines += _pipeline_lines(plan.pipeline)
+    lines += _pipeline_search_lines(plan.stats)
     checks = plan.stats.get("memory_checks")
     if checks:
         lines.append(f"  compiled     peak memory {_fmt_bytes(checks[-1]['compiled_bytes'])} "
@@ -171,6 +172,25 @@ def _pipeline_lines(pipeline: dict | None) -> list[str]:
         lines.append(f"  each stage splits {len(split)} of its {len(inner['layer'])} layer "
                      f"parameters over the other axes; a microbatch's activation is "
                      f"{inner['carry'] if inner['carry'] not in (None, '()') else 'replicated'}")
+    return lines
+
+
+def _pipeline_search_lines(stats: dict) -> list[str]:
+    """``pipeline="auto"``'s candidates: each one's estimate and, when it compiled them, its
+    program's simulated step (what it chose by)."""
+    tried = stats.get("pipeline_search")
+    if not tried or len(tried) < 2:
+        return []
+    compiled = stats.get("pipeline_search_compiled") or {}
+    kept = "; the fastest compiled program that fits is kept" if compiled else ""
+    lines = ["", f"Pipeline search (pipeline=\"auto\"{kept}):"]
+    for name, t in tried.items():
+        label = "no pipeline" if name == "none" else f"stages over {name}"
+        if isinstance(t, str):
+            lines.append(f"  {label:<24}cannot pipeline: {t}")
+            continue
+        program = (f", compiled {_fmt_s(compiled[name])}" if name in compiled else "")
+        lines.append(f"  {label:<24}predicted {_fmt_s(t)}{program}")
     return lines
 
 

@@ -76,6 +76,33 @@ def test_without_a_pipeline_the_marked_step_plans_as_before(case):
         assert "Pipeline over" not in plan.report()
 
 
+@pytest.mark.parametrize("favoured", ["none", "node"])
+def test_auto_keeps_the_candidate_whose_compiled_program_is_fastest(case, monkeypatch,
+                                                                    favoured):
+    """Across a slow axis, "auto" plans with and without stages over it, compiles both, and
+    keeps the faster program by the simulated timeline, whatever the estimates say: here
+    the simulated step is replaced by one that favours ``favoured``."""
+    step, args, expected = case
+    judged = []
+
+    def simulated(compiled, profile, dtype):   # called in the search's order: none, node
+        judged.append(("none", "node")[len(judged)])
+        return 1.0 if judged[-1] == favoured else 2.0
+
+    monkeypatch.setattr(autopar._api, "simulated_step_s", simulated)
+    plan = autopar.plan(step, *args, mesh={"node": 2, "gpu": 4}, hardware="h100",
+                        axis_level_overrides={"node": "infiniband"}, memory_budget="80GB")
+    assert set(plan.stats["pipeline_search"]) == {"none", "node"}
+    assert judged == ["none", "node"]   # each candidate compiled once
+    compiled = plan.stats["pipeline_search_compiled"]
+    assert compiled[favoured] == 1.0 and min(compiled, key=compiled.get) == favoured
+    assert (plan.pipeline is not None) == (favoured == "node")
+    assert "Pipeline search" in plan.report() and "compiled 1.000 s" in plan.report()
+    got = plan.jit()(*args)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y),
+                                                         rtol=2e-3, atol=2e-5), got, expected)
+
+
 def test_a_pipeline_of_an_unmarked_step_says_which_line_to_change(case):
     _, args, _ = case
     tx = common.make_optimizer()
