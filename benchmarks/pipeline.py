@@ -139,7 +139,9 @@ def run_case(case: str, hardware: str = "h100", time_limit_s: float = 60.0) -> d
         programs[name] = _row(name, _compile_specs(fn, args, mesh, specs), profile)
     row = {"case": case, "mesh": axes, "overrides": overrides, "planning_s": planning_s,
            "predicted_step_s": auto.estimate.step_time_s, "pipeline": auto.pipeline,
-           "pipeline_search": auto.stats.get("pipeline_search"), "programs": programs}
+           "pipeline_search": auto.stats.get("pipeline_search"),
+           "pipeline_search_compiled": auto.stats.get("pipeline_search_compiled"),
+           "programs": programs}
     if auto.pipeline is not None:
         p = auto.pipeline
         row["bubble_formula"] = bubble_fraction(Schedule(p["schedule"]), p["stages"],
@@ -161,6 +163,11 @@ def _other_choice(auto) -> tuple[str, object] | None:
     return f"autopar (pipelined over {axis})", autopar.Pipeline(axis=axis)
 
 
+def _ms(t) -> str:
+    """A candidate's step time in ms, or why it could not pipeline."""
+    return t if isinstance(t, str) else f"{t * 1e3:.1f} ms"
+
+
 def table(rows: list[dict]) -> str:
     """A markdown table: each program's compiled step time and its ratio to autopar's, with
     the collectives as XLA:CPU compiled them (16-bit floats widened to float32) and at the
@@ -179,14 +186,18 @@ def table(rows: list[dict]) -> str:
     lines.append("")
     for row in rows:
         p = row["pipeline"]
+        compiled = row.get("pipeline_search_compiled") or {}
+        search = ", ".join(
+            f"{name} {_ms(t)}" + (f" (compiled {_ms(compiled[name])})" if name in compiled else "")
+            for name, t in (row["pipeline_search"] or {}).items())
         if p is None:
-            lines.append(f"- {row['case']}: no pipeline (candidates: {row['pipeline_search']});"
-                         f" planned in {row['planning_s']:.1f} s")
+            lines.append(f"- {row['case']}: no pipeline; candidates predicted: {search}; "
+                         f"planned in {row['planning_s']:.1f} s")
             continue
         lines.append(
             f"- {row['case']}: pipeline over `{p['axis']}`: {p['stages']} stages, "
             f"{p['microbatches']} microbatches, {p['schedule']}; predicted bubble "
             f"{p['bubble_fraction']:.3f} (formula {row['bubble_formula']:.3f}); per-stage peak "
             f"{', '.join(f'{b / 2**30:.1f}' for b in p['stage_peak_bytes'])} GiB predicted; "
-            f"planned in {row['planning_s']:.1f} s; search {row['pipeline_search']}")
+            f"planned in {row['planning_s']:.1f} s; candidates predicted: {search}")
     return "\n".join(lines)

@@ -208,7 +208,11 @@ def _one_f_one_b_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
                      d_xs=zeros(xs), d_consts=zeros(consts), d_post=zeros(float_ins),
                      d_mbs=manual.varying(jnp.zeros_like(mbs), axis),
                      loss=manual.varying(jnp.zeros((), jnp.float32), axis))
-        fixed = (consts, mbs, xs, float_ins, other_ins)
+        # the layers read these operands only narrowed: narrow them once, not per microbatch
+        # (their gradients still accumulate in the operands' own dtype, in d_xs)
+        narrowed = [x if d is None else x.astype(d)
+                    for x, d in zip(xs, split.narrowed_xs(prep.micro), strict=True)]
+        fixed = (consts, mbs, narrowed, float_ins, other_ins)
         end = start
         for first, stop, forward, backward in phases(prep.stages, n_micro):
             if stop > first:  # one loop per phase: its ticks run no branch

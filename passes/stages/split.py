@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
@@ -193,6 +194,29 @@ def layer_fn(stack: Stack) -> Callable:
         return [_read(env, v) for v in body.jaxpr.outvars][:n_carry]
 
     return layer
+
+
+def narrowed_xs(stack: Stack) -> list:
+    """Per stacked operand, the dtype the layer body reads it in when its one use is a convert
+    to a narrower float (a float32 weight read as bfloat16), else None: a stage can convert
+    its share once instead of once per microbatch."""
+    body = stack.eqn.params["jaxpr"].jaxpr
+    xs = body.invars[stack.num_consts + stack.num_carry:]
+    uses: dict = {v: [] for v in xs}
+    for eqn in body.eqns:
+        for v in eqn.invars:
+            if not isinstance(v, jcore.Literal) and v in uses:
+                uses[v].append(eqn)
+    narrowed = []
+    for v in xs:
+        (eqn, *more) = uses[v] or [None]
+        new = None if eqn is None else eqn.params.get("new_dtype")
+        narrow = (not more and eqn.primitive is lax.convert_element_type_p
+                  and v not in body.outvars and new is not None
+                  and jnp.issubdtype(new, jnp.floating) and jnp.issubdtype(v.aval.dtype, jnp.floating)
+                  and np.dtype(new).itemsize < v.aval.dtype.itemsize)
+        narrowed.append(np.dtype(new) if narrow else None)
+    return narrowed
 
 
 def stage_fn(stack: Stack) -> Callable:

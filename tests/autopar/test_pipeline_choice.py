@@ -7,7 +7,7 @@ memory, priced from the compiled HLO on the h100 profile's link levels. It is al
 compiled, of autopar's best pipelined plan (over ``node``) and its best plan without one, with
 the collectives moved at the program's dtypes as a GPU moves them. (The issue asks for a
 pipeline over ``node`` here: the plan without one is predicted faster and compiles faster at
-bf16 collectives; with XLA:CPU's float32-widened collectives the pipeline is faster, 967 ms
+bf16 collectives; with XLA:CPU's float32-widened collectives the pipeline is faster, 908 ms
 against 999.) Inside one node it does not pipeline."""
 
 import json

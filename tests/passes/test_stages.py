@@ -143,6 +143,25 @@ def test_split_finds_the_scan_over_parameters_and_replays_it():
     assert jnp.allclose(split.post_fn(stack)(flat, out)[0], _stacked_loss(w, x))
 
 
+def test_operands_read_only_narrowed_are_found():
+    """A stacked operand whose one use is a convert to a narrower float is narrowed; one also
+    read at its own width, or widened, is not."""
+    def loss(w, x):
+        def layer(h, p):
+            h = h @ p["narrow"].astype(jnp.bfloat16).astype(jnp.float32)
+            h = h * p["both"].astype(jnp.bfloat16).astype(jnp.float32)[None] + p["both"][None]
+            return h * p["wide"].astype(jnp.float32)[None] + p["kept"][None], None
+        return [jnp.sum(jax.lax.scan(layer, x, w)[0])]
+
+    w = {"narrow": jnp.ones((3, 4, 4)), "both": jnp.ones((3, 4)),
+         "wide": jnp.ones((3, 4), jnp.bfloat16), "kept": jnp.ones((3, 4))}
+    flat, tree = jax.tree.flatten((w, jnp.ones((8, 4))))
+    closed = jax.make_jaxpr(lambda *f: loss(*jax.tree.unflatten(tree, f)))(*flat)
+    stack = split.find_stack(closed, [True] * 4 + [False])
+    narrowed = dict(zip(sorted(w), split.narrowed_xs(stack), strict=True))
+    assert narrowed == {"both": None, "kept": None, "narrow": jnp.bfloat16, "wide": None}
+
+
 def test_split_without_a_stack_says_to_scan_layers():
     closed = jax.make_jaxpr(lambda w, x: [jnp.sum(x @ w)])(jnp.ones((4, 4)), jnp.ones((8, 4)))
     with pytest.raises(PipelineError, match="nn.scan"):
