@@ -130,11 +130,14 @@ def run_case(case: str, hardware: str = "h100", time_limit_s: float = 60.0) -> d
     auto = autopar.plan(fn, *args, pipeline="auto", **kw)
     planning_s = time.perf_counter() - start
     programs = {"autopar": _row("autopar", auto.jit().lower(*args).compile(), profile)}
+    pipelined = ("autopar", auto) if auto.pipeline is not None else None
     other = _other_choice(auto)
     if other is not None:
         name, option = other
         alternative = autopar.plan(fn, *args, pipeline=option, **kw)
         programs[name] = _row(name, alternative.jit().lower(*args).compile(), profile)
+        if alternative.pipeline is not None:
+            pipelined = (name, alternative)
     for name, specs in baseline_specs(args, mesh).items():
         programs[name] = _row(name, _compile_specs(fn, args, mesh, specs), profile)
     row = {"case": case, "mesh": axes, "overrides": overrides, "planning_s": planning_s,
@@ -143,10 +146,17 @@ def run_case(case: str, hardware: str = "h100", time_limit_s: float = 60.0) -> d
            "pipeline_search_compiled": auto.stats.get("pipeline_search_compiled"),
            "programs": programs}
     if auto.pipeline is not None:
-        p = auto.pipeline
-        row["bubble_formula"] = bubble_fraction(Schedule(p["schedule"]), p["stages"],
-                                                p["microbatches"])
+        row["bubble_formula"] = _formula(auto.pipeline)
+    if pipelined is not None:   # the pipelined program, chosen or not
+        name, plan = pipelined
+        row["pipelined"] = {"program": name, "pipeline": plan.pipeline,
+                            "bubble_formula": _formula(plan.pipeline)}
     return row
+
+
+def _formula(pipeline: dict) -> float:
+    return bubble_fraction(Schedule(pipeline["schedule"]), pipeline["stages"],
+                           pipeline["microbatches"])
 
 
 def _other_choice(auto) -> tuple[str, object] | None:
@@ -185,19 +195,21 @@ def table(rows: list[dict]) -> str:
                          f"{m['peak_memory_bytes'] / 2**30:.1f} | {'yes' if m['fits'] else 'no'} |")
     lines.append("")
     for row in rows:
-        p = row["pipeline"]
         compiled = row.get("pipeline_search_compiled") or {}
         search = ", ".join(
             f"{name} {_ms(t)}" + (f" (compiled {_ms(compiled[name])})" if name in compiled else "")
             for name, t in (row["pipeline_search"] or {}).items())
-        if p is None:
-            lines.append(f"- {row['case']}: no pipeline; candidates predicted: {search}; "
-                         f"planned in {row['planning_s']:.1f} s")
-            continue
-        lines.append(
-            f"- {row['case']}: pipeline over `{p['axis']}`: {p['stages']} stages, "
-            f"{p['microbatches']} microbatches, {p['schedule']}; predicted bubble "
-            f"{p['bubble_fraction']:.3f} (formula {row['bubble_formula']:.3f}); per-stage peak "
-            f"{', '.join(f'{b / 2**30:.1f}' for b in p['stage_peak_bytes'])} GiB predicted; "
-            f"planned in {row['planning_s']:.1f} s; candidates predicted: {search}")
+        chose = ("no pipeline" if row["pipeline"] is None
+                 else f"pipeline over `{row['pipeline']['axis']}`")
+        lines.append(f"- {row['case']}: autopar chose {chose}; candidates predicted: {search}; "
+                     f"planned in {row['planning_s']:.1f} s")
+        if row.get("pipelined"):
+            q = row["pipelined"]
+            p, peak = q["pipeline"], row["programs"][q["program"]]["peak_memory_bytes"]
+            lines.append(
+                f"  - {q['program']}: {p['stages']} stages, {p['microbatches']} microbatches, "
+                f"{p['schedule']}; predicted bubble {p['bubble_fraction']:.3f} (formula "
+                f"{q['bubble_formula']:.3f}); per-stage peak "
+                f"{', '.join(f'{b / 2**30:.1f}' for b in p['stage_peak_bytes'])} GiB predicted, "
+                f"{peak / 2**30:.1f} GiB compiled")
     return "\n".join(lines)
