@@ -31,6 +31,7 @@ from autopar._report import (
     _spec_str,
     candidates,
     collective_groups,
+    pipeline_search,
     hardware_words,
     mesh_words,
     outside_layers,
@@ -109,6 +110,15 @@ def _estimate_section(plan, baselines) -> list[str]:
                     format_bytes(p.estimate.comm_bytes),
                     format_bytes(p.estimate.peak_memory_bytes)] for name, p in rows],
                   row_classes=["chosen"] + [""] * (len(rows) - 1))]
+    searched = pipeline_search(plan)
+    if searched:
+        out += ["<h2>Pipeline search</h2>",
+                '<p class="note">Each candidate of <code>pipeline="auto"</code>: its predicted '
+                "step time, and its compiled program's step on the simulated timeline; the "
+                "fastest compiled program that fits the memory budget is kept.</p>",
+                _table(["candidate", "predicted", "compiled"],
+                       [[label, predicted, compiled] for label, predicted, compiled, _ in searched],
+                       row_classes=["chosen" if chosen else "" for *_, chosen in searched])]
     found = candidates(plan.stats)
     if len(found) > 1 and not plan.pipeline:   # priced without the pipeline's stages
         out += ["<h2>Plans the planner compared</h2>",

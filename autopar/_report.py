@@ -63,7 +63,6 @@ def render_text(plan, baselines: dict | None = None) -> str:
                      "their buffers are reused for the results")
     lines += _remat_lines(plan.stats.get("remat"))
     lines += _pipeline_lines(plan.pipeline)
-    lines += _pipeline_search_lines(plan.stats)
     checks = plan.stats.get("memory_checks")
     if checks:
         lines.append(f"  compiled     peak memory {_fmt_bytes(checks[-1]['compiled_bytes'])} "
@@ -71,6 +70,7 @@ def render_text(plan, baselines: dict | None = None) -> str:
                      + (f", after {len(checks) - 1} plan(s) that compiled over the budget"
                         if len(checks) > 1 else ""))
     lines += _baseline_lines(plan, baselines)
+    lines += _pipeline_search_lines(plan)
     if not plan.pipeline:   # the candidates are priced without the pipeline's stages
         lines += _candidate_lines(plan.stats)
     layered = set()
@@ -175,22 +175,28 @@ def _pipeline_lines(pipeline: dict | None) -> list[str]:
     return lines
 
 
-def _pipeline_search_lines(stats: dict) -> list[str]:
-    """``pipeline="auto"``'s candidates: each one's estimate and, when it compiled them, its
-    program's simulated step (what it chose by)."""
-    tried = stats.get("pipeline_search")
-    if not tried or len(tried) < 2:
+def pipeline_search(plan) -> list[tuple[str, str, str, bool]]:
+    """``pipeline="auto"``'s candidates, when it compared two or more: (candidate, its
+    estimate or why it cannot pipeline, its compiled program's simulated step or "", chosen)."""
+    tried = plan.stats.get("pipeline_search") or {}
+    if len(tried) < 2:
         return []
-    compiled = stats.get("pipeline_search_compiled") or {}
-    kept = "; the fastest compiled program that fits is kept" if compiled else ""
-    lines = ["", f"Pipeline search (pipeline=\"auto\"{kept}):"]
-    for name, t in tried.items():
-        label = "no pipeline" if name == "none" else f"stages over {name}"
-        if isinstance(t, str):
-            lines.append(f"  {label:<24}cannot pipeline: {t}")
-            continue
-        program = (f", compiled {_fmt_s(compiled[name])}" if name in compiled else "")
-        lines.append(f"  {label:<24}predicted {_fmt_s(t)}{program}")
+    compiled = plan.stats.get("pipeline_search_compiled") or {}
+    kept = "none" if not plan.pipeline else plan.pipeline["axis"]
+    return [("no pipeline" if name == "none" else f"stages over {name}",
+             f"cannot pipeline: {t}" if isinstance(t, str) else _fmt_s(t),
+             _fmt_s(compiled[name]) if name in compiled else "", name == kept)
+            for name, t in tried.items()]
+
+
+def _pipeline_search_lines(plan) -> list[str]:
+    found = pipeline_search(plan)
+    if not found:
+        return []
+    lines = ["", "Pipeline search (pipeline=\"auto\"; predicted, and the compiled program "
+                 "simulated; the fastest compiled program that fits is kept):"]
+    lines += [f"  {'*' if chosen else ' '} {label:<22}{predicted:>12}{compiled:>14}"
+              for label, predicted, compiled, chosen in found]
     return lines
 
 

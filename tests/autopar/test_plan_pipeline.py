@@ -97,7 +97,12 @@ def test_auto_keeps_the_candidate_whose_compiled_program_is_fastest(case, monkey
     compiled = plan.stats["pipeline_search_compiled"]
     assert compiled[favoured] == 1.0 and min(compiled, key=compiled.get) == favoured
     assert (plan.pipeline is not None) == (favoured == "node")
-    assert "Pipeline search" in plan.report() and "compiled 1.000 s" in plan.report()
+    report = plan.report()
+    label = "no pipeline" if favoured == "none" else "stages over node"
+    assert "Pipeline search" in report
+    assert re.search(rf"\* {label} +[\d.]+ \w+ +1\.000 s\n", report), report
+    page = render_html(plan)
+    assert "<h2>Pipeline search</h2>" in page and f'<tr class="chosen"><td class="l">{label}' in page
     got = plan.jit()(*args)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y),
                                                          rtol=2e-3, atol=2e-5), got, expected)
