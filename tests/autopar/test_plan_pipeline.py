@@ -96,6 +96,7 @@ def test_auto_keeps_the_candidate_whose_compiled_program_is_fastest(case, monkey
     assert judged == ["none", "node"]   # each candidate compiled once
     compiled = plan.stats["pipeline_search_compiled"]
     assert compiled[favoured] == 1.0 and min(compiled, key=compiled.get) == favoured
+    assert autopar.Plan.from_json(plan.to_json()).stats["pipeline_search_compiled"] == compiled
     assert (plan.pipeline is not None) == (favoured == "node")
     report = plan.report()
     label = "no pipeline" if favoured == "none" else "stages over node"
