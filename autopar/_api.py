@@ -469,33 +469,51 @@ def _plan_auto(fn, example_args, memory_budget, target_bytes, *, progress, **opt
     budget = target_bytes if target_bytes is not None else default_memory_budget_bytes(profile)
     levels = axis_levels(jax_mesh, profile, options["axis_level_overrides"])
     fits = lambda p: p.estimate.peak_memory_bytes <= budget  # noqa: E731
-    tried, plans = {"none": base.estimate.step_time_s}, [base]
+    tried, named = {"none": base.estimate.step_time_s}, {"none": base}
     for axis in _pipeline.candidate_axes(jax_mesh, levels, fits(base)):
         progress(f"pipeline search: stages over {axis!r}")
         try:
-            plans.append(planned(_pipeline.Pipeline(axis=axis)))
-            tried[axis] = plans[-1].estimate.step_time_s
+            named[axis] = planned(_pipeline.Pipeline(axis=axis))
+            tried[axis] = named[axis].estimate.step_time_s
         except PipelineError as e:
             tried[axis] = f"{type(e).__name__}: {e}"
-    compiled = _referee(plans, fn, example_args, profile, progress) if len(plans) > 1 else {}
-    best = min(plans, key=lambda p: (not fits(p), compiled.get(id(p), p.estimate.step_time_s)))
+    compiled = {}
+    if len(named) > 1:
+        judged = _referee(list(named.values()), fn, example_args, profile, progress)
+        for name, p in list(named.items()):
+            if isinstance(judged[id(p)], str):   # a pipelined candidate XLA did not compile
+                tried[name] = judged[id(p)]
+                del named[name]
+            else:
+                compiled[name] = judged[id(p)]
+    best_name = min(named, key=lambda n: (not fits(named[n]),
+                                          compiled.get(n, named[n].estimate.step_time_s)))
+    best = named[best_name]
     best.stats["pipeline_search"] = tried
     if compiled:
-        names = ["none"] + [a for a, t in tried.items() if a != "none" and not isinstance(t, str)]
-        best.stats["pipeline_search_compiled"] = {
-            name: compiled[id(p)] for name, p in zip(names, plans, strict=True)}
+        best.stats["pipeline_search_compiled"] = compiled
     return best
 
 
-def _referee(plans: list[Plan], fn, example_args, profile, progress) -> dict[int, float]:
+def _referee(plans: list[Plan], fn, example_args, profile, progress) -> dict[int, float | str]:
     """Each candidate of ``pipeline="auto"`` compiled (from the arguments' shapes; nothing
     runs) and its step simulated on ``profile`` (``_judge.simulated_step_s``), keyed by the
     plan's id: the estimates of a pipelined and an unpipelined plan err differently (the
-    pipeline's stages are priced from one layer's plan), so the programs decide."""
+    pipeline's stages are priced from one layer's plan), so the programs decide. A pipelined
+    candidate XLA cannot compile gets why instead (the plan without one must compile)."""
     progress(f"pipeline search: compiling the {len(plans)} candidates to compare their programs")
     dtype = main_dtype(fn, example_args)
-    return {id(p): simulated_step_s(p.jit().lower(*example_args).compile(), profile, dtype)
-            for p in plans}
+    judged: dict[int, float | str] = {}
+    for p in plans:
+        try:
+            judged[id(p)] = simulated_step_s(p.jit().lower(*example_args).compile(), profile,
+                                             dtype)
+        except jax.errors.JaxRuntimeError as e:
+            if p.pipeline is None:
+                raise
+            lines = str(e.args[0]).splitlines() if e.args else []
+            judged[id(p)] = f"does not compile: {lines[0] if lines else type(e).__name__}"
+    return judged
 
 
 def _activation_budget(example_args, mesh, options: PlanOptions) -> float:

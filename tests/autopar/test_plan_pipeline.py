@@ -109,6 +109,26 @@ def test_auto_keeps_the_candidate_whose_compiled_program_is_fastest(case, monkey
                                                          rtol=2e-3, atol=2e-5), got, expected)
 
 
+def test_auto_drops_a_pipelined_candidate_xla_does_not_compile(case, monkeypatch):
+    step, args, _ = case
+    calls = []
+
+    def simulated(compiled, profile, dtype):   # called in the search's order: none, node
+        calls.append(compiled)
+        if len(calls) == 2:
+            raise jax.errors.JaxRuntimeError("INTERNAL: out of something\nmore")
+        return 2.0
+
+    monkeypatch.setattr(autopar._api, "simulated_step_s", simulated)
+    plan = autopar.plan(step, *args, mesh={"node": 2, "gpu": 4}, hardware="h100",
+                        axis_level_overrides={"node": "infiniband"}, memory_budget="80GB")
+    assert plan.pipeline is None
+    assert plan.stats["pipeline_search"]["node"] == ("does not compile: INTERNAL: out of "
+                                                     "something")
+    assert plan.stats["pipeline_search_compiled"] == {"none": 2.0}
+    assert "stages over node" in plan.report() and "does not compile" in plan.report()
+
+
 def test_a_pipeline_of_an_unmarked_step_says_which_line_to_change(case):
     _, args, _ = case
     tx = common.make_optimizer()
