@@ -156,8 +156,8 @@ def phases(stages: int, microbatches: int) -> list[tuple[int, int, bool, bool]]:
     has the other slot's work there, so it is not computed).
 
     With two stages the cooldown is one tick, and XLA inlines a loop of one trip; an inlined
-    backward cannot share the steady loop's buffers for its residuals (a compiled 26B GPT
-    stage held 21 GB more), so that tick runs in the steady loop, its forward masked."""
+    backward does not share the steady loop's buffers for its residuals, so that tick runs
+    in the steady loop, its forward masked (docs/pipeline.md)."""
     s, m = stages, microbatches
     if s == 2:
         return [(0, 1, True, False), (1, m + 2, True, True)]
