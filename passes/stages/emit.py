@@ -13,7 +13,7 @@ activations and cotangents move with ``lax.ppermute``.
   backward (``jax.vjp``, recomputing the stage from a stashed input) of microbatch
   t - 2(S-1) + s. The last stage computes each microbatch's loss and its cotangent in the same
   tick. Each phase (:func:`phases`: warmup forwards, steady, cooldown backwards) is its own
-  ``lax.scan``, so no tick computes a slot no stage needs and no tick branches. The result is
+  loop, so no tick computes a slot no stage needs and no tick branches. The result is
   a ``jax.custom_vjp`` whose forward runs the whole schedule.
 - ZB-H1: the same ``custom_vjp``, its region the tabled loop of :mod:`.tabled`.
 
@@ -217,11 +217,21 @@ def _one_f_one_b_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
         for first, stop, forward, backward in phases(prep.stages, n_micro):
             if stop > first:  # one loop per phase: its ticks run no branch
                 one = functools.partial(tick, fixed, forward=forward, backward=backward)
-                end, _ = lax.scan(lambda c, t, one=one: (one(c, t), None), end,
-                                  jnp.arange(first, stop))
+                end = _tick_loop(one, end, first, stop)
         return manual.region_results(prep, end, held, end["d_mbs"])
 
     return manual.run_region(body, prep, mesh, flat, kinds, consts, carry, xs)
+
+
+def _tick_loop(one: Callable, carry, first: int, stop: int):
+    """``carry`` after ``one(carry, t)`` for t in [first, stop), as one ``while`` loop. XLA
+    inlines a loop of one trip, and an inlined backward does not share the other loops'
+    buffers (docs/pipeline.md): that loop's bound is hidden behind an optimization barrier, so
+    XLA keeps it as a loop of unknown trip count."""
+    if stop - first > 1:
+        return lax.scan(lambda c, t: (one(c, t), None), carry, jnp.arange(first, stop))[0]
+    hidden = lax.optimization_barrier(jnp.int32(stop))
+    return lax.fori_loop(jnp.int32(first), hidden, lambda t, c: one(c, t), carry)
 
 
 def _one_f_one_b_tick(prep: Prepared, kinds, rows: int) -> Callable:

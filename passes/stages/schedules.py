@@ -153,14 +153,8 @@ def ticks(schedule: Schedule, stages: int, microbatches: int, virtual: int = 1) 
 def phases(stages: int, microbatches: int) -> list[tuple[int, int, bool, bool]]:
     """1F1B's tick loops, ``(first tick, stop, forward, backward)``: S-1 warmup ticks with
     forwards only, M steady ticks with both, S-1 cooldown ticks with backwards only (no stage
-    has the other slot's work there, so it is not computed).
-
-    With two stages the cooldown is one tick, and XLA inlines a loop of one trip; an inlined
-    backward does not share the steady loop's buffers for its residuals, so that tick runs
-    in the steady loop, its forward masked (docs/pipeline.md)."""
+    has the other slot's work there, so it is not computed)."""
     s, m = stages, microbatches
-    if s == 2:
-        return [(0, 1, True, False), (1, m + 2, True, True)]
     return [(0, s - 1, True, False), (s - 1, m + s - 1, True, True),
             (m + s - 1, m + 2 * (s - 1), False, True)]
 
@@ -169,15 +163,17 @@ def tick_loops(schedule: Schedule, stages: int, microbatches: int, virtual: int 
                ) -> list[int]:
     """Trip counts of the emitted tick loops, sorted: GPipe and interleaved run a forward and
     a backward loop of :func:`ticks` each, 1F1B one loop per phase (:func:`phases`), ZB-H1 one
-    loop over its table's slots. XLA inlines a loop of one trip, so those are left out."""
+    loop over its table's slots. A 1F1B phase of one tick hides its bound from XLA, which would
+    inline it, so its loop's trip count is unknown to XLA and reads 0 here."""
     n = ticks(schedule, stages, microbatches, virtual)
     if schedule in (Schedule.GPIPE, Schedule.INTERLEAVED):
         loops = [n, n]
     elif schedule is Schedule.ONE_F_ONE_B:
-        loops = [stop - first for first, stop, _, _ in phases(stages, microbatches)]
+        loops = [0 if stop - first == 1 else stop - first
+                 for first, stop, _, _ in phases(stages, microbatches) if stop > first]
     else:
         loops = [n]
-    return sorted(k for k in loops if k > 1)
+    return sorted(loops)
 
 
 def bubble_fraction(schedule: Schedule, stages: int, microbatches: int, virtual: int = 1) -> float:

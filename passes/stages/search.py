@@ -15,7 +15,7 @@ gpipe           (M + S - 1) (l t + 2 h)         M l a n
 interleaved     (v M + S - 1) (l t / v + 2 h)   M l a n
 1f1b            (S - 1) (l t f + h)             (2S - 1) c + l a
                 + M (l t (1 + f) + 2 h)
-                + (S - 1) (l t + h) [1]
+                + (S - 1) (l t + h)
 zb-h1           T (l t f + 2 h)                 R l a + P l c + (Q_f + Q_b) c
 ==============  ==============================  ============================================
 
@@ -23,9 +23,7 @@ with l layers per stage, t one layer's forward and backward on a microbatch, h o
 its kept activations, c one microbatch's activation entering a layer, n the devices of a
 stage, and f = 1/3 a forward's share of t (a matmul's backward is two matmuls of the
 forward's size). 1F1B's warmup ticks run forwards only, its cooldown ticks backwards only,
-and a backward re-runs the stage's forward from the stashed input. [1] With two stages the
-one cooldown tick runs in the steady loop, its forward masked (:func:`.schedules.phases`):
-(l t (1 + f) + 2 h) instead. ZB-H1 runs the T slots of
+and a backward re-runs the stage's forward from the stashed input. ZB-H1 runs the T slots of
 its table (:func:`.schedules.table`), each one F, B or W, and holds R microbatches'
 residuals, P microbatches' per-layer cotangents between B and W, and Q_f, Q_b received
 activations and cotangents (the table's buffer sizes). GPipe's backward is jax's

@@ -196,10 +196,9 @@ LAYER = search.LayerPlan(inner=None, time_s=1.0, kept_bytes=100, carry_bytes=10,
     # gpipe: (M + S - 1) ticks of (l t + 2 h); M l a n held
     (G, 4, 8, 2, 11 * (2 + 1), 8 * 2 * 100 * 2),
     # 1f1b: S-1 warmup ticks of (l t / 3 + h), M steady ticks of (l t (1 + 1/3) + 2 h), S-1
-    # cooldown ticks of (l t + h); (2S - 1) c + l a held. With two stages the cooldown tick
-    # runs in the steady loop: M + 1 ticks of (l t (1 + 1/3) + 2 h)
+    # cooldown ticks of (l t + h); (2S - 1) c + l a held
     (F, 4, 8, 2, 3 * (2 / 3 + 0.5) + 8 * (2 * 4 / 3 + 1) + 3 * (2 + 0.5), 7 * 10 + 2 * 100),
-    (F, 2, 4, 1, 1 * (1 / 3 + 0.5) + 5 * (4 / 3 + 1), 3 * 10 + 100),
+    (F, 2, 4, 1, 1 * (1 / 3 + 0.5) + 4 * (4 / 3 + 1) + 1 * (1 + 0.5), 3 * 10 + 100),
     # zb-h1: T slots of (l t / 3 + 2 h); R l a + P l c + (Q_f + Q_b) c held
     (Z, 4, 8, 2, 29 * (2 / 3 + 1), None),
 ])
