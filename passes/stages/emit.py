@@ -3,9 +3,10 @@
 :func:`pipelined` returns ``f(*flat_args) -> flat outputs`` computing what the traced loss
 computes; differentiate it with ``jax.value_and_grad``. Inside, one ``jax.shard_map`` is manual
 over the stage axis only (``axis_names={axis}``; other mesh axes stay automatic). Stage ``s``
-holds layers ``[s*L/S, (s+1)*L/S)``: the stacked layer operands enter sharded ``P(axis)`` on
-the layer axis, and their gradients leave the same way. Ticks run as a ``lax.scan``;
-activations and cotangents move with ``lax.ppermute``.
+holds layers ``[s*L/S, (s+1)*L/S)`` (balanced and padded where S does not divide L:
+:func:`.split.padded`): the stacked layer operands enter sharded ``P(axis)`` on the layer
+axis, and their gradients leave the same way. Ticks run in ``lax.scan`` loops; activations
+and cotangents move with ``lax.ppermute``.
 
 - GPipe: only the layer stack is pipelined; ``pre`` and ``post`` run on the whole batch
   outside the region, and autodiff through the tick loop gives the backward.
@@ -128,7 +129,7 @@ def _circular_stack(prep: Prepared, mesh, consts, carry, xs):
         return manual.psum(jnp.where(s == n_stages - 1, outs, jnp.zeros_like(outs)), axis)
 
     mbs = carry.reshape(n_micro, carry.shape[0] // n_micro, *carry.shape[1:])
-    per = prep.full.layers // (n_stages * v)
+    per = prep.full.stacked // (n_stages * v)
     chunked = [a.reshape(v, n_stages, per, *a.shape[1:]) for a in xs]
     out = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(None, axis)), out_specs=P(),
                         axis_names={axis})(jax.tree.map(manual.up, consts), manual.up(mbs), chunked)

@@ -58,10 +58,12 @@ def inner(prep: Prepared, layer_axes: int = 1):
     inner = prep.inner
     if inner is None:
         return lambda consts, mbs, xs: (consts, mbs, xs)
+    padded = prep.full.positions is not None
+    xs_specs = inner.xs + ((None,) if padded else ())   # a padded stack's flags: left as are
     return lambda consts, mbs, xs: (
         [constrain(c, sp) for c, sp in zip(consts, inner.consts, strict=True)],
         constrain(mbs, lead(inner.carry)),
-        [constrain(x, lead(sp, layer_axes)) for x, sp in zip(xs, inner.xs, strict=True)])
+        [constrain(x, lead(sp, layer_axes)) for x, sp in zip(xs, xs_specs, strict=True)])
 
 
 def stage(prep: Prepared) -> Callable:

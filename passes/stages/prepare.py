@@ -87,13 +87,11 @@ class Prepared:
     def choice(self) -> StageChoice:
         """What runs: the layer ranges are stage s's, or with v virtual stages, chunk c's
         (chunk c = r*S + s runs on stage s)."""
-        chunks = self.stages * self.virtual_stages
-        per = self.full.layers // chunks
         priced = self.priced
         v = self.virtual_stages
         return StageChoice(
             axis=self.axis, stages=self.stages,
-            layer_ranges=tuple((c * per, (c + 1) * per) for c in range(chunks)),
+            layer_ranges=split.chunk_ranges(self.full.layers, self.stages * v),
             microbatches=self.microbatches, schedule=self.schedule,
             ticks=ticks(self.schedule, self.stages, self.microbatches, v),
             bubble_fraction=table_bubble(self.schedule, self.stages, self.microbatches, v),
@@ -125,11 +123,14 @@ def prepare(fun: Callable, flat_args, is_param: list[bool], request: StageReques
     per_example = tuple(not p and np.ndim(a) >= 1 and np.shape(a)[0] == batch
                         for a, p in zip(flat_args, is_param, strict=True))
     _check_operands(full, per_example)
-    if full.layers % stages:
+    if full.layers < stages:
         raise PipelineError(
-            f"the layer stack has {full.layers} layers, which {stages} stages (mesh axis "
-            f"{request.axis!r}) do not divide; use a stage count that divides {full.layers}.")
+            f"the layer stack has {full.layers} layers, fewer than the {stages} stages of mesh "
+            f"axis {request.axis!r}, so some stage would hold none; pipeline over an axis of at "
+            f"most {full.layers} devices, or stack more layers.")
     virtual = _virtual_stages(request, full.layers, stages)
+    # stacked positions per stage: stages the layers do not divide are padded (split.padded)
+    per_stage = virtual * -(-full.layers // (stages * virtual))
     counts = ([_microbatches(request.microbatches, batch, stages)]
               if request.microbatches is not None or plan_layer is None
               else _microbatch_options(batch, stages))
@@ -143,19 +144,21 @@ def prepare(fun: Callable, flat_args, is_param: list[bool], request: StageReques
                 f"({micro_n} < {stages}); set `Pipeline(microbatches=...)` to at least {stages}.")
         if plan_layer is None:   # no pricing: 1f1b where it is exact (it holds the least)
             schedule, weight = feasible[min(1, len(feasible) - 1)]
-            return Prepared(full=full, micro=micro, per_example=per_example, axis=request.axis,
-                            stages=stages, microbatches=micro_n, schedule=schedule,
-                            loss_weight=weight, virtual_stages=virtual)
+            return Prepared(full=split.padded(full, stages * virtual),
+                            micro=split.padded(micro, stages * virtual), per_example=per_example,
+                            axis=request.axis, stages=stages, microbatches=micro_n,
+                            schedule=schedule, loss_weight=weight, virtual_stages=virtual)
         layer = plan_layer(micro)
         for schedule, weight in feasible:
-            priced = search.price(schedule, stages, micro_n, full.layers // stages, layer,
-                                  virtual)
+            priced = search.price(schedule, stages, micro_n, per_stage, layer, virtual)
             options.append((priced, micro, weight))
     chosen = search.best([o[0] for o in options], request.activation_budget_bytes)
     _, micro, weight = next(o for o in options if o[0] is chosen)
-    return Prepared(full=full, micro=micro, per_example=per_example, axis=request.axis,
-                    stages=stages, microbatches=chosen.microbatches, schedule=chosen.schedule,
-                    loss_weight=weight, virtual_stages=virtual, priced=chosen)
+    return Prepared(full=split.padded(full, stages * virtual),
+                    micro=split.padded(micro, stages * virtual), per_example=per_example,
+                    axis=request.axis, stages=stages, microbatches=chosen.microbatches,
+                    schedule=chosen.schedule, loss_weight=weight, virtual_stages=virtual,
+                    priced=chosen)
 
 
 def _batch_size(stack: split.Stack) -> int:
@@ -211,11 +214,11 @@ def _virtual_stages(request: StageRequest, layers: int, stages: int) -> int:
     if request.schedule is not Schedule.INTERLEAVED:
         return 1
     v = request.virtual_stages or 2
-    if layers % (stages * v):
+    if layers < stages * v:
         raise PipelineError(
             f"the interleaved schedule cuts the {layers} layers into {stages} stages x {v} "
-            f"virtual stages = {stages * v} chunks, which does not divide them; choose "
-            f"`virtual_stages` so that {stages} x virtual_stages divides {layers}.")
+            f"virtual stages = {stages * v} chunks, more than there are layers; choose "
+            f"`virtual_stages` of at most {layers // stages}.")
     return v
 
 

@@ -1,9 +1,10 @@
 """The stage search: price each schedule and microbatch count from one layer's plan, and keep
 the fastest whose activations fit.
 
-Stages hold equal shares of a scanned stack of identical layers (the stack is sharded over
-the stage axis on its layer axis), so the boundaries are fixed by the stage count and the
-search runs over schedules and microbatch counts. Each microbatch count is priced from one
+Stages hold balanced runs of a scanned stack of identical layers, ``ceil(L/S)`` stacked
+positions each (a stage with fewer layers pads: :func:`.split.padded`). Every stage runs
+every tick in lockstep, so a tick lasts as long as the fullest stage; with identical layers
+the balanced boundaries minimize it, and the search runs over schedules and microbatch counts. Each microbatch count is priced from one
 layer planned over the other mesh axes (:class:`LayerPlan`, made by the caller): its forward
 and backward time, the bytes it keeps for its backward, and one hop of a microbatch's
 activation to the next stage. Times follow the emitted loops (:mod:`.emit`):
@@ -19,7 +20,7 @@ interleaved     (v M + S - 1) (l t / v + 2 h)   M l a n
 zb-h1           T (l t f + 2 h)                 R l a + P l c + (Q_f + Q_b) c
 ==============  ==============================  ============================================
 
-with l layers per stage, t one layer's forward and backward on a microbatch, h one hop, a
+with l stacked positions per stage, t one layer's forward and backward on a microbatch, h one hop, a
 its kept activations, c one microbatch's activation entering a layer, n the devices of a
 stage, and f = 1/3 a forward's share of t (a matmul's backward is two matmuls of the
 forward's size). 1F1B's warmup ticks run forwards only, its cooldown ticks backwards only,

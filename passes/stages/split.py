@@ -9,12 +9,16 @@ depend on the batch.
 
 All three pieces are plain functions of flat values that replay the traced equations, so the
 emitter can run, trace or differentiate them like any jax code.
+
+A stack whose layers the stages do not divide is padded (:func:`padded`): each stage's block
+of the stacked operands ends in copies of a layer, and a flag stacked beside them
+(``pre`` appends it to the scanned operands) makes a padded layer pass its carry through.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +43,8 @@ class Stack:
 
     jaxpr: jcore.ClosedJaxpr
     index: int
+    #: padded (:func:`padded`): the layer each stacked position holds, -1 for a pad
+    positions: tuple[int, ...] | None = None
 
     @property
     def eqn(self) -> jcore.JaxprEqn:
@@ -57,8 +63,34 @@ class Stack:
         return self.eqn.params["length"]
 
     @property
+    def stacked(self) -> int:
+        """Stacked positions the emitted stack runs: the layers, pads included."""
+        return self.layers if self.positions is None else len(self.positions)
+
+    @property
     def carry_shape(self) -> tuple[int, ...]:
         return tuple(self.eqn.invars[self.num_consts].aval.shape)
+
+
+def chunk_ranges(layers: int, chunks: int) -> tuple[tuple[int, int], ...]:
+    """``[first, stop)`` of each of ``chunks`` contiguous runs of ``layers``, the first
+    ``layers % chunks`` one layer longer."""
+    assert 0 < chunks <= layers, (chunks, layers)
+    per, extra = divmod(layers, chunks)
+    starts = [c * per + min(c, extra) for c in range(chunks + 1)]
+    return tuple(zip(starts[:-1], starts[1:]))
+
+
+def padded(stack: Stack, chunks: int) -> Stack:
+    """``stack`` cut into ``chunks`` balanced runs (:func:`chunk_ranges`), each stacked in
+    ``ceil(layers / chunks)`` positions; unchanged when ``chunks`` divides the layers."""
+    if stack.layers % chunks == 0:
+        return stack
+    width = -(-stack.layers // chunks)
+    positions = []
+    for first, stop in chunk_ranges(stack.layers, chunks):
+        positions += list(range(first, stop)) + [-1] * (width - (stop - first))
+    return replace(stack, positions=tuple(positions))
 
 
 def find_stack(closed: jcore.ClosedJaxpr, is_param: list[bool]) -> Stack:
@@ -138,7 +170,15 @@ def pre_fn(stack: Stack) -> Callable:
     def pre(*flat_ins):
         env = _start(stack, flat_ins)
         _replay(stack.jaxpr.jaxpr.eqns[: stack.index], env)
-        return [_read(env, v) for v in stack.eqn.invars]
+        ops = [_read(env, v) for v in stack.eqn.invars]
+        if stack.positions is None:
+            return ops
+        first_x = stack.num_consts + stack.num_carry
+        # a pad holds a copy of the layer before it (real values: no NaN in its masked work)
+        take = np.maximum.accumulate(np.array(stack.positions))
+        live = np.array(stack.positions) >= 0
+        return [*ops[:first_x], *(jnp.take(x, take, axis=0) for x in ops[first_x:]),
+                jnp.asarray(live, jnp.float32)]
 
     return pre
 
@@ -183,7 +223,7 @@ def post_reads(stack: Stack) -> tuple[list[bool], list[bool]]:
 
 def layer_fn(stack: Stack) -> Callable:
     """``layer(consts, carry, x) -> carry``: the stack's body, once (``x``: one layer's slice
-    of each stacked operand)."""
+    of each stacked operand; padded, its flag last: a pad returns ``carry``)."""
     body = stack.eqn.params["jaxpr"]
     n_carry = stack.num_carry
 
@@ -193,7 +233,15 @@ def layer_fn(stack: Stack) -> Callable:
         _replay(body.jaxpr.eqns, env)
         return [_read(env, v) for v in body.jaxpr.outvars][:n_carry]
 
-    return layer
+    if stack.positions is None:
+        return layer
+
+    def masked(consts, carry, x):
+        *x, live = x
+        out = layer(consts, carry, x)
+        return [jnp.where(live > 0, o, c) for o, c in zip(out, carry, strict=True)]
+
+    return masked
 
 
 def narrowed_xs(stack: Stack) -> list:
@@ -216,7 +264,7 @@ def narrowed_xs(stack: Stack) -> list:
                   and jnp.issubdtype(new, jnp.floating) and jnp.issubdtype(v.aval.dtype, jnp.floating)
                   and np.dtype(new).itemsize < v.aval.dtype.itemsize)
         narrowed.append(np.dtype(new) if narrow else None)
-    return narrowed
+    return narrowed + ([None] if stack.positions is not None else [])
 
 
 def stage_fn(stack: Stack) -> Callable:

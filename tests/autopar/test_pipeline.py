@@ -163,6 +163,29 @@ def test_scanned_nnx_llama_pipelines_match_one_device(axes, schedule):
     _close(got, expected)
 
 
+@pytest.mark.parametrize("schedule, axes, virtual, ranges", [
+    # 6 layers on 4 stages: 2, 2, 1, 1 (each stage stacks 2; the pads pass their carry through)
+    ("gpipe", {"stage": 4, "data": 2}, None, ((0, 2), (2, 4), (4, 5), (5, 6))),
+    ("1f1b", {"stage": 4, "data": 2}, None, ((0, 2), (2, 4), (4, 5), (5, 6))),
+    ("zb-h1", {"stage": 4, "data": 2}, None, ((0, 2), (2, 4), (4, 5), (5, 6))),
+    ("1f1b", {"stage": 2, "data": 2, "model": 2}, None, ((0, 3), (3, 5))),
+    # 2 stages x 2 virtual: 4 chunks of 2, 2, 1, 1
+    ("interleaved", {"stage": 2, "data": 2, "model": 2}, 2, ((0, 2), (2, 4), (4, 5), (5, 6))),
+])
+def test_stages_the_layers_do_not_divide_are_balanced(schedule, axes, virtual, ranges):
+    config = gpt.Config(scan_layers=True, layers=ranges[-1][1])
+    tx = common.make_optimizer()
+    _, args = gpt.make_train_step(config, tx=tx)
+    loss_fn = gpt._loss_fn(config)
+    expected = jax.jit(_step(jax.value_and_grad, loss_fn, tx))(*args)
+    step = _step(autopar.value_and_grad, loss_fn, tx)
+    settings = autopar.Pipeline(schedule=schedule, microbatches=4, virtual_stages=virtual)
+    with pipelining(settings, _mesh(axes)) as context:
+        compiled = jax.jit(step).lower(*args).compile()
+    assert context.chosen[0].layer_ranges == ranges
+    _close(compiled(*args), expected)
+
+
 def _sharded_layer(micro):
     """A stage plan (as ``autopar._stage_plan`` makes them) with every layer matrix split on
     its last dim over ``model`` and the microbatch's rows over ``data``."""
@@ -302,7 +325,9 @@ def _trace(config, settings, axes=None, loss_fn=None, has_aux=False):
 
 @pytest.mark.parametrize("config, settings, axes, match", [
     (CONFIG, autopar.Pipeline(microbatches=3), None, "microbatches=3.*does not divide"),
-    (gpt.TINY_SCAN, autopar.Pipeline(), None, "2 layers.*4 stages"),
+    (gpt.TINY_SCAN, autopar.Pipeline(), None, "2 layers, fewer than the 4 stages"),
+    (CONFIG, autopar.Pipeline(schedule="interleaved", virtual_stages=2), None,
+     "8 chunks, more than there are layers"),
     (CONFIG, autopar.Pipeline(axis="pipe"), None, "axis the mesh lacks"),
     (CONFIG, autopar.Pipeline(stages=2), None, "stages=2"),
     (gpt.TINY, autopar.Pipeline(), None, "nn.scan"),

@@ -49,6 +49,27 @@ def test_pipelined_plan_computes_the_single_device_step(case, mesh, schedule):
     assert f"Pipeline over `stage`: {stages} stages" in plan.report()
 
 
+def test_a_plan_balances_stages_its_layers_do_not_divide():
+    """6 layers on 4 stages, the schedule and microbatches left to the stage search: the
+    stages hold 2, 2, 1 and 1 layers, priced and stacked as 2 each. (The parameters' layer
+    axis of 6 cannot be split 4 ways, so they stay where the plan puts them.)"""
+    config = gpt.Config(scan_layers=True, layers=6)
+    tx = common.make_optimizer()
+    _, args = gpt.make_train_step(config, tx=tx)
+    loss_fn = gpt._loss_fn(config)
+    expected = jax.jit(_step(jax.value_and_grad, loss_fn, tx))(*args)
+    plan = autopar.plan(_step(autopar.value_and_grad, loss_fn, tx), *args,
+                        mesh={"stage": 4, "data": 2}, hardware="h100",
+                        pipeline=autopar.Pipeline(axis="stage"), verbose=False)
+    assert plan.pipeline["layer_ranges"] == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    got = plan.jit()(*args)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y),
+                                                         rtol=2e-3, atol=2e-5), got, expected)
+    assert "4 stages (layers 0-1, 2-3, 4, 5)" in plan.report()
+    checked = plan.validate()["pipeline"]
+    assert checked["ticks"][0] == checked["ticks"][1]
+
+
 def test_interleaved_plan_computes_the_single_device_step(case):
     step, args, expected = case
     plan = autopar.plan(step, *args, mesh={"stage": 2, "data": 2, "model": 2}, hardware="h100",

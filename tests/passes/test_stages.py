@@ -239,3 +239,29 @@ def test_chart_slots_run_every_microbatch_once_in_the_schedule_s_ticks(schedule,
         return
     idle = sum(cell == "" for row in rows for cell in row) / (len(rows) * len(rows[0]))
     assert idle == pytest.approx(table_bubble(schedule, s, m, v))
+
+
+# ----------------------------------------------------------------------------- uneven stages
+
+@pytest.mark.parametrize("layers, chunks, ranges", [
+    (8, 4, ((0, 2), (2, 4), (4, 6), (6, 8))),
+    (6, 4, ((0, 2), (2, 4), (4, 5), (5, 6))),
+    (7, 3, ((0, 3), (3, 5), (5, 7))),
+])
+def test_chunk_ranges_are_balanced_and_contiguous(layers, chunks, ranges):
+    assert split.chunk_ranges(layers, chunks) == ranges
+
+
+def test_a_padded_stack_passes_its_carry_through_the_pads():
+    def loss(w, x):
+        return jax.lax.scan(lambda h, w_l: (jnp.tanh(h * w_l), None), x, w)[0].sum()
+
+    w, x = jnp.linspace(0.5, 1.5, 3), jnp.arange(4.0)
+    stack = split.padded(split.find_stack(jax.make_jaxpr(loss)(w, x), [True, False]), 2)
+    assert stack.positions == (0, 1, 2, -1) and stack.stacked == 4 and stack.layers == 3
+    carry, stacked_w, live = split.pre_fn(stack)(w, x)     # no consts; the flags come last
+    assert jnp.array_equal(live, jnp.array([1.0, 1.0, 1.0, 0.0]))
+    out = split.stage_fn(stack)([], [carry], [stacked_w, live])[0]
+    assert jnp.allclose(out, jnp.tanh(jnp.tanh(jnp.tanh(x * w[0]) * w[1]) * w[2]))
+    assert split.padded(split.find_stack(jax.make_jaxpr(loss)(w, x), [True, False]), 3) \
+        .positions is None
