@@ -120,12 +120,16 @@ def memory_chart(held: int, live, phases, peak_at: int) -> str:
         return top + plot_h - v * plot_h / ytop
 
     parts = []
+    named_to = float("-inf")   # where the last phase name ends: names never overlap
     for phase, a, b in _phase_spans(phases):
         if b - a < n / 200:
             continue   # a sliver: no room for a band
         parts.append(f'<rect x="{x(a):.1f}" y="{top}" width="{x(b) - x(a):.1f}" '
                      f'height="{plot_h}" fill="{PHASE_COLORS[phase]}"/>')
-        parts.append(_text((x(a) + x(b)) / 2, top - 6, phase, 11, "middle", "#444"))
+        middle, half = (x(a) + x(b)) / 2, 3.3 * len(phase)   # about 6.6 px a letter at 11 px
+        if middle - half > named_to + 4:
+            parts.append(_text(middle, top - 6, phase, 11, "middle", "#444"))
+            named_to = middle + half
     pts = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(total))
     parts.append(f'<polygon fill="{MEMORY}" fill-opacity="0.35" '
                  f'points="{x(0):.1f},{y(0):.1f} {pts} {x(n):.1f},{y(0):.1f}"/>')

@@ -157,7 +157,8 @@ def _memory_section(plan) -> list[str]:
         else:
             node = graph.nodes[b.node]
             where = place_words(node.where, labels[node.id], phases[node.id])
-            rows.append([format_bytes(b.nbytes), _shape_str(b.shape), f"{node.prim} in {where}"])
+            rows.append([format_bytes(b.nbytes), "-" if b.what else _shape_str(b.shape),
+                         b.what or f"{node.prim} in {where}"])
     return ["<h2>Memory over the program</h2>",
             _legend([(PHASE_COLORS[p], p) for p in ("forward", "backward", "optimizer")]
                      + [("#999", "held for the whole call (arguments, results)")]),

@@ -8,8 +8,8 @@ is opened into them (``encoder/block_0``; nnx and Equinox ``layers[3]``). Haiku'
 
 Every operation is given a layer: by its source path (``transpose(jvp(GPT))/block_0/mlp_in``
 and ``jvp(GPT)/embed.attend`` name ``block_0`` and ``embed``), else by what it reads (an
-embedding's gather, an optimizer's update of a layer's state), else by what reads it (an
-embedding's gradient scatter). Operations left between the last layer's forward and the
+embedding's gather, an optimizer's update of a layer's state; a pipeline region, the layer it
+reads most values of: its stack), else by what reads it (an embedding's gradient scatter). Operations left between the last layer's forward and the
 first layer's backward are the ``loss``; the rest (the step counter) are ``other``.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import jax
@@ -26,6 +26,7 @@ from jax import lax
 from autopar.passes.estimate import plan_timeline, value_specs
 from autopar.passes.ir import NodeKind
 from autopar.passes.liveness import consumers, temporaries, value_bytes
+from autopar.passes.rules import op_info
 from autopar.passes.sequence_parallel import attention_label
 
 OTHER = "other"
@@ -269,10 +270,11 @@ def _labels(graph, input_names) -> list[str]:
 
     for node in graph.nodes:   # what it reads: an embedding's gather, an optimizer's update
         if label[node.id] is None and node.kind == NodeKind.OP:
-            read = {state(v) for v in node.ins if v is not None} - {None}
+            reads = Counter(state(v) for v in node.ins if v is not None)
+            reads.pop(None, None)
             got = {label[producer[v]] for v in node.ins if v in producer} - {None}
-            if len(read) == 1:
-                label[node.id] = read.pop()
+            if len(reads) == 1 or reads and _region(node):   # a pipeline region: its stack
+                label[node.id] = reads.most_common(1)[0][0]
             elif len(got) == 1 and optimizer[node.id]:
                 label[node.id] = got.pop()
     users = consumers(graph)
@@ -283,6 +285,11 @@ def _labels(graph, input_names) -> list[str]:
                 label[node.id] = got.pop()
     _label_loss(graph, label, by_path)
     return [x or OTHER for x in label]
+
+
+def _region(node) -> bool:
+    """A ``jax.shard_map`` region of the traced step (a pipeline's stages)."""
+    return node.kind == NodeKind.OP and op_info(node).manual_region
 
 
 def _label_loss(graph, label: list, by_path: list[int]) -> None:
@@ -354,6 +361,9 @@ def layer_rows(plan) -> list[LayerRow]:
         label = attention_label(node, taken)
         if label is not None:
             row.attention.append(label)
+    regions = [node for node in graph.nodes if _region(node)]
+    if plan.pipeline and regions:   # the pipelined stack, priced apart from the ILP's ops
+        row_of(labels[regions[0].id]).compute_s += plan.pipeline["predicted_time_s"] or 0.0
     for c in comms:
         if c.step.wire_bytes:
             row = row_of(labels[c.node])
@@ -398,7 +408,16 @@ def memory_over_program(plan) -> tuple[int, tuple[int, ...]]:
     on_cpu = plan.mesh.devices.flat[0].platform == "cpu"
     donated = frozenset(graph.input_nodes[i]
                         for i in flat_donation(plan._in_tree, plan.donate_argnums))
-    return plan_timeline(graph, strats, choice, sizes, on_cpu, donated)
+    held, live = plan_timeline(graph, strats, choice, sizes, on_cpu, donated)
+    kept = _pipeline_kept(plan)
+    if kept:   # a pipeline region holds its stages' activations while it runs
+        live = tuple(b + kept if _region(graph.nodes[i]) else b for i, b in enumerate(live))
+    return held, live
+
+
+def _pipeline_kept(plan) -> int:
+    """Bytes per device a pipelined plan's region keeps for its backward (0 without one)."""
+    return (plan.pipeline or {}).get("activation_bytes") or 0
 
 
 def flat_donation(in_tree, donate_argnums) -> tuple[int, ...]:
@@ -424,6 +443,7 @@ class LiveBuffer:
     path: str = ""
     node: int | None = None
     shape: tuple[int, ...] = ()
+    what: str = ""     # said instead of the producer, for a sum of buffers (no shape)
 
 
 def peak_buffers(plan, top: int = 8) -> tuple[int, list[LiveBuffer]]:
@@ -439,6 +459,9 @@ def peak_buffers(plan, top: int = 8) -> tuple[int, list[LiveBuffer]]:
                         shape=graph.values[graph.nodes[n].outs[0]].shape)
              for n, p in zip(graph.input_nodes, plan.in_paths)]
     on_cpu = plan.mesh.devices.flat[0].platform == "cpu"
+    if _region(graph.nodes[at]) and _pipeline_kept(plan):
+        found.append(LiveBuffer(_pipeline_kept(plan), node=at,
+                                what="activations the pipeline's stages keep for the backward"))
     for b in temporaries(graph, on_cpu):
         if b.born <= at <= b.dies:
             found.append(LiveBuffer(int(b.scale * value_bytes(graph, b.vid, specs[b.vid], sizes)),

@@ -211,6 +211,7 @@ def record(context: PipelineContext | None, est: Estimate) -> dict | None:
             "virtual_stages": chosen.virtual_stages, "ticks": chosen.ticks,
             "bubble_fraction": chosen.bubble_fraction,
             "predicted_time_s": chosen.predicted_time_s,
+            "activation_bytes": chosen.activation_bytes,
             "stage_peak_bytes": [est.peak_memory_bytes] * chosen.stages,
             "inner": None if chosen.inner is None else _inner_record(chosen.inner)}
 

@@ -10,6 +10,7 @@ import pytest
 
 import autopar
 from autopar._html import render_html
+from autopar._layers import OTHER, layer_rows, memory_over_program
 from autopar.errors import ArgumentError, PipelineError
 from autopar.models import common, gpt
 from tests.autopar.test_pipeline import CONFIG, _step, gpt_case  # noqa: F401 (a fixture)
@@ -47,6 +48,10 @@ def test_pipelined_plan_computes_the_single_device_step(case, mesh, schedule):
     loaded = autopar.Plan.from_json(plan.to_json())
     assert loaded.pipeline == plan.pipeline
     assert f"Pipeline over `stage`: {stages} stages" in plan.report()
+    # the pipelined stack's time is the stacked layer's, not left unattributed
+    rows = {r.name: r for r in layer_rows(plan)}
+    assert rows["blocks"].compute_s >= plan.pipeline["predicted_time_s"]
+    assert rows[OTHER].compute_s + rows[OTHER].comm_s < 0.05 * plan.estimate.step_time_s
 
 
 def test_a_plan_balances_stages_its_layers_do_not_divide():
@@ -166,3 +171,22 @@ def test_bad_pipeline_arguments_are_named(case):
                      pipeline=autopar.Pipeline(axis="stage"))
     with pytest.raises(ArgumentError, match="`pipeline` must be"):
         autopar.plan(step, *args, mesh={"data": 8}, hardware="h100", pipeline="gpipe")
+
+
+def test_the_memory_chart_holds_the_pipeline_s_activations(case):
+    """The report's memory over the program holds, while the pipeline region runs, the
+    activations its stages keep (priced apart from the ILP's operations), within the
+    estimate's peak; a donating plan's estimate keeps them too."""
+    step, args, _ = case
+    plan = autopar.plan(step, *args, mesh={"stage": 4, "data": 2}, hardware="h100",
+                        pipeline=autopar.Pipeline(axis="stage", schedule="1f1b"), verbose=False)
+    kept = plan.pipeline["activation_bytes"]
+    assert kept > 0
+    graph = plan._details[0]
+    (region,) = [n.id for n in graph.nodes if n.prim == "shard_map"]
+    held, live = memory_over_program(plan)
+    assert live[region] >= kept
+    assert held + max(live) <= plan.estimate.peak_memory_bytes
+    donated = plan.with_donation((0, 1))
+    held, live = memory_over_program(donated)
+    assert live[region] >= kept and donated.estimate.peak_memory_bytes == held + max(live)

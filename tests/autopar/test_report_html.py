@@ -8,7 +8,8 @@ import pytest
 
 import autopar
 from autopar._html import render_html
-from autopar._layers import OTHER, layer_rows
+from autopar._charts import memory_chart
+from autopar._layers import OTHER, Phase, layer_rows
 from autopar._compare import predict_baselines
 from autopar.models import gpt, targets
 
@@ -119,3 +120,15 @@ def test_css_is_scoped_and_notebooks_get_a_fragment(planned):
     fragment = plan._repr_html_()
     assert fragment.startswith('<div class="autopar-report">') and "<html" not in fragment
     _balanced(fragment)
+
+
+def test_memory_chart_phase_names_never_overlap():
+    # a pipeline region's forward and backward alternate in a few operations
+    f, b, o = Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER
+    phases = [f] * 80 + [b] * 4 + [f] * 3 + [b] * 4 + [o] * 300
+    svg = memory_chart(10, [1] * len(phases), phases, 5)
+    names = [(float(x), len(s)) for x, s in re.findall(
+        r'<text x="([\d.]+)" y="16.0" font-size="11" text-anchor="middle"[^>]*>(\w+)</text>', svg)]
+    assert len(names) >= 3, svg   # forward, backward, optimizer at least
+    spans = sorted((x - 3.3 * n, x + 3.3 * n) for x, n in names)
+    assert all(a[1] < b[0] for a, b in zip(spans, spans[1:])), spans
