@@ -82,7 +82,7 @@ def _run_table(prep: Prepared, tab, kinds, rows: int, fixed) -> dict:
     (a ``lax.switch`` on the stage's op: device-varying, with no collective over the stage
     axis inside, so no device waits on another's branch), then activations move one stage on
     and cotangents one stage back (``ppermute``), each stored where its receiver will read it."""
-    axis, n_stages, n_micro = prep.axis, prep.stages, prep.microbatches
+    axis, n_stages = prep.axis, prep.stages
     consts, mbs, xs, float_ins, other_ins = fixed
     s = lax.axis_index(axis)
     res = _Residuals(manual.layer(prep))
