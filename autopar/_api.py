@@ -30,6 +30,7 @@ from autopar.baselines import (baseline_kinds, baseline_kwargs, baseline_shardin
 from autopar.errors import ArgumentError, InfeasiblePlanError, PipelineError
 from autopar.passes.estimate import estimate, plan_collectives
 from autopar.cost_model.hardware import axis_levels, get_profile
+from autopar.cost_model.hlo import program_peak_bytes
 from autopar.passes.annotate import flatten_hints, to_spec
 from autopar.passes.attention import STRATEGIES as ATTENTION_STRATEGIES
 from autopar.passes.backend_options import as_options, choose
@@ -228,8 +229,9 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         "auto" (the default): when the step marks its loss, also plan pipelined over each
         axis on a slower link than the mesh's fastest (across nodes; every axis when nothing
         else fits), compile each candidate, and keep the one whose compiled program simulates
-        fastest on ``hardware`` among those predicted to fit (``plan.stats["pipeline_search"]``
-        gives each one's estimate, ``plan.stats["pipeline_search_compiled"]`` its program's).
+        fastest on ``hardware`` among those whose compiled peak fits the memory budget
+        (``plan.stats["pipeline_search"]`` gives each one's estimate,
+        ``plan.stats["pipeline_search_compiled"]`` its program's).
         None: never pipeline.
       overlap: True (the default): also consider strategies that hide communication behind
         compute where the hardware runs collectives asynchronously (a GPU or TPU profile):
@@ -453,10 +455,11 @@ def _plan_auto(fn, example_args, memory_budget, target_bytes, *, progress, **opt
     """``pipeline="auto"``: the plan that does not pipeline and, when the step marks its loss
     (``autopar.value_and_grad``), a pipelined plan over each candidate axis
     (``_pipeline.candidate_axes``: the slow ones, or all when nothing else fits); among those
-    predicted to fit the memory budget, the one whose compiled program simulates fastest
+    whose compiled program fits the memory budget, the one that simulates fastest
     (:func:`_referee`) is kept. ``plan.stats["pipeline_search"]`` gives each candidate's
     predicted step time, or why it cannot pipeline; ``"pipeline_search_compiled"`` the
-    simulated step of each one's program."""
+    simulated step of each one's program, ``"pipeline_search_compiled_peak_bytes"`` its
+    peak."""
     def planned(pipeline):
         return _plan_once(fn, example_args, memory_budget, target_bytes, progress=progress,
                           pipeline=pipeline, **options)
@@ -477,7 +480,7 @@ def _plan_auto(fn, example_args, memory_budget, target_bytes, *, progress, **opt
             tried[axis] = named[axis].estimate.step_time_s
         except PipelineError as e:
             tried[axis] = f"{type(e).__name__}: {e}"
-    compiled = {}
+    compiled, peaks = {}, {}
     if len(named) > 1:
         judged = _referee(list(named.values()), fn, example_args, profile, progress)
         for name, p in list(named.items()):
@@ -485,29 +488,37 @@ def _plan_auto(fn, example_args, memory_budget, target_bytes, *, progress, **opt
                 tried[name] = judged[id(p)]
                 del named[name]
             else:
-                compiled[name] = judged[id(p)]
-    best_name = min(named, key=lambda n: (not fits(named[n]),
+                compiled[name], peaks[name] = judged[id(p)]
+
+    def fits_as_compiled(name) -> bool:
+        return peaks.get(name, named[name].estimate.peak_memory_bytes) <= budget
+
+    best_name = min(named, key=lambda n: (not fits_as_compiled(n),
                                           compiled.get(n, named[n].estimate.step_time_s)))
     best = named[best_name]
     best.stats["pipeline_search"] = tried
     if compiled:
         best.stats["pipeline_search_compiled"] = compiled
+        best.stats["pipeline_search_compiled_peak_bytes"] = peaks
     return best
 
 
-def _referee(plans: list[Plan], fn, example_args, profile, progress) -> dict[int, float | str]:
+def _referee(plans: list[Plan], fn, example_args, profile, progress
+             ) -> dict[int, tuple[float, int] | str]:
     """Each candidate of ``pipeline="auto"`` compiled (from the arguments' shapes; nothing
-    runs) and its step simulated on ``profile`` (``_judge.simulated_step_s``), keyed by the
-    plan's id: the estimates of a pipelined and an unpipelined plan err differently (the
-    pipeline's stages are priced from one layer's plan), so the programs decide. A pipelined
-    candidate XLA cannot compile gets why instead (the plan without one must compile)."""
+    runs): its step simulated on ``profile`` (``_judge.simulated_step_s``) and its peak per
+    device, keyed by the plan's id. The estimates of a pipelined and an unpipelined plan err
+    differently (the pipeline's stages are priced from one layer's plan), so the programs
+    decide. A pipelined candidate XLA cannot compile gets why instead (the plan without one
+    must compile)."""
     progress(f"pipeline search: compiling the {len(plans)} candidates to compare their programs")
     dtype = main_dtype(fn, example_args)
-    judged: dict[int, float | str] = {}
+    judged: dict[int, tuple[float, int] | str] = {}
     for p in plans:
         try:
-            judged[id(p)] = simulated_step_s(p.jit().lower(*example_args).compile(), profile,
-                                             dtype)
+            compiled = p.jit().lower(*example_args).compile()
+            judged[id(p)] = (simulated_step_s(compiled, profile, dtype),
+                             program_peak_bytes(compiled))
         except jax.errors.JaxRuntimeError as e:
             if p.pipeline is None:
                 raise

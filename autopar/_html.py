@@ -114,10 +114,11 @@ def _estimate_section(plan, baselines) -> list[str]:
     if searched:
         out += ["<h2>Pipeline search</h2>",
                 '<p class="note">Each candidate of <code>pipeline="auto"</code>: its predicted '
-                "step time, and its compiled program's step on the simulated timeline; the "
-                "fastest compiled program that fits the memory budget is kept.</p>",
-                _table(["candidate", "predicted", "compiled"],
-                       [[label, predicted, compiled] for label, predicted, compiled, _ in searched],
+                "step time, and its compiled program's step on the simulated timeline and "
+                "peak per device; the fastest compiled program that fits the memory budget is "
+                "kept.</p>",
+                _table(["candidate", "predicted", "compiled", "compiled peak"],
+                       [list(row[:4]) for row in searched],
                        row_classes=["chosen" if chosen else "" for *_, chosen in searched])]
     found = candidates(plan.stats)
     if len(found) > 1 and not plan.pipeline:   # priced without the pipeline's stages

@@ -175,17 +175,20 @@ def _pipeline_lines(pipeline: dict | None) -> list[str]:
     return lines
 
 
-def pipeline_search(plan) -> list[tuple[str, str, str, bool]]:
+def pipeline_search(plan) -> list[tuple[str, str, str, str, bool]]:
     """``pipeline="auto"``'s candidates, when it compared two or more: (candidate, its
-    estimate or why it cannot pipeline, its compiled program's simulated step or "", chosen)."""
+    estimate or why it cannot pipeline, its compiled program's simulated step and peak per
+    device or "", chosen)."""
     tried = plan.stats.get("pipeline_search") or {}
     if len(tried) < 2:
         return []
     compiled = plan.stats.get("pipeline_search_compiled") or {}
+    peaks = plan.stats.get("pipeline_search_compiled_peak_bytes") or {}
     kept = "none" if not plan.pipeline else plan.pipeline["axis"]
     return [("no pipeline" if name == "none" else f"stages over {name}",
              f"cannot pipeline: {t}" if isinstance(t, str) else _fmt_s(t),
-             _fmt_s(compiled[name]) if name in compiled else "", name == kept)
+             _fmt_s(compiled[name]) if name in compiled else "",
+             format_bytes(peaks[name]) if name in peaks else "", name == kept)
             for name, t in tried.items()]
 
 
@@ -194,9 +197,9 @@ def _pipeline_search_lines(plan) -> list[str]:
     if not found:
         return []
     lines = ["", "Pipeline search (pipeline=\"auto\"; predicted, and the compiled program "
-                 "simulated; the fastest compiled program that fits is kept):"]
-    lines += [f"  {'*' if chosen else ' '} {label:<22}{predicted:>12}{compiled:>14}"
-              for label, predicted, compiled, chosen in found]
+                 "simulated and its peak; the fastest compiled program that fits is kept):"]
+    lines += [f"  {'*' if chosen else ' '} {label:<22}{predicted:>12}{compiled:>14}{peak:>12}"
+              for label, predicted, compiled, peak, chosen in found]
     return lines
 
 

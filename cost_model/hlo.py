@@ -364,6 +364,11 @@ def compiled_peak_bytes(memory, platform: str) -> int:
     return int(getattr(memory, "peak_memory_in_bytes", 0))
 
 
+def program_peak_bytes(compiled) -> int:
+    """A ``jax.stages.Compiled`` program's per-device peak (:func:`compiled_peak_bytes`)."""
+    return compiled_peak_bytes(compiled.memory_analysis(), _platform(compiled))
+
+
 def analyze(compiled) -> HloSummary:
     """Collectives, per-device flops and memory of a ``jax.stages.Compiled``."""
     hlo_text = compiled.as_text()

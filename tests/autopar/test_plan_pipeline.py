@@ -127,12 +127,35 @@ def test_auto_keeps_the_candidate_whose_compiled_program_is_fastest(case, monkey
     report = plan.report()
     label = "no pipeline" if favoured == "none" else "stages over node"
     assert "Pipeline search" in report
-    assert re.search(rf"\* {label} +[\d.]+ \w+ +1\.000 s\n", report), report
+    assert re.search(rf"\* {label} +[\d.]+ \w+ +1\.000 s +[\d.]+ \w*B\n", report), report
     page = render_html(plan)
     assert "<h2>Pipeline search</h2>" in page and f'<tr class="chosen"><td class="l">{label}' in page
     got = plan.jit()(*args)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y),
                                                          rtol=2e-3, atol=2e-5), got, expected)
+
+
+def test_auto_keeps_only_a_candidate_whose_compiled_program_fits(case, monkeypatch):
+    """The faster program (pipelined over ``node``) peaks over the memory budget as
+    compiled, so "auto" keeps the slower one that fits, whatever the estimates say."""
+    step, args, _ = case
+    order = []
+
+    def simulated(compiled, profile, dtype):   # called in the search's order: none, node
+        order.append(("none", "node")[len(order)])
+        return 1.0 if order[-1] == "node" else 2.0
+
+    def peak(compiled):
+        return 2**40 if order[-1] == "node" else 2**20   # the pipelined program: 1 TiB
+
+    monkeypatch.setattr(autopar._api, "simulated_step_s", simulated)
+    monkeypatch.setattr(autopar._api, "program_peak_bytes", peak)
+    plan = autopar.plan(step, *args, mesh={"node": 2, "gpu": 4}, hardware="h100",
+                        axis_level_overrides={"node": "infiniband"}, memory_budget="80GB")
+    assert plan.pipeline is None
+    assert plan.stats["pipeline_search_compiled"] == {"none": 2.0, "node": 1.0}
+    assert plan.stats["pipeline_search_compiled_peak_bytes"] == {"none": 2**20, "node": 2**40}
+    assert "1.00 TiB" in plan.report() and "1.00 TiB" in render_html(plan)
 
 
 def test_auto_drops_a_pipelined_candidate_xla_does_not_compile(case, monkeypatch):
