@@ -9,8 +9,9 @@ is opened into them (``encoder/block_0``; nnx and Equinox ``layers[3]``). Haiku'
 Every operation is given a layer: by its source path (``transpose(jvp(GPT))/block_0/mlp_in``
 and ``jvp(GPT)/embed.attend`` name ``block_0`` and ``embed``), else by what it reads (an
 embedding's gather, an optimizer's update of a layer's state; a pipeline region, the layer it
-reads most values of: its stack), else by what reads it (an embedding's gradient scatter). Operations left between the last layer's forward and the
-first layer's backward are the ``loss``; the rest (the step counter) are ``other``.
+reads most values of: its stack), else by what reads it (an embedding's gradient scatter).
+Operations left between the last layer's forward and the first layer's backward are the
+``loss``; the rest (the step counter) are ``other``.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ the fastest whose activations fit.
 Stages hold balanced runs of a scanned stack of identical layers, ``ceil(L/S)`` stacked
 positions each (a stage with fewer layers pads: :func:`.split.padded`). Every stage runs
 every tick in lockstep, so a tick lasts as long as the fullest stage; with identical layers
-the balanced boundaries minimize it, and the search runs over schedules and microbatch counts. Each microbatch count is priced from one
-layer planned over the other mesh axes (:class:`LayerPlan`, made by the caller): its forward
-and backward time, the bytes it keeps for its backward, and one hop of a microbatch's
-activation to the next stage. Times follow the emitted loops (:mod:`.emit`):
+the balanced boundaries minimize it, and the search runs over schedules and microbatch
+counts. Each microbatch count is priced from one layer planned over the other mesh axes
+(:class:`LayerPlan`, made by the caller): its forward and backward time, the bytes it keeps
+for its backward, and one hop of a microbatch's activation to the next stage. Times follow the emitted loops (:mod:`.emit`):
 
 ==============  ==============================  ============================================
 schedule        time                            activations held, per device
