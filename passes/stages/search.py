@@ -7,7 +7,8 @@ every tick in lockstep, so a tick lasts as long as the fullest stage; with ident
 the balanced boundaries minimize it, and the search runs over schedules and microbatch
 counts. Each microbatch count is priced from one layer planned over the other mesh axes
 (:class:`LayerPlan`, made by the caller): its forward and backward time, the bytes it keeps
-for its backward, and one hop of a microbatch's activation to the next stage. Times follow the emitted loops (:mod:`.emit`):
+for its backward, and one hop of a microbatch's activation to the next stage. Times follow
+the emitted loops (:mod:`.emit`):
 
 ==============  ==============================  ============================================
 schedule        time                            activations held, per device
