@@ -154,36 +154,104 @@ def plan_makespan(graph: Graph, strats, choice, mesh, comms: list[ChosenComm]
     reshard runs on its level's stream once the value is ready and the consumer waits for it;
     a reduction runs once its node is done and its result waits for it. A node in a loop runs
     its trips back to back, as one op of their total time."""
-    before: dict[int, list[ChosenComm]] = {}
-    after: dict[int, list[ChosenComm]] = {}
-    for c in comms:
-        (before if c.reason == "reshard" else after).setdefault(c.node, []).append(c)
-    ready: dict[int, float] = {}
-    streams: dict[object, float] = {}
+    end, busy, _ = _simulate(graph, strats, choice, mesh, comms)
+    return end, end - busy
+
+
+def _simulate(graph: Graph, strats, choice, mesh, comms: list[ChosenComm]
+              ) -> tuple[float, float, list[float]]:
+    """(makespan, compute time, the exposed seconds of each of ``comms``): each wait of the
+    compute stream, and the tail after its last node, is blamed on the collectives of its
+    critical chain (the one it waited for, the one that delayed that one on its stream or
+    made its operand, and so on), so the exposed parts sum to the makespan less compute."""
+    before: dict[int, list[int]] = {}
+    after: dict[int, list[int]] = {}
+    for i, c in enumerate(comms):
+        (before if c.reason == "reshard" else after).setdefault(c.node, []).append(i)
+    ready: dict[int, tuple[float, int | None]] = {}  # value -> (time, the comm that set it)
+    streams: dict[object, tuple[float, int | None]] = {}
+    begin, finish, cause = [0.0] * len(comms), [0.0] * len(comms), [None] * len(comms)
+    exposed = [0.0] * len(comms)
     clock = busy = 0.0
 
-    def run_comm(c: ChosenComm, start_s: float) -> float:
+    def run_comm(i: int, start: tuple[float, int | None]) -> tuple[float, int]:
+        c = comms[i]
         key = _stream(c.step, mesh.levels) if c.step.axes else None
-        begin = max(start_s, streams.get(key, 0.0))
-        streams[key] = begin + c.time_s * c.trips
-        return streams[key]
+        begin[i], cause[i] = max(start, streams.get(key, (0.0, None)), key=lambda t: t[0])
+        finish[i] = begin[i] + c.time_s * c.trips
+        streams[key] = (finish[i], i)
+        return finish[i], i
+
+    def blame(at: tuple[float, int | None], floor: float) -> None:
+        end, i = at
+        while i is not None and end > floor:
+            exposed[i] += end - max(begin[i], floor)
+            end, i = begin[i], cause[i]
 
     for node in graph.nodes:
         s = strats[node.id][choice[node.id]]
-        moved: dict[int, float] = {}
-        for c in before.get(node.id, ()):
-            moved[c.value] = run_comm(c, max(moved.get(c.value, 0.0), ready.get(c.value, 0.0)))
-        start = max([clock] + [moved.get(v, ready.get(v, 0.0)) for v in node.ins
-                               if v is not None])
+        moved: dict[int, tuple[float, int | None]] = {}
+        for i in before.get(node.id, ()):
+            v = comms[i].value
+            moved[v] = run_comm(i, max(moved.get(v, (0.0, None)), ready.get(v, (0.0, None)),
+                                       key=lambda t: t[0]))
+        waits = [moved.get(v, ready.get(v, (0.0, None))) for v in node.ins if v is not None]
+        start = max([(clock, None)] + waits, key=lambda t: t[0])
+        blame(start, clock)
         work = s.compute_s * node.trip_count
-        clock, busy = start + work, busy + work
-        done = clock
-        for c in after.get(node.id, ()):
-            done = run_comm(c, done)
+        clock, busy = start[0] + work, busy + work
+        done: tuple[float, int | None] = (clock, None)
+        for i in after.get(node.id, ()):
+            done = run_comm(i, done)
         for vid in node.outs:
             ready[vid] = done
-    end = max([clock] + list(streams.values()) + list(ready.values()))
-    return end, end - busy
+    last = max([(clock, None)] + list(streams.values()) + list(ready.values()),
+               key=lambda t: t[0])
+    blame(last, clock)
+    return last[0], busy, exposed
+
+
+@dataclass(frozen=True)
+class Hidden:
+    """The communication a plan's timeline hides behind compute (:func:`hidden_comm`), in
+    seconds over all trips: ``reductions`` per node (bytes; a rewrite's steps too),
+    ``latencies`` per combiner key (``combiner_key``) and ``reshards`` per (reader node,
+    value). The ILP charges a strategy only what exceeds them (``passes.ilp``)."""
+    reductions: dict[int, float]
+    latencies: dict[tuple, float]
+    reshards: dict[tuple[int, int], float]
+    reshard_totals: dict[tuple[int, int], float]  # the same moves' whole time
+    choice: tuple[int, ...] = ()  # the plan whose timeline this is
+
+
+def hidden_comm(graph: Graph, strats, choice, mesh) -> Hidden:
+    """What the plan's simulated timeline (:func:`plan_makespan`) hides of each of its
+    collectives: a collective's time less the waits blamed on it. A reduction that carries its
+    combiner group's latency hides its bytes first, then the latency."""
+    comms = plan_collectives(graph, strats, choice, mesh)
+    _, _, exposed = _simulate(graph, strats, choice, mesh, comms)
+    depths = reduction_depths(graph)
+    reductions: dict[int, float] = {}
+    latencies: dict[tuple, float] = {}
+    reshards: dict[tuple[int, int], float] = {}
+    totals: dict[tuple[int, int], float] = {}
+    seen = set()
+    for c, out in zip(comms, exposed):
+        hidden = c.time_s * c.trips - out
+        if c.reason == "reshard":
+            key = (c.node, c.value)
+            reshards[key] = reshards.get(key, 0.0) + hidden
+            totals[key] = totals.get(key, 0.0) + c.time_s * c.trips
+            continue
+        bytes_s = hidden
+        if c.reason == "reduce" and c.step.kind is not None:
+            key = combiner_key(c.step, c.trips, depths[c.node])
+            if key not in seen:
+                seen.add(key)
+                bytes_s = min(hidden, without_latency_s(c.step, mesh.levels) * c.trips)
+                latencies[key] = hidden - bytes_s
+        reductions[c.node] = reductions.get(c.node, 0.0) + bytes_s
+    return Hidden(reductions, latencies, reshards, totals, tuple(choice))
 
 
 def plan_peak_memory_bytes(graph: Graph, strats, choice, axis_sizes, results_held: bool,

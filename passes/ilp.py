@@ -7,11 +7,17 @@ Formulation (Alpa's intra-op ILP, with resharding edges compressed by spec class
   output tied to the input it replaces). Node ``n`` in group ``g`` takes strategy
   ``map_n[i]`` when ``s_g[i] = 1``. Built by :meth:`IlpBuilder.add_groups`.
 * ``sum(s_g) = 1`` for every group (:meth:`IlpBuilder.add_groups`).
-The objective is the estimate's serial time (``passes.estimate``: compute plus every
-collective) wherever the model is exact, through the same cost functions. The estimate's step
-time is the makespan of the plan's timeline, where collectives overlap the compute that does
-not wait for them (``passes.estimate.plan_makespan``); the ILP does not see that overlap, so
-the candidate plans it is compared with (``passes.candidates``) are ranked by the makespan.
+
+The objective is the estimate's step time: the makespan of the plan's simulated timeline,
+where collectives overlap the compute that does not wait for them
+(``passes.estimate.plan_makespan``), through the same cost functions. A makespan is not
+linear, so the overlap enters as a linear approximation around a reference plan
+(``passes.estimate.hidden_comm``, given as ``hidden``): each node's reductions, each combiner
+group's latency and each move into a reader are charged only what exceeds the time the
+reference's timeline hides of them there, whatever strategy is taken. For the reference itself
+the objective is its makespan; for a plan far from it, an approximation, exact only in the
+serial bound. ``passes.solve`` solves first without a reference (every collective charged in
+full), then around its plan.
 
 * Node costs. ``sum_i s_g[i] * sum_{n in g} trips_n * (compute + reduction bytes)(map_n[i])``,
   where compute counts the flops each device really does (replicated work is not free)
@@ -30,7 +36,8 @@ the candidate plans it is compared with (``passes.candidates``) are ranked by th
 * Shared moves. A value read in one spec by several groups moves once: per spec pair, a
   ``m >= `` each reader's indicator of that pair carries its cost
   (:meth:`IlpBuilder._add_shared_value`); a reader with more than ``MAX_SHARED_VALUE_PAIRS``
-  pairs is charged alone (an over-estimate).
+  pairs is charged alone (an over-estimate), except that around a reference that served it by
+  another reader's move, a pair no dearer than the reference's is free.
 * Preferences. Among plans the costs cannot tell apart, one whose nodes take the strategies
   the caller prefers (``preferences``: node -> a penalty per strategy, e.g. the batch on the
   mesh axis named ``data``): a cost of at most :data:`PREFERENCE` of the largest cost per
@@ -38,7 +45,7 @@ the candidate plans it is compared with (``passes.candidates``) are ranked by th
 * Large edges. When the two sides have more than ``MAX_EXACT_EDGE_PAIRS`` spec pairs (most
   tensors on a 3-D mesh), the same construction runs once per mesh axis over the dimension that
   axis splits on each side, with the cost of moving that axis alone: an approximation of the
-  joint cost (the plan's estimate is always computed exactly afterwards).
+  joint cost, scaled so that the reference's pair costs what its joint move costs.
 
 Costs are in microseconds so HiGHS (``passes.highs``) sees well-scaled numbers.
 """
@@ -49,7 +56,8 @@ import numpy as np
 import scipy.sparse
 
 from autopar.passes.dedup import Groups
-from autopar.passes.estimate import combined_latency_s, combiner_key, without_latency_s
+from autopar.passes.estimate import (Hidden, combined_latency_s, combiner_key,
+                                     without_latency_s)
 from autopar.passes.ir import Graph
 from autopar.passes.reductions import reduction_depths
 from autopar.passes.strategies import MeshContext, Strategy
@@ -73,15 +81,22 @@ class IlpBuilder:
     :meth:`build`; :meth:`matrices` gives them to the solver."""
 
     def __init__(self, graph: Graph, strats: list[list[Strategy]], groups: Groups,
-                 mesh: MeshContext, preferences: dict | None = None):
+                 mesh: MeshContext, preferences: dict | None = None,
+                 hidden: Hidden | None = None, like: IlpBuilder | None = None):
+        """``hidden``: the reference plan's overlap (see the module docstring); ``like``: a
+        builder of the same graph and strategies whose structure and prices this one reuses
+        (the ILP around a reference is built after the one without)."""
         self.g, self.strats, self.groups, self.mesh = graph, strats, groups, mesh
         self.preferences = preferences or {}
+        self.hidden = hidden or Hidden({}, {}, {}, {})
+        # What does not depend on the reference: prices and the latency and value structure.
+        self._memo: dict = {} if like is None else like._memo
         self.offset: dict[int, int] = {}
         self.n = 0
         self.cost: list[float] = []
         self.integer: list[int] = []
         self.rows: list[tuple[dict[int, float], float, float]] = []
-        self._edge_cache: dict = {}
+        self._edge_cache: dict = self._memo.setdefault("edges", {})
         # (group u, group w, u's class keys, w's class keys) -> [classes, classes, R]: edges
         # between the same two groups and classes share their e variables (see _transport).
         self._pending: dict = {}
@@ -90,8 +105,8 @@ class IlpBuilder:
         # (m, the readers' indicators it bounds): a value's move paid once (_add_shared_value)
         self.shared: list[tuple[int, list[dict[int, float]]]] = []
         self._indicator_blocks: dict = {}  # (gu, gw, src keys, dst keys) -> first e variable
-        self._strategy_cache: dict[int, float] = {}
-        self._step_cache: dict = {}
+        self._strategy_cache: dict[int, float] = self._memo.setdefault("strategies", {})
+        self._step_cache: dict = self._memo.setdefault("steps", {})
 
     def new_vars(self, k: int, integer: bool) -> int:
         """Add ``k`` variables of cost 0 (integral or not); the index of the first."""
@@ -138,17 +153,19 @@ class IlpBuilder:
         classes: dict = {}
         for n in range(len(self.g.nodes)):
             key = n if color is None else (group_of[n], color[n])
-            rep, count = classes.get(key, (n, 0))
-            classes[key] = (rep, count + 1)
-        for n, count in classes.values():
+            rep, count, hidden = classes.get(key, (n, 0, 0.0))
+            classes[key] = (rep, count + 1, hidden + self.hidden.reductions.get(n, 0.0))
+        for n, count, hidden in classes.values():
             node, strats, g = self.g.nodes[n], self.strats[n], group_of[n]
             for i, j in enumerate(self.groups.index_map[n]):
-                self.cost[self.offset[g] + i] += (self._strategy_s(strats[j]) * node.trip_count
-                                                  * _US * count)
+                comm_s = max(0.0, self._comm_s(strats[j]) * node.trip_count * count - hidden)
+                self.cost[self.offset[g] + i] += (
+                    strats[j].compute_s * node.trip_count * count + comm_s) * _US
 
-    def _strategy_s(self, st: Strategy) -> float:
+    def _comm_s(self, st: Strategy) -> float:
+        """A strategy's reductions without their latency, or a rewrite's exposed steps."""
         if id(st) not in self._strategy_cache:
-            self._strategy_cache[id(st)] = st.compute_s + (
+            self._strategy_cache[id(st)] = (
                 st.comm_s if st.rewrite is not None  # its exposed communication, latency in
                 else sum(self._step_s(step) for step in st.collectives))
         return self._strategy_cache[id(st)]
@@ -163,34 +180,43 @@ class IlpBuilder:
         """One latency per combiner group of reductions (``estimate.combiner_key``), as the
         estimate charges it: per key, a variable ``y`` at least the sum of each group's
         strategy variables whose node makes such a reduction, costing that latency once."""
-        depths = reduction_depths(self.g)
-        xs_of: dict[tuple, dict[int, set[int]]] = {}  # key -> group -> its variables
-        steps: dict[tuple, object] = {}
-        for g, members in self.groups.members.items():
-            for n in members:
-                strats = self.strats[n]
-                trips = self.g.nodes[n].trip_count
-                for i, j in enumerate(self.groups.index_map[n]):
-                    for step in strats[j].collectives:
-                        if step.kind is not None and strats[j].rewrite is None:
-                            key = combiner_key(step, trips, depths[n])
-                            steps.setdefault(key, step)
-                            xs_of.setdefault(key, {}).setdefault(g, set()).add(
-                                self.offset[g] + i)
-        # Keys made by the same variables (the reductions of copies of a layer, at other
-        # depths) share one y carrying their latencies together: the ILP's size does not
-        # grow with depth.
         cost_of: dict[tuple, float] = {}
-        for key, by_group in xs_of.items():
-            rows = tuple(sorted((g, tuple(sorted(xs))) for g, xs in by_group.items()))
+        for key, step, rows in self._latency_keys():
+            latency_s = combined_latency_s(step, self.mesh.levels) * key[4]
             cost_of[rows] = (cost_of.get(rows, 0.0)
-                             + combined_latency_s(steps[key], self.mesh.levels) * key[4] * _US)
+                             + max(0.0, latency_s - self.hidden.latencies.get(key, 0.0)) * _US)
         for rows, cost in cost_of.items():
             y = self.new_vars(1, False)
             self.latencies.append((y, sorted({x for _, xs in rows for x in xs})))
             self.cost[y] = cost
             # A group takes one strategy: y >= the sum of its variables that make the step.
             self.rows += [({y: 1.0, **{x: -1.0 for x in xs}}, 0.0, np.inf) for _, xs in rows]
+
+    def _latency_keys(self) -> list[tuple]:
+        """[(combiner key, a step of it, rows)], rows holding per group the variables whose
+        node makes such a reduction. Keys of equal rows (the reductions of copies of a layer, at
+        other depths) share one y carrying their latencies together: the ILP's size does not
+        grow with depth."""
+        if "latency_keys" not in self._memo:
+            depths = reduction_depths(self.g)
+            xs_of: dict[tuple, dict[int, set[int]]] = {}  # key -> group -> its variables
+            steps: dict[tuple, object] = {}
+            for g, members in self.groups.members.items():
+                for n in members:
+                    strats = self.strats[n]
+                    trips = self.g.nodes[n].trip_count
+                    for i, j in enumerate(self.groups.index_map[n]):
+                        for step in strats[j].collectives:
+                            if step.kind is not None and strats[j].rewrite is None:
+                                key = combiner_key(step, trips, depths[n])
+                                steps.setdefault(key, step)
+                                xs_of.setdefault(key, {}).setdefault(g, set()).add(
+                                    self.offset[g] + i)
+            self._memo["latency_keys"] = [
+                (key, steps[key], tuple(sorted((g, tuple(sorted(xs)))
+                                               for g, xs in by_group.items())))
+                for key, by_group in xs_of.items()]
+        return self._memo["latency_keys"]
 
     def _edge_matrix(self, u, k, w, pos):
         """Classes of group(u) by u's out spec k, of group(w) by w's in spec pos, and R [us]."""
@@ -216,18 +242,36 @@ class IlpBuilder:
         consumers is charged once (XLA computes the move once), as the estimate charges it."""
         classes = self.value_classes()
         self._edge_counts = (sum(len(w.ins) - w.ins.count(None) for w in self.g.nodes),
-                             sum(len(readers) for _, readers, _ in classes))
-        for (u, k), readers, count in classes:
+                             sum(len(readers) for _, readers, _, _ in classes))
+        for (u, k), readers, count, hidden in classes:
             if len(readers) == 1:
-                self._add_edge(u, k, *readers[0], count)
+                self._add_edge(u, k, *readers[0], count, hidden[0])
             else:
-                self._add_shared_value(u, k, readers, count)
+                self._add_shared_value(u, k, readers, count, hidden)
         self._flush_transports()
 
     def value_classes(self):
-        """[((u, k), [(w, pos)], count)]: one value per class of structurally identical values
-        (copies of a layer share one), its readers with one per group and in-spec list (they
-        choose alike), and how many values the class holds."""
+        """[((u, k), [(w, pos)], count, [(hidden s, whole s)])]: one value per class of
+        structurally identical values (copies of a layer share one), its readers with one per
+        group and in-spec list (they choose alike), how many values the class holds, and per
+        reader what the reference plan's timeline hides of the moves into it, summed over the
+        class (``passes.estimate.Hidden.reshards``)."""
+        out = []
+        for uk, readers, members in self._value_structure():
+            hidden = [[0.0, 0.0] for _ in readers]
+            for vid, moves in members:
+                for w, r in moves:
+                    hidden[r][0] += self.hidden.reshards.get((w, vid), 0.0)
+                    hidden[r][1] += self.hidden.reshard_totals.get((w, vid), 0.0)
+            out.append((uk, readers, len(members), [tuple(h) for h in hidden]))
+        return out
+
+    def _value_structure(self) -> list[tuple]:
+        """[((u, k), [(w, pos)], [(value, [(reader node, index into the readers)])])]: the
+        classes of :meth:`value_classes`, with each member value's reader nodes (a move is
+        keyed by its reader node)."""
+        if "values" in self._memo:
+            return self._memo["values"]
         group_of, color = self.groups.group_of, self.groups.color
         readers: dict[int, list] = {}
         for w_node in self.g.nodes:
@@ -237,51 +281,89 @@ class IlpBuilder:
         out: dict = {}
         for vid, edges in readers.items():
             u, k = self.g.producer[vid]
+            place = {(w, pos): (w, pos) if color is None else (group_of[w], color[w], pos)
+                     for w, pos in edges}
             key = (u, k) if color is None else (
-                group_of[u], color[u], k,
-                tuple(sorted((group_of[w], color[w], pos) for w, pos in edges)))
-            if key in out:
-                out[key][2] += 1
-                continue
-            distinct: dict = {}
+                group_of[u], color[u], k, tuple(sorted(place.values())))
+            if key not in out:
+                distinct: dict = {}
+                reader_of = {}
+                for w, pos in edges:
+                    dst = tuple(self.strats[w][j].in_specs[pos]
+                                for j in self.groups.index_map[w])
+                    distinct.setdefault((group_of[w], dst), (w, pos))
+                    reader_of[place[w, pos]] = list(distinct).index((group_of[w], dst))
+                out[key] = ((u, k), list(distinct.values()), [], reader_of)
+            first = {}
             for w, pos in edges:
-                dst = tuple(self.strats[w][j].in_specs[pos] for j in self.groups.index_map[w])
-                distinct.setdefault((group_of[w], dst), (w, pos))
-            out[key] = [(u, k), list(distinct.values()), 1]
-        return [tuple(v) for v in out.values()]
+                first.setdefault(w, pos)
+            out[key][2].append((vid, [(w, out[key][3][place[w, pos]])
+                                      for w, pos in first.items()]))
+        self._memo["values"] = [(uk, rs, members) for uk, rs, members, _ in out.values()]
+        return self._memo["values"]
 
-    def _add_edge(self, u, k, w, pos, count: int = 1) -> None:
+    def _add_edge(self, u, k, w, pos, count: int = 1, hidden=(0.0, 0.0),
+                  shared: bool = False) -> None:
+        """The move of ``(u, k)`` into reader ``(w, pos)``, less what the reference plan's
+        timeline hides of it (``hidden``: (hidden s, whole s), see :meth:`value_classes`).
+        ``shared``: the value has other readers, so where the reference moved nothing for this
+        one but its pair costs something, another reader's move served it, and a pair no
+        dearer is free."""
         gu, gw, src, dst, value, trip = self._edge_matrix(u, k, w, pos)
         trip *= count
+        hidden_us = hidden[0] * _US
+        ref = self._reference_pair(u, k, w, pos)
+        if shared and ref is not None and hidden[1] == 0.0:
+            hidden_us = self._cost_us(*ref, value, trip)
+
+        def cost(a, b):
+            return max(0.0, self._cost_us(a, b, value, trip) - hidden_us)
         if gu == gw:
             for i, (a, b) in enumerate(zip(src, dst)):
-                self.cost[self.offset[gu] + i] += self._cost_us(a, b, value, trip)
+                self.cost[self.offset[gu] + i] += cost(a, b)
             return
         if len(set(src)) * len(set(dst)) <= MAX_EXACT_EDGE_PAIRS:
-            self._transport(gu, gw, src, dst, lambda a, b: self._cost_us(a, b, value, trip))
+            self._transport(gu, gw, src, dst, cost)
             return
-        # Too many spec pairs: price the move axis by axis (see the module docstring).
+        # Too many spec pairs: price the move axis by axis (see the module docstring), scaled
+        # so that the reference's pair costs what it costs jointly, less what is hidden.
+        scale = 1.0
+        if ref is not None:
+            by_axes = sum(self._axis_cost_us(axis, ref[0].place_of(axis), ref[1].place_of(axis),
+                                             value, trip) for axis in self.mesh.axis_names)
+            if by_axes > 0:
+                scale = cost(*ref) / by_axes
         for axis in self.mesh.axis_names:
             self._transport(
                 gu, gw, [a.place_of(axis) for a in src], [b.place_of(axis) for b in dst],
-                lambda p, q, axis=axis: self._axis_cost_us(axis, p, q, value, trip))
+                lambda p, q, axis=axis: scale * self._axis_cost_us(axis, p, q, value, trip))
 
-    def _add_shared_value(self, u, k, readers, count: int) -> None:
+    def _reference_pair(self, u, k, w, pos):
+        """(u's out spec, w's in spec) in the reference plan (``Hidden.choice``), or None."""
+        ref = self.hidden.choice
+        if not ref:
+            return None
+        return self.strats[u][ref[u]].out_specs[k], self.strats[w][ref[w]].in_specs[pos]
+
+    def _add_shared_value(self, u, k, readers, count: int, hidden) -> None:
         """Value ``(u, k)`` read by several groups: per (source spec, target spec) pair, a
         variable ``m >= `` each reader's indicator of that pair (:meth:`_pair_indicators`) pays
-        the move once. Readers whose pairs are too many to list are priced alone, axis by axis."""
-        pairs: dict = {}   # (src spec, dst spec) -> [(indicator, trip)]
-        for w, pos in readers:
+        the move once, less what the reference plan's timeline hides of the moves into those
+        readers (``hidden``, per reader). Readers whose pairs are too many to list are priced
+        alone, axis by axis."""
+        pairs: dict = {}   # (src spec, dst spec) -> [(indicator, trip, hidden s)]
+        for (w, pos), moved in zip(readers, hidden):
             indicators = self._pair_indicators(u, k, w, pos)
             if indicators is None:
-                self._add_edge(u, k, w, pos, count)
+                self._add_edge(u, k, w, pos, count, moved, shared=True)
                 continue
             trip = self.g.nodes[w].edge_trip(pos)
             for pair, indicator in indicators.items():
-                pairs.setdefault(pair, []).append((indicator, trip))
+                pairs.setdefault(pair, []).append((indicator, trip, moved[0]))
         value = self.g.values[self.g.nodes[u].outs[k]]
         for (a, b), uses in pairs.items():
-            cost = self._cost_us(a, b, value, uses[0][1] * count)
+            cost = max(0.0, self._cost_us(a, b, value, uses[0][1] * count)
+                       - sum(h for _, _, h in uses) * _US)
             if cost == 0.0:
                 continue
             if len(uses) == 1:
@@ -290,9 +372,9 @@ class IlpBuilder:
                 continue
             m = self.new_vars(1, False)
             self.cost[m] = cost
-            self.shared.append((m, [indicator for indicator, _ in uses]))
+            self.shared.append((m, [indicator for indicator, _, _ in uses]))
             self.rows += [({m: 1.0, **{var: -coef for var, coef in indicator.items()}},
-                           0.0, np.inf) for indicator, _ in uses]
+                           0.0, np.inf) for indicator, _, _ in uses]
 
     def _pair_indicators(self, u, k, w, pos) -> dict | None:
         """(u's out spec, w's in spec) -> a linear expression of the ILP's variables that is 1

@@ -366,10 +366,11 @@ def _ilp(state: _State) -> Solution:
     stats.update(ilp_edges_before=solution.edges_before, ilp_edges=solution.edges_after,
                  memory_rows=solution.memory_rows, memory_budget_bytes=o.memory_budget_bytes,
                  # The ILP's own plan and its objective (with memory rows, penalties included),
-                 # which prices the plan's serial time (compute plus every collective);
-                 # candidates_step_s[ilp_plan] is its makespan.
+                 # which prices the plan's makespan (candidates_step_s[ilp_plan]); its serial
+                 # time (compute plus every collective), and the solves that priced overlap.
                  ilp_plan=solution.name, ilp_objective_s=solution.objective_us / 1e6,
-                 ilp_plan_serial_s=own.compute_time_s + own.comm_time_s)
+                 ilp_plan_serial_s=own.compute_time_s + own.comm_time_s,
+                 ilp_overlap_solves=solution.overlap_solves)
     o.progress(f"ILP: {solution.num_variables} variables, {solution.num_constraints} "
                f"constraints, {solution.edges_after} edge classes "
                f"({solution.edges_before} edges); {solution.status.value} in "

@@ -42,6 +42,7 @@ class Solution:
     least_peak_choice: list[int] | None = None  # ... and its plan
     source: Source = Source.ILP
     candidate: str = ""        # a propagated plan's name (passes.candidates.candidate_starts)
+    overlap_solves: int = 0    # solves that priced overlap (passes.solve._with_overlap)
 
     @property
     def name(self) -> str:
