@@ -84,8 +84,9 @@ class IlpBuilder:
                  mesh: MeshContext, preferences: dict | None = None,
                  hidden: Hidden | None = None, like: IlpBuilder | None = None):
         """``hidden``: the reference plan's overlap (see the module docstring); ``like``: a
-        builder of the same graph and strategies whose structure and prices this one reuses
-        (the ILP around a reference is built after the one without)."""
+        builder of the same graph, strategies and groups whose structure and prices this one
+        reuses (the ILP around a reference is built after the one without); both number their
+        group variables alike, as :meth:`build` adds the groups first."""
         self.g, self.strats, self.groups, self.mesh = graph, strats, groups, mesh
         self.preferences = preferences or {}
         self.hidden = hidden or Hidden({}, {}, {}, {})
