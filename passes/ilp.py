@@ -17,7 +17,8 @@ group's latency and each move into a reader are charged only what exceeds the ti
 reference's timeline hides of them there, whatever strategy is taken. For the reference itself
 the objective is its makespan; for a plan far from it, an approximation, exact only in the
 serial bound. ``passes.solve`` solves first without a reference (every collective charged in
-full), then around its plan.
+full), then builds the ILP around its plan, and solves it again unless that plan is proven
+optimal.
 
 * Node costs. ``sum_i s_g[i] * sum_{n in g} trips_n * (compute + reduction bytes)(map_n[i])``,
   where compute counts the flops each device really does (replicated work is not free)

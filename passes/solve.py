@@ -2,9 +2,9 @@
 
 The ILP (its formulation: ``passes.ilp``) is solved by HiGHS (``passes.highs``), starting from
 the best of the propagated plans it is given (a warm start); a plan over the memory budget is
-refitted under it (``passes.memory_fit``). Then it is solved again around its plan, with the
-communication that plan's timeline hides taken off (:func:`_with_overlap`), so that the
-objective prices the makespan. With no solution in the time limit a greedy plan is used, and a
+refitted under it (``passes.memory_fit``). Then it is built again around its plan, with the
+communication that plan's timeline hides taken off, so that the objective prices the makespan,
+and solved again where that plan is not proven optimal (:func:`_with_overlap`). With no solution in the time limit a greedy plan is used, and a
 warning says so.
 """
 
@@ -75,11 +75,13 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
     solution = _solution(res, builder, took)
     if budget is not None:
         solution = _fit(builder, budget, solution, time_limit_s, progress)
-    # A plan refitted to the budget (or over it) is only priced with its overlap: a solve
-    # around it, without the budget's rows, would find plans over the budget.
-    refitted = bool(solution.memory_rows) or not solution.fits_budget
+    # A plan proven optimal, or refitted to the budget (or over it), is only priced with its
+    # overlap: around a serial optimum no plan prices below it but through the approximated
+    # terms (see _with_overlap), and a solve without the budget's rows finds plans over it.
+    settled = (solution.status is SolveStatus.OPTIMAL or bool(solution.memory_rows)
+               or not solution.fits_budget)
     return _with_overlap(builder, budget, solution, time_limit_s, progress,
-                         solves=0 if refitted else OVERLAP_SOLVES)
+                         solves=0 if settled else OVERLAP_SOLVES)
 
 
 #: Solves at most after the first, each pricing the overlap of the plan before it.
@@ -100,7 +102,10 @@ def _with_overlap(builder: IlpBuilder, budget: BudgetRows | None, solution: Solu
     The first solve charges every collective in full. Each next one charges a strategy's
     reductions, latencies and incoming moves less what the reference plan's timeline hides of
     them at that node or edge (a linear term: the hidden time is a constant per node and edge),
-    from the reference (a warm start and cutoff). Its plan becomes the reference only if its
+    from the reference (a warm start and cutoff). A plan gets at most the reference's hidden
+    time in all, except through the terms priced axis by axis or shared by several readers,
+    so around a proven serial optimum a solve could only find that approximation's errors:
+    the caller asks for none there. Its plan becomes the reference only if its
     makespan is shorter by :data:`OVERLAP_MIN_GAIN` and it fits the memory budget; the loop ends when none does, after
     ``solves`` solves, or when less than :data:`OVERLAP_TIME_SHARE` of ``time_limit_s`` is
     left."""
