@@ -4,8 +4,8 @@ The ILP (its formulation: ``passes.ilp``) is solved by HiGHS (``passes.highs``),
 the best of the propagated plans it is given (a warm start); a plan over the memory budget is
 refitted under it (``passes.memory_fit``). Then it is built again around its plan, with the
 communication that plan's timeline hides taken off, so that the objective prices the makespan,
-and solved again where that plan is not proven optimal (:func:`_with_overlap`). With no solution in the time limit a greedy plan is used, and a
-warning says so.
+and solved again where that plan is not proven optimal (:func:`_with_overlap`). With no
+solution in the time limit a greedy plan is used, and a warning says so.
 """
 
 from __future__ import annotations
@@ -99,16 +99,17 @@ def _with_overlap(builder: IlpBuilder, budget: BudgetRows | None, solution: Solu
     reference plan's timeline (``passes.estimate.hidden_comm``), and its objective with the
     plan as its own reference: its estimated makespan, as the ILP prices it.
 
-    The first solve charges every collective in full. Each next one charges a strategy's
-    reductions, latencies and incoming moves less what the reference plan's timeline hides of
-    them at that node or edge (a linear term: the hidden time is a constant per node and edge),
-    from the reference (a warm start and cutoff). A plan gets at most the reference's hidden
-    time in all, except through the terms priced axis by axis or shared by several readers,
-    so around a proven serial optimum a solve could only find that approximation's errors:
-    the caller asks for none there. Its plan becomes the reference only if its
-    makespan is shorter by :data:`OVERLAP_MIN_GAIN` and it fits the memory budget; the loop ends when none does, after
-    ``solves`` solves, or when less than :data:`OVERLAP_TIME_SHARE` of ``time_limit_s`` is
-    left."""
+    The first solve charges every collective in full. The ILP around a reference charges a
+    strategy's reductions, latencies and incoming moves less what the reference's timeline
+    hides of them at that node or edge (a linear term: the hidden time is a constant per node
+    and edge), and is solved from the reference (a warm start and cutoff). A plan gets at
+    most the reference's hidden time in all, except through the terms priced axis by axis or
+    shared by several readers, so around a proven serial optimum a solve could only find that
+    approximation's errors: the caller asks for none there (``solves=0``). A plan found
+    becomes the reference only if its makespan is shorter by :data:`OVERLAP_MIN_GAIN` and it
+    fits the memory budget; the loop ends when none does, after ``solves`` solves, or when
+    less than :data:`OVERLAP_TIME_SHARE` of ``time_limit_s`` is left. A plan the ILP cannot
+    take as a point (none of a group's members has its strategy) keeps the serial objective."""
     graph, strats, groups, mesh = builder.g, builder.strats, builder.groups, builder.mesh
     took_s, solved = solution.solve_time_s, 0
 
@@ -121,8 +122,11 @@ def _with_overlap(builder: IlpBuilder, budget: BudgetRows | None, solution: Solu
                              hidden_comm(graph, strats, solution.choice, mesh),
                              like=builder).build()
         c, A, lb, ub, integer = overlap.matrices()
-        solution = dataclasses.replace(solution, objective_us=float(
-            c @ overlap.point(solution.choice)), solve_time_s=took_s, overlap_solves=solved)
+        here = overlap.point(solution.choice)
+        if here is None:
+            return dataclasses.replace(solution, solve_time_s=took_s, overlap_solves=solved)
+        solution = dataclasses.replace(solution, objective_us=float(c @ here),
+                                       solve_time_s=took_s, overlap_solves=solved)
         left_s = time_limit_s - took_s
         if solved == solves or left_s < time_limit_s * OVERLAP_TIME_SHARE:
             return solution
