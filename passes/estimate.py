@@ -124,8 +124,8 @@ def value_specs(graph: Graph, strats, choice) -> dict:
 
 def estimate(graph: Graph, strats, choice, mesh, comms: list[ChosenComm],
              memory: bool = True) -> Estimate:
-    """The plan's predictions; ``memory=False``: without the peak (0), which takes most of
-    the time on a large graph."""
+    """The plan's predictions; ``comms``: its collectives (:func:`plan_collectives`);
+    ``memory=False``: without the peak (0), which takes most of the time on a large graph."""
     compute_s = flops = 0.0
     for node in graph.nodes:
         s = strats[node.id][choice[node.id]]
@@ -135,7 +135,7 @@ def estimate(graph: Graph, strats, choice, mesh, comms: list[ChosenComm],
     comm_bytes = sum(c.step.wire_bytes * c.trips for c in comms)
     peak = (plan_peak_memory_bytes(graph, strats, choice, mesh.axis_sizes, mesh.results_held)
             if memory else 0)
-    makespan_s, exposed_s = plan_makespan(graph, strats, choice, mesh, comms)
+    makespan_s, exposed_s = plan_makespan(graph, strats, choice, mesh)
     return Estimate(step_time_s=makespan_s, compute_time_s=compute_s, comm_time_s=comm_s,
                     flops=flops, comm_bytes=comm_bytes, peak_memory_bytes=peak,
                     exposed_comm_s=exposed_s)
@@ -146,16 +146,29 @@ def _stream(step: CommStep, levels) -> object:
     return min((levels[a] for a in step.axes), key=lambda lv: lv.bandwidth_bytes_per_s).kind
 
 
-def plan_makespan(graph: Graph, strats, choice, mesh, comms: list[ChosenComm]
-                  ) -> tuple[float, float]:
+def plan_makespan(graph: Graph, strats, choice, mesh) -> tuple[float, float]:
     """(makespan, exposed communication) of one device's step, simulated over the plan's
     dataflow as the compiled program's timeline is (``cost_model.timeline``): nodes run one
     at a time on the compute stream in program order once their operands are ready; a
     reshard runs on its level's stream once the value is ready and the consumer waits for it;
     a reduction runs once its node is done and its result waits for it. A node in a loop runs
-    its trips back to back, as one op of their total time."""
-    end, busy, _ = _simulate(graph, strats, choice, mesh, comms)
+    its trips back to back, as one op of their total time. The collectives are the plan's own
+    (:func:`plan_collectives`); the timeline is kept as they are (:func:`_kept`), since the plan
+    taken is simulated by the solve, by the comparison with the candidates and for its
+    estimate."""
+    end, busy, _ = _kept_simulation(graph, strats, choice, mesh)
     return end, end - busy
+
+
+def _kept_simulation(graph: Graph, strats, choice, mesh
+                     ) -> tuple[float, float, tuple[float, ...]]:
+    """:func:`_simulate` of the plan's own collectives, kept for the last :data:`KEPT` plans."""
+    def make():
+        end, busy, exposed = _simulate(graph, strats, choice, mesh,
+                                       plan_collectives(graph, strats, choice, mesh))
+        return end, busy, tuple(exposed)
+    return _kept(graph, "estimate.plan_makespan", (id(strats), id(mesh), tuple(choice)),
+                 (strats, mesh), make)
 
 
 def _simulate(graph: Graph, strats, choice, mesh, comms: list[ChosenComm]
@@ -229,7 +242,7 @@ def hidden_comm(graph: Graph, strats, choice, mesh) -> Hidden:
     collectives: a collective's time less the waits blamed on it. A reduction that carries its
     combiner group's latency hides its bytes first, then the latency."""
     comms = plan_collectives(graph, strats, choice, mesh)
-    _, _, exposed = _simulate(graph, strats, choice, mesh, comms)
+    _, _, exposed = _kept_simulation(graph, strats, choice, mesh)
     depths = reduction_depths(graph)
     reductions: dict[int, float] = {}
     latencies: dict[tuple, float] = {}

@@ -20,7 +20,7 @@ from autopar._sizes import format_bytes
 from autopar.errors import InfeasiblePlanError, SolverFallbackWarning
 from autopar.passes.background import Deferred
 from autopar.passes.dedup import Groups
-from autopar.passes.estimate import hidden_comm, plan_collectives, plan_makespan
+from autopar.passes.estimate import hidden_comm, plan_makespan
 from autopar.passes.highs import cutoff_of, solve_milp, warm_start
 from autopar.passes.ilp import IlpBuilder, choice_of
 from autopar.passes.ir import Graph
@@ -114,8 +114,7 @@ def _with_overlap(builder: IlpBuilder, budget: BudgetRows | None, solution: Solu
     took_s, solved = solution.solve_time_s, 0
 
     def makespan(choice):
-        return plan_makespan(graph, strats, choice, mesh,
-                             plan_collectives(graph, strats, choice, mesh))[0]
+        return plan_makespan(graph, strats, choice, mesh)[0]
 
     while True:
         overlap = IlpBuilder(graph, strats, groups, mesh, builder.preferences,

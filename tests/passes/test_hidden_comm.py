@@ -34,7 +34,7 @@ def plans():
 def _priced(graph, strats, mesh, choice):
     comms = estimate.plan_collectives(graph, strats, choice, mesh)
     serial = sum(c.time_s * c.trips for c in comms)
-    makespan, exposed = estimate.plan_makespan(graph, strats, choice, mesh, comms)
+    makespan, exposed = estimate.plan_makespan(graph, strats, choice, mesh)
     return serial, makespan, exposed
 
 
@@ -80,3 +80,17 @@ def test_the_solve_prices_its_plans_makespan(plans):
     solution = solve(graph, strats, groups, mesh)
     _, makespan, _ = _priced(graph, strats, mesh, solution.choice)
     assert solution.objective_us / 1e6 == pytest.approx(makespan, rel=0.01)
+
+
+def test_kept_makespans_are_the_plans_own(plans):
+    graph, strats, mesh, _, found = plans
+    for name, choice in found.items():
+        direct = estimate._simulate(graph, strats, choice, mesh,
+                                    estimate._collectives(graph, strats, choice, mesh))
+        end, busy, _ = direct
+        assert estimate.plan_makespan(graph, strats, choice, mesh) == (end, end - busy), name
+    copied = [list(s) for s in strats]   # same contents, another owner: not served the kept
+    choice = found["ilp"]
+    kept = estimate._kept_simulation(graph, strats, choice, mesh)
+    assert estimate._kept_simulation(graph, copied, choice, mesh) is not kept
+    assert estimate._kept_simulation(graph, strats, choice, mesh) is kept
