@@ -112,10 +112,12 @@ class Problem:
 
 @dataclass(frozen=True)
 class Candidates:
-    """Candidate plans in the making: ``plans`` and ``times``, Deferreds of name -> plan and
-    name -> predicted step time (s); ``batch_seeds`` (name -> input node id -> spec) are
-    propagated only when the ILP does not finish."""
+    """Candidate plans in the making: ``work``, the Deferred making them (started by the solve
+    once its ILP is built, see :func:`prepare`), and ``plans`` and ``times``, Deferreds of
+    name -> plan and name -> predicted step time (s); ``batch_seeds`` (name -> input node id
+    -> spec) are propagated only when the ILP does not finish."""
     problem: Problem
+    work: Deferred
     plans: Deferred
     times: Deferred
     batch_seeds: dict[str, dict[int, Spec]]
@@ -127,13 +129,14 @@ def by_node(traced: Traced, seeds: dict[str, list[Spec | None]]) -> dict[str, di
                    if spec is not None} for name, leaf_specs in seeds.items()}
 
 
-def start(problem: Problem, starts: list[tuple[str, dict | None]],
-          batch_seeds: dict[str, dict[int, Spec]]) -> Candidates:
+def prepare(problem: Problem, starts: list[tuple[str, dict | None]],
+                batch_seeds: dict[str, dict[int, Spec]]) -> Candidates:
     """The propagations from ``starts`` (:func:`candidate_starts`) and their predicted step
-    times, started in a background thread: seconds of Python on a deep model, which run while
-    HiGHS solves the ILP (``passes.background``)."""
-    made = Deferred(_propagate_and_time, problem, starts).start()
-    return Candidates(problem=problem, plans=Deferred(_part, made, 0),
+    times, to start once the ILP is built: seconds of Python on a deep model, which run while
+    HiGHS solves (it releases the GIL; ``passes.background``). Started earlier, they would
+    share the GIL with the clustering and the ILP's building, and slow both."""
+    made = Deferred(_propagate_and_time, problem, starts)
+    return Candidates(problem=problem, work=made, plans=Deferred(_part, made, 0),
                       times=Deferred(_part, made, 1), batch_seeds=batch_seeds)
 
 

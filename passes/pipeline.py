@@ -298,7 +298,8 @@ def _propagate(state: _State) -> _State:
 
 
 def _candidates_message(state: _State) -> str | None:
-    return None if state.starts is None else f"propagating {len(state.starts)} candidate plans"
+    return (None if state.starts is None else
+            f"{len(state.starts)} candidate plans to propagate while the ILP solves")
 
 
 @timed_pass("candidates", progress=_candidates_message)
@@ -308,8 +309,8 @@ def _candidates(state: _State) -> _State:
     problem = candidates.Problem(graph=state.traced.graph, strats=state.strats,
                                       mesh_ctx=state.options.mesh_ctx, labels=state.labels,
                                       ties=state.ties)
-    return replace(state, candidates=candidates.start(problem, state.starts,
-                                                           state.batch_seeds))
+    return replace(state, candidates=candidates.prepare(problem, state.starts,
+                                                             state.batch_seeds))
 
 
 @timed_pass("cluster")
@@ -359,6 +360,7 @@ def _ilp(state: _State) -> Solution:
     solution = solve(graph, state.strats, state.groups, o.mesh_ctx, time_limit_s=o.time_limit_s,
                      preferences=preferences,
                      memory_budget_bytes=o.memory_budget_bytes, warm=state.candidates.plans,
+                     while_solving=(state.candidates.work,),
                      progress=o.progress)
     own = estimate(graph, state.strats, solution.choice, o.mesh_ctx,
                    plan_collectives(graph, state.strats, solution.choice, o.mesh_ctx),

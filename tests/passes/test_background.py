@@ -31,7 +31,7 @@ def test_an_error_in_the_background_is_raised_to_the_caller():
 
 
 def test_planning_forks_nothing_and_its_candidates_run_in_a_thread(monkeypatch):
-    """The pipeline's candidate plans (passes.candidates.start) are made in a background
+    """The pipeline's candidate plans (passes.candidates.prepare) are made in a background
     thread, never a forked process (a child of a process with XLA's threads may inherit a
     held lock); the plan is the one made with every candidate computed when it is asked for."""
     import autopar
