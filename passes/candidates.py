@@ -130,7 +130,7 @@ def by_node(traced: Traced, seeds: dict[str, list[Spec | None]]) -> dict[str, di
 
 
 def prepare(problem: Problem, starts: list[tuple[str, dict | None]],
-                batch_seeds: dict[str, dict[int, Spec]]) -> Candidates:
+            batch_seeds: dict[str, dict[int, Spec]]) -> Candidates:
     """The propagations from ``starts`` (:func:`candidate_starts`) and their predicted step
     times, to start once the ILP is built: seconds of Python on a deep model, which run while
     HiGHS solves (it releases the GIL; ``passes.background``). Started earlier, they would

@@ -307,10 +307,10 @@ def _candidates(state: _State) -> _State:
     if state.starts is None:
         return state
     problem = candidates.Problem(graph=state.traced.graph, strats=state.strats,
-                                      mesh_ctx=state.options.mesh_ctx, labels=state.labels,
-                                      ties=state.ties)
+                                 mesh_ctx=state.options.mesh_ctx, labels=state.labels,
+                                 ties=state.ties)
     return replace(state, candidates=candidates.prepare(problem, state.starts,
-                                                             state.batch_seeds))
+                                                        state.batch_seeds))
 
 
 @timed_pass("cluster")

@@ -60,3 +60,30 @@ def test_planning_forks_nothing_and_its_candidates_run_in_a_thread(monkeypatch):
     here = threading.current_thread().name
     assert threads[0] != here and threads[0].startswith("autopar-") and threads[1] == here
     assert plans[0] == plans[1] and len(plans[0][1]) > 2
+
+
+def test_the_candidates_start_once_the_ilp_is_built(monkeypatch):
+    """The candidate plans are propagated while HiGHS solves, not while the graph is clustered
+    and the ILP built, where their thread would take the GIL from that work."""
+    import autopar
+    from autopar.models import mlp
+    from autopar.passes import candidates
+    from autopar.passes.ilp import IlpBuilder
+
+    events = []
+    build, made_by = IlpBuilder.build, candidates._propagate_and_time
+
+    def built(self):
+        out = build(self)
+        events.append("built")
+        return out
+
+    def propagated(*args):
+        events.append("candidates")
+        return made_by(*args)
+
+    monkeypatch.setattr(IlpBuilder, "build", built)
+    monkeypatch.setattr(candidates, "_propagate_and_time", propagated)
+    fn, args = mlp.make_train_step(mlp.TINY)
+    autopar.plan(fn, *args, mesh={"data": 2, "model": 4})
+    assert "candidates" in events and events[0] == "built"
