@@ -124,3 +124,19 @@ def test_planning_suite_is_delegated(monkeypatch):
 def test_rows_run_longest_first():
     order = run._rows_in_order(["gpt"], [(8,), (2, 4), (2, 2, 2)])
     assert [s for _, s in order] == [(2, 2, 2), (2, 4), (8,)]
+
+
+def test_limit_gap_splits_each_program_s_kernel_time_by_kind(monkeypatch):
+    """benchmarks/limit_gap.py: every kernel of both programs lands in one kind (their sums
+    are the timelines' compute), and only the planned program has converts beside collectives
+    or exposed communication."""
+    from benchmarks import limit_gap
+    monkeypatch.setitem(workloads.WORKLOADS, "mlp", (mlp, mlp.TINY))
+    row = limit_gap.measure_row("mlp", (2, 4))
+    assert row["makespan_s"] == pytest.approx(row["compute_s"] + row["exposed_s"])
+    assert sum(row["autopar"].values()) == pytest.approx(row["compute_s"])
+    assert sum(row["limit"].values()) == pytest.approx(row["limit_s"])
+    assert limit_gap.CONVERT_BESIDE not in row["limit"]
+    assert set(row["autopar"]) <= set(limit_gap.KINDS.values()) | {
+        "matmul", "multi-output fusion", "elementwise and other", limit_gap.FLOOR,
+        limit_gap.CONVERT_BESIDE}
