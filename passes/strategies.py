@@ -303,6 +303,16 @@ def fusion_io(graph: Graph, node: Node, consumers: dict) -> FusionIO | None:
     return FusionIO(ins, tuple(outs))
 
 
+def fills_its_operand(graph: Graph, node: Node) -> bool:
+    """Whether ``node`` writes in place into a buffer that a broadcast of a scalar fills (a
+    scatter-add into zeros, a gradient's usual form): XLA writes the fill as a kernel of its
+    own, whose bytes the in-place op pays here."""
+    if node.kind is not NodeKind.OP or not op_info(node).in_place or not node.ins \
+            or node.ins[0] is None:
+        return False
+    return recomputable(graph, graph.nodes[graph.producer[node.ins[0]][0]])
+
+
 def _fused_bytes(io: FusionIO, node: Node, graph: Graph, in_specs, out_specs,
                  sizes: dict) -> float:
     """Per-device bytes the node's kernel moves under ``io`` in these specs."""
@@ -346,6 +356,7 @@ def node_strategies(node: Node, graph: Graph, mesh: MeshContext,
     moved = sum(math.prod(s) * itemsize(d) for s, d in node.in_avals) + sum(
         graph.values[v].nbytes for v in node.outs)
     combined = is_combined_reduction(node, graph)
+    fill = fills_its_operand(graph, node)
     out = []
     for in_specs, out_specs, partial, finishes, split, pre in expand(maps, ctx, mesh):
         in_specs = tuple(None if node.ins[i] is None and node.kind is NodeKind.OP else s
@@ -364,6 +375,9 @@ def node_strategies(node: Node, graph: Graph, mesh: MeshContext,
             compute_s = memory_bound_s(
                 f, _fused_bytes(io, node, graph, in_specs, out_specs, mesh.axis_sizes),
                 mesh.profile, dtype)
+        if fill:
+            compute_s += memory_bound_s(0.0, local_bytes(in_specs[0], in_shapes[0], itemsize(
+                node.in_avals[0][1]), mesh.axis_sizes), mesh.profile, dtype)
         out.append(Strategy(in_specs, out_specs, f, compute_s,
                             sum(s.time_s(mesh.levels) for s in steps), steps))
     assert out, f"no strategy for {node.prim}: replicate is always possible"
@@ -428,7 +442,7 @@ def build_strategies(graph: Graph, mesh: MeshContext, keys: list[tuple] | None =
             for vid in node.outs:
                 graph.values[vid] = dataclasses.replace(graph.values[vid], recomputable=True)
         io = fusion_io(graph, node, consumers)
-        key = (key, io)
+        key = (key, io, fills_its_operand(graph, node))
         if key not in built:
             built[key] = node_strategies(node, graph, mesh, io)
         strats, fallback = built[key]
