@@ -43,18 +43,30 @@ def candidate_starts(labels: dict[int, str], seeds: dict[str, dict[int, Spec]] |
 def propagate_from(graph: Graph, strats, mesh: MeshContext, labels: dict[int, str], ties,
                    starts: list[tuple[str, dict | None]]) -> dict[str, list[int]]:
     """Name -> the complete propagation's plan, for each of ``starts``
-    (:func:`candidate_starts`)."""
-    return {name: propagate(graph, strats, mesh, labels, ties, complete=True, warn=False,
-                            extra=extra).choice
-            for name, extra in starts}
+    (:func:`candidate_starts`). Starts of the same seeds (two baselines that split this
+    program alike) share one propagation and one plan."""
+    made: dict = {}  # the seeds, as a key -> their plan
+    plans = {}
+    for name, extra in starts:
+        key = None if extra is None else tuple(sorted(extra.items()))
+        if key not in made:
+            made[key] = propagate(graph, strats, mesh, labels, ties, complete=True, warn=False,
+                                  extra=extra).choice
+        plans[name] = made[key]
+    return plans
 
 
 def step_times(graph: Graph, strats, mesh: MeshContext,
                plans: dict[str, list[int]]) -> dict[str, float]:
-    """Each plan's predicted step time in seconds (the estimate, without memory)."""
-    return {name: estimate(graph, strats, choice, mesh,
-                           plan_collectives(graph, strats, choice, mesh), memory=False)
-            .step_time_s for name, choice in plans.items()}
+    """Each plan's predicted step time in seconds (the estimate, without memory), made once
+    per plan object (:func:`propagate_from` gives equal starts one)."""
+    by_plan: dict[int, float] = {}
+    for choice in plans.values():
+        if id(choice) not in by_plan:
+            by_plan[id(choice)] = estimate(graph, strats, choice, mesh,
+                                           plan_collectives(graph, strats, choice, mesh),
+                                           memory=False).step_time_s
+    return {name: by_plan[id(choice)] for name, choice in plans.items()}
 
 
 def best_of(solution: Solution, graph: Graph, strats, mesh: MeshContext,
