@@ -98,12 +98,67 @@ def _shift(ready: Ready, by_s: float) -> Ready:
     return ready + by_s
 
 
+#: The ops of a kernel that only changes its value's float width: a convert, with the
+#: reshapes that move no data.
+_WIDTH_ONLY = frozenset({"parameter", "convert", "bitcast", "reshape"})
+
+
+def width_kernels(module: Module, collectives: Sequence[Collective]
+                  ) -> frozenset[tuple[str, str]]:
+    """(computation, name) of the kernels that only convert a widened collective's operand up
+    to float32 (read by nothing else) or its result back down: XLA:CPU's, for collectives it
+    carries 16-bit floats in as float32 (``cost_model.hlo.widening``)."""
+    widened = {c.text for c in collectives if c.widened > 1}
+    found = set()
+    for computation, instructions in module.computations.items():
+        by_name = {i.name: i for i in instructions}
+        users: dict[str, list[Instruction]] = {}
+        for i in instructions:
+            for name in i.operands:
+                users.setdefault(name, []).append(i)
+
+        def width_only(i: Instruction) -> bool:
+            if i.opcode == "convert":
+                return True
+            called = i.called("calls") if i.opcode == "fusion" else ()
+            inside = module.computations.get(called[0], ()) if called else ()
+            return bool(inside) and all(x.opcode in _WIDTH_ONLY for x in inside)
+
+        def is_widened(i: Instruction) -> bool:
+            if i.opcode == "async-start":
+                wrapped = module.computations.get(i.called("calls")[0], ())
+                return any(x.line in widened for x in wrapped)
+            return i.line in widened
+
+        def results(i: Instruction) -> list[Instruction]:
+            """The readers of ``i``'s value, through its ``*-done`` and free ops."""
+            out = []
+            for user in users.get(i.name, ()):
+                through = user.opcode.endswith("-done") or user.opcode in (
+                    "get-tuple-element", "bitcast")
+                out += results(user) if through else [user]
+            return out
+
+        for i in instructions:
+            if not is_widened(i):
+                continue
+            for name in i.operands:
+                operand = by_name.get(name)
+                if (operand is not None and width_only(operand)
+                        and all(is_widened(u) for u in users.get(name, ()))):
+                    found.add((computation, name))
+            found.update((computation, u.name) for u in results(i) if width_only(u))
+    return frozenset(found)
+
+
 class _Simulator:
     def __init__(self, module: Module, profile, dtype, collectives: Sequence[Collective],
-                 device_ids: Sequence[int] | None):
+                 device_ids: Sequence[int] | None,
+                 free: frozenset[tuple[str, str]] = frozenset()):
         self.module, self.profile, self.dtype, self.device_ids = (
             module, profile, dtype, device_ids)
         self.collectives = {c.text: c for c in collectives}
+        self.free = free  # kernels that take no time (see width_kernels)
         self.clock = _Clock()
         self._kernel_s: dict[tuple[str, str], float] = {}
 
@@ -156,6 +211,8 @@ class _Simulator:
 
     def _kernel(self, computation: str, instruction: Instruction, env) -> float:
         key = (computation, instruction.name)
+        if key in self.free:
+            return _latest(tuple(self._operands(instruction, env)))
         if key not in self._kernel_s:
             self._kernel_s[key] = kernel_time_s(self.module, computation, instruction,
                                                 self.profile, self.dtype)
@@ -242,15 +299,18 @@ def simulate(hlo_text: str, profile, dtype=None, device_ids: Sequence[int] | Non
     (``cost_model.hlo_async``), as a GPU or TPU would run a program XLA:CPU compiled.
     ``program_dtypes``: price each collective XLA:CPU widened (16-bit floats carried as
     float32, ``cost_model.hlo.widening``) at the program's own dtype, as a GPU or TPU moves
-    it; the converts XLA:CPU put around it still count as kernels.
+    it, and drop the kernels that only convert its operand up or its result back down
+    (:func:`width_kernels`), which such hardware does not run.
     """
     if scheduled:
         hlo_text = as_async(hlo_text)
     module = parse_module(hlo_text)
     collectives = parse_collectives(hlo_text, num_devices(hlo_text))
+    free: frozenset[tuple[str, str]] = frozenset()
     if program_dtypes:
+        free = width_kernels(module, collectives)
         collectives = tuple(c.at_program_dtype() for c in collectives)
-    simulator = _Simulator(module, profile, dtype, collectives, device_ids)
+    simulator = _Simulator(module, profile, dtype, collectives, device_ids, free)
     entry = module.computations.get(module.entry, ())
     params = sum(1 for i in entry if i.opcode == "parameter")
     result = simulator.run(module.entry, [0.0] * params)

@@ -19,7 +19,8 @@ from autopar.cost_model.reference import (
     reference_comm_time_s,
     reference_compute_time_s,
 )
-from autopar.cost_model.timeline import FULL_TRIPS, simulate, simulate_compiled
+from autopar.cost_model.hlo_ir import parse_module
+from autopar.cost_model.timeline import FULL_TRIPS, simulate, simulate_compiled, width_kernels
 from tests.cost_model.compiled_cases import H100, autopar_case
 
 ROUND = HardwareProfile(
@@ -368,3 +369,29 @@ def test_a_widened_collective_at_the_programs_dtype(mesh_2d):
     assert as_compiled == pytest.approx(collective_time_s(ROUND, widened))
     assert at_bf16 == pytest.approx(collective_time_s(ROUND, widened.at_program_dtype()))
     assert at_bf16 == pytest.approx(as_compiled / widened.widened)   # no latency in ROUND
+
+
+@pytest.mark.parametrize("collective", ["psum", "all_gather"])
+def test_the_converts_around_a_widened_collective_are_not_run_at_the_programs_dtype(
+        mesh_2d, collective):
+    """XLA:CPU converts a bf16 collective's operand up to float32 and its result back down;
+    read at the program's dtype, those kernels are gone and the rest remain."""
+    def body(a):
+        moved = (lax.psum(a, "model") if collective == "psum"
+                 else lax.all_gather(a, "model", tiled=True))
+        return jnp.tanh(moved)
+    fn = jax.shard_map(body, mesh=mesh_2d, in_specs=P("model"),
+                       out_specs=P() if collective == "psum" else P(), check_vma=False)
+    text = jax.jit(fn).lower(jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16)).compile(
+        ).as_text()
+    module = parse_module(text)
+    widths = width_kernels(module, parse_collectives(text, 8))
+    assert widths, "XLA:CPU put no convert around the collective"
+    opcodes = {i.name: i.opcode for c, ins in module.computations.items() for i in ins}
+    kernels = {e.name for e in simulate(text, ROUND).events if e.level is None}
+    native = {e.name for e in simulate(text, ROUND, program_dtypes=True).events
+              if e.level is None}
+    assert {name for _, name in widths} <= kernels
+    assert native == kernels - {name for _, name in widths}
+    assert native, "the tanh still runs"
+    assert all(opcodes[name] in ("convert", "fusion") for _, name in widths)
