@@ -20,7 +20,7 @@ from autopar._export import logical_names
 from autopar._gc import with_gc_paused
 from autopar._judge import main_dtype, simulated_step_s
 from autopar._layers import weight_leaves
-from autopar._mesh import as_auto_mesh, axis_sizes
+from autopar._mesh import as_auto_mesh, axis_sizes, mesh_in_context
 from autopar._multiprocess import process_0_plan
 from autopar import _axis_roles, _inputs, _pipeline, _stage_plan
 from autopar._plan import Plan
@@ -293,27 +293,36 @@ def _plan_checked(fn, example_args, memory_budget, check_memory, verbose, option
     solution to take instead of solving (a plan cache's entry, process 0's plan)."""
     options = {**options, "choice": choice, "forced_remat": forced_remat}
     progress = _progress(verbose)
-    planned, failure = None, None
-    try:
-        planned = _plan_once(fn, example_args, memory_budget, progress=progress, **options)
-        if check_memory is None:
-            check_memory = memory_budget is not None and choice is None
-        if check_memory:
-            budget = (memory_budget if memory_budget is not None
-                      else default_memory_budget_bytes(get_profile(options["hardware"])))
-            planned = check_compiled_memory(
-                planned, budget,
-                lambda target: _plan_once(fn, example_args, memory_budget, target,
-                                          progress=progress, **options),
-                progress)
-    except Exception as e:  # raised by process_0_plan, after telling the other processes
-        planned, failure = None, e
-    # Multi-process: the same plan on every process (and on every process this call or none).
-    return process_0_plan(
-        planned, lambda choice, remat: _plan_once(
-            fn, example_args, memory_budget, progress=progress,
-            **{**options, "choice": choice, "forced_remat": remat}),
-        progress, failure)
+    with mesh_in_context(options["mesh"]):
+        try:
+            planned, failure = _planned_checked(fn, example_args, memory_budget,
+                                                check_memory, options, progress), None
+        except Exception as e:  # raised by process_0_plan, after telling the others
+            planned, failure = None, e
+        # Multi-process: the same plan on every process (and on every process this call or
+        # none).
+        return process_0_plan(
+            planned, lambda choice, remat: _plan_once(
+                fn, example_args, memory_budget, progress=progress,
+                **{**options, "choice": choice, "forced_remat": remat}),
+            progress, failure)
+
+
+def _planned_checked(fn, example_args, memory_budget, check_memory, options, progress) -> Plan:
+    """:func:`_plan_once`, then the compiled memory check when asked (by default, with a
+    budget given and no solution to take)."""
+    planned = _plan_once(fn, example_args, memory_budget, progress=progress, **options)
+    if check_memory is None:
+        check_memory = memory_budget is not None and options["choice"] is None
+    if not check_memory:
+        return planned
+    budget = (memory_budget if memory_budget is not None
+              else default_memory_budget_bytes(get_profile(options["hardware"])))
+    return check_compiled_memory(
+        planned, budget,
+        lambda target: _plan_once(fn, example_args, memory_budget, target, progress=progress,
+                                  **options),
+        progress)
 
 
 @with_gc_paused

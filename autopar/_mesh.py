@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -33,6 +34,17 @@ def as_auto_mesh(mesh) -> Mesh:
     if all(t == AxisType.Auto for t in mesh.axis_types):
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
+
+
+def mesh_in_context(mesh):
+    """A context manager setting ``mesh`` (:func:`as_auto_mesh`'s argument) as jax's mesh
+    (``jax.set_mesh``): the user's function traces and compiles with it, so its
+    ``with_sharding_constraint`` calls may name bare ``PartitionSpec``s. No change inside a
+    trace, or for a mesh that is not one (the planner reports that)."""
+    try:
+        return jax.set_mesh(as_auto_mesh(mesh))
+    except (ValueError, MeshError):
+        return contextlib.nullcontext()
 
 
 #: Mesh axis names autopar takes: ASCII words (XLA aborts the process on some others).

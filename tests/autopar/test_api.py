@@ -106,6 +106,28 @@ def test_with_sharding_constraint_in_the_function_is_kept(mesh_2d):
     np.testing.assert_allclose(float(plan.jit()(w, x)), float(f(w, x)), rtol=2e-3)
 
 
+def test_a_bare_partition_spec_constraint_names_the_plans_mesh():
+    """A dict mesh leaves the user no Mesh to build a NamedSharding from: a bare
+    PartitionSpec in with_sharding_constraint refers to the plan's mesh, as under
+    jax.set_mesh, when planning, compiling, running and comparing with baselines."""
+    def f(w, x):
+        h = jax.lax.with_sharding_constraint(x @ w, jax.sharding.PartitionSpec(None, "model"))
+        return jnp.tanh(h).sum()
+
+    w, x = jnp.ones((16, 32)), jnp.ones((8, 16))
+    mesh = {"data": 2, "model": 4}
+    plan = autopar.plan(f, w, x, mesh=mesh)
+    graph, strats, choice, _ = plan._details
+    pinned = [n for n in graph.nodes if n.prim == "sharding_constraint"]
+    assert pinned and all(str(strats[n.id][choice[n.id]].out_specs[0]) == "RS(model)"
+                          for n in pinned)
+    np.testing.assert_allclose(float(plan.jit()(w, x)), float(jnp.tanh(x @ w).sum()),
+                               rtol=2e-3)
+    assert plan.validate()["unexpected_kinds"] == []
+    _, measured, _ = autopar.compare(f, (w, x), mesh, kinds=("dp",))
+    assert set(measured) == {"autopar", "dp"}
+
+
 def test_validate_flags_collectives_the_plan_did_not_predict(monkeypatch):
     from autopar import _validate
     from autopar.cost_model import hlo
