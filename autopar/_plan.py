@@ -19,6 +19,7 @@ from autopar._mesh import SIMULATE_HINT, as_auto_mesh, check_axis_name, on_expli
 from autopar._layers import flat_donation, memory_over_program
 from autopar._export import plain_jit_check, write_module
 from autopar._html import render_html
+from autopar._sizes import format_bytes, format_seconds
 from autopar._summary import summary_lines
 from autopar.errors import ArgumentError, MeshError, PlanFormatError
 from autopar.passes.estimate import Estimate
@@ -258,6 +259,19 @@ class Plan:
         """
         from autopar._report import render_text
         return render_text(self, baselines)
+
+    def __repr__(self) -> str:
+        """One line: the mesh, the hardware, the predicted step and peak, and where the plan
+        came from (the graph and strategies it keeps for the report are left out)."""
+        mesh = ", ".join(f"{a}={n}" for a, n in zip(self.mesh.axis_names,
+                                                   self.mesh.devices.shape))
+        source = self.stats.get("source")
+        return (f"Plan(mesh=({mesh}), hardware={self.hardware!r}, step "
+                f"{format_seconds(self.estimate.step_time_s)}, peak "
+                f"{format_bytes(self.estimate.peak_memory_bytes)} per device"
+                + (f", from {source}" if source else "")
+                + (", pipelined" if self.pipeline else "") + "; plan.summary() says what it "
+                "chose)")
 
     def summary(self) -> str:
         """The plan in words, one line per group of like layers, then the inputs and the

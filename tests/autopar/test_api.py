@@ -35,6 +35,10 @@ def test_plan_fields_and_json_round_trip(tmp_path):
     assert [s.spec for s in jax.tree_util.tree_leaves(loaded.in_shardings)] == \
         [s.spec for s in leaves]
     assert loaded.in_paths == plan.in_paths
+    # A plan shows itself in one line, whether made or loaded (not its graph and strategies).
+    for shown in (repr(plan), str(plan), repr(loaded)):
+        assert "\n" not in shown and len(shown) < 200
+        assert shown.startswith("Plan(mesh=(data=8)") and plan.hardware in shown
 
 
 def test_parallelize_plans_once_per_signature_and_matches_single_device():
