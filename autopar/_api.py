@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import sys
 import time
 from collections.abc import Callable
@@ -560,8 +561,9 @@ class Parallelized:
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._kwargs = plan_kwargs
-        self._static_argnums = _as_tuple(static_argnums, "static_argnums")
-        self._static_argnames = _as_tuple(static_argnames, "static_argnames")
+        self._static_argnums, self._static_argnames = _static_arguments(
+            fn, _as_tuple(static_argnums, "static_argnums"),
+            _as_tuple(static_argnames, "static_argnames"))
         self._donate_argnums = _as_tuple(donate_argnums, "donate_argnums")
         both = set(self._static_argnums) & set(self._donate_argnums)
         if both:
@@ -663,6 +665,24 @@ class Parallelized:
         if disk_key is not None:
             self._disk.store(disk_key, p)
         return p
+
+
+def _static_arguments(fn: Callable, argnums: tuple, argnames: tuple) -> tuple[tuple, tuple]:
+    """``argnums`` and ``argnames`` completed from ``fn``'s signature, as ``jax.jit`` does: a
+    static parameter is static whether it is passed by position or by keyword."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a builtin): as given
+        return argnums, argnames
+    positional = [p.name for p in params
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = list(argnames) + [positional[i] for i in argnums
+                              if isinstance(i, int) and 0 <= i < len(positional)
+                              and positional[i] not in argnames
+                              and params[i].kind is not params[i].POSITIONAL_ONLY]
+    nums = list(argnums) + [positional.index(n) for n in argnames
+                            if n in positional and positional.index(n) not in argnums]
+    return tuple(nums), tuple(names)
 
 
 def _as_tuple(value, name: str) -> tuple:

@@ -44,6 +44,24 @@ def test_static_arguments_are_part_of_the_signature():
         f(x, [2], scale=3.0)
 
 
+def test_a_static_argument_is_static_by_position_or_by_keyword():
+    """As in jax.jit: static_argnums covers the parameter passed by keyword, and
+    static_argnames the parameter passed by position."""
+    x = jnp.arange(32.0).reshape(8, 4)
+
+    def g(x, power, scale=1.0):
+        return jnp.sum(x ** power) * scale
+
+    by_num = autopar.parallelize(g, mesh={"data": 8}, static_argnums=(1,))
+    by_name = autopar.parallelize(g, mesh={"data": 8}, static_argnames=("power",))
+    for f in (by_num, by_name):
+        assert float(f(x, power=2)) == pytest.approx(float(g(x, 2)))
+        assert float(f(x, 2)) == pytest.approx(float(g(x, 2)))
+        assert float(f(x, 3)) == pytest.approx(float(g(x, 3)))
+        assert f.plans_made == 3   # power=2 by keyword and by position, power=3
+        assert float(jax.jit(g, static_argnums=(1,))(x, power=2)) == float(f(x, power=2))
+
+
 def test_donated_arguments_are_consumed():
     @autopar.parallelize(mesh={"data": 8}, donate_argnums=0)
     def update(w, g):
