@@ -213,15 +213,14 @@ class Plan:
         flat_in = jax.tree_util.tree_leaves(self.in_shardings)
         flat_out = jax.tree_util.tree_leaves(self.out_shardings)
         donate = flat_donation(self._in_tree, donate_argnums)
-        jitted = jax.jit(self._flat_fn, in_shardings=flat_in, out_shardings=flat_out,
+        jitted = jax.jit(self._guarded_flat_fn(), in_shardings=flat_in, out_shardings=flat_out,
                          donate_argnums=donate, compiler_options=self.compiler_options or None)
         in_tree, out_tree, mesh = self._in_tree, self._out_tree, self.mesh
 
         def call(method, args):
             leaves, tree = jax.tree_util.tree_flatten(args)
             if tree != in_tree:
-                raise PlanFormatError(f"arguments do not match the planned signature: planned "
-                                      f"{in_tree}, got {tree}. Plan again for the new one.")
+                raise PlanFormatError(_tree_difference(self.in_paths, args))
             leaves = [_placed(x, s) for x, s in zip(leaves, flat_in)]
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # Auto axes, as planned
                 return method(*leaves)
@@ -230,6 +229,25 @@ class Plan:
             return jax.tree_util.tree_unflatten(out_tree, call(jitted, args))
         run.lower = lambda *args: call(jitted.lower, args)
         return run
+
+    def _guarded_flat_fn(self) -> Callable:
+        """The program's flat function, first checking (when jax traces it, so never on a
+        call of the shapes planned) that each leaf has its planned shape and dtype: else a
+        PlanFormatError naming the leaf, rather than an error from deep in the program."""
+        flat_fn, paths = self._flat_fn, self.in_paths
+        planned = [(tuple(a.shape), np.dtype(a.dtype)) for a in self._arg_avals]
+
+        def guarded(*leaves):
+            for i, (x, want) in enumerate(zip(leaves, planned)):
+                got = (tuple(x.shape), np.dtype(x.dtype))
+                if got != want:
+                    where = paths[i] if i < len(paths) else f"leaf {i}"
+                    raise PlanFormatError(
+                        f"argument {where} is {_typed(*got)}, but the plan was made for "
+                        f"{_typed(*want)}: plan again for these arguments "
+                        "(autopar.parallelize plans once per signature)")
+            return flat_fn(*leaves)
+        return guarded
 
     def with_donation(self, donate_argnums) -> Plan:
         """This plan, its program reusing the buffers of arguments ``donate_argnums`` for the
@@ -408,6 +426,25 @@ def _json_default(x):
     if isinstance(x, np.generic):
         return x.item()
     raise TypeError(f"{type(x).__name__} is not JSON serializable")
+
+
+def _tree_difference(planned_paths: list[str], args) -> str:
+    """What :meth:`Plan.jit`'s caller passed in place of the planned argument tree, by the
+    first leaf path that differs."""
+    got = [jax.tree_util.keystr(path)
+           for path, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    first = next((i for i, (a, b) in enumerate(zip(planned_paths, got)) if a != b),
+                 min(len(planned_paths), len(got)))
+    planned = planned_paths[first] if first < len(planned_paths) else "no further leaf"
+    given = got[first] if first < len(got) else "no further leaf"
+    return (f"arguments do not match the planned signature: {len(got)} leaves where the plan "
+            f"has {len(planned_paths)}, the first difference at leaf {first} (planned "
+            f"{planned}, given {given}). Plan again for these arguments.")
+
+
+def _typed(shape: tuple, dtype) -> str:
+    """``float32[8,128]``: a shape and dtype as text."""
+    return f"{jax.numpy.dtype(dtype).name}[{','.join(map(str, shape))}]"
 
 
 def _placed(x, sharding):

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import autopar
 from autopar import cli
+from autopar.models import mlp
 from autopar.errors import (ArgumentError, AutoparError, CLIError, MeshError, PlanFormatError,
                             ShardingHintError)
 
@@ -435,3 +436,19 @@ def test_cli_an_unexpected_error_is_one_line(target, capsys, monkeypatch):
     code, err = _cli(_report(target, "ok"), capsys)
     assert code == 1 and "RuntimeError: XLA said no" in err and "--debug" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "tree"])
+def test_plan_jit_names_an_argument_not_as_planned(change):
+    fn, args = mlp.make_train_step(mlp.TINY)
+    plan = autopar.plan(fn, *args, mesh={"data": 8})
+    run = plan.jit()
+    run(*args)
+    batch = args[-1]
+    other = {"shape": jax.tree_util.tree_map(lambda a: a[:4], batch),
+             "dtype": jax.tree_util.tree_map(lambda a: a.astype(jnp.float16), batch),
+             "tree": (batch,)}[change]
+    with pytest.raises(PlanFormatError, match="(?i)plan again") as info:
+        run(*args[:-1], other)
+    if change != "tree":
+        assert "[2]['x']" in str(info.value) and "float32[8,16]" in str(info.value)
