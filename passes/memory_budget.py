@@ -198,12 +198,13 @@ def peak_lower_bound_bytes(graph: Graph, devices: int, results_held: bool) -> fl
 
 def breakdown(graph: Graph, strats, choice, mesh, input_labels: list[str]
               ) -> list[tuple[str, int]]:
-    """What a plan's peak is made of, largest first: the arguments by label (parameters,
-    optimizer state, ...), the results held for the call, and the activations and other
-    temporaries live at the peak."""
+    """What a plan's peak (:func:`plan_peak`) is made of, largest first: the arguments by
+    label (parameters, optimizer state, ...), the results held for the call, and the rest
+    live at the peak (activations, temporaries, resharded copies); the parts sum to the
+    peak."""
     specs = value_specs(graph, strats, choice)
     live = liveness(graph, mesh.results_held)
-    _, t, offset = plan_peak(graph, strats, choice, mesh)
+    peak = plan_peak(graph, strats, choice, mesh)[0]
     parts: dict[str, int] = {}
 
     def size(vid):
@@ -215,22 +216,33 @@ def breakdown(graph: Graph, strats, choice, mesh, input_labels: list[str]
     held_results = [v for v in live.held if v not in inputs]
     if held_results:
         parts["results"] = sum(size(v) for v in held_results)
-    parts["activations and temporaries"] = (
-        sum(int(b.scale * size(b.vid)) for b in live.live_at(t)) + offset)
+    parts[LIVE_AT_PEAK] = max(0, peak - sum(parts.values()))
     return sorted(parts.items(), key=lambda kv: -kv[1])
+
+
+#: The part of a peak that is neither an argument nor a result (:func:`breakdown`).
+LIVE_AT_PEAK = "activations and temporaries"
 
 
 #: Names of a train step's arguments, by the convention the baselines use too.
 TRAIN_STEP_ARGS = ("parameters", "optimizer state", "batch")
 
 
-def input_labels(in_tree) -> list[str]:
+def input_labels(in_tree, replaced=frozenset()) -> list[str]:
     """A label per flat argument leaf: its top-level argument, named by the train-step
-    convention ``(params, opt_state, batch)`` when there are three."""
+    convention ``(params, opt_state, batch)`` when there are three and results replace
+    every leaf of the first two and not of the third (``replaced``: flat leaf indices a
+    result replaces), else ``argument i``."""
     children = in_tree.children()
-    names = (TRAIN_STEP_ARGS if len(children) == 3 else
-             [f"argument {i}" for i in range(len(children))])
-    return [name for name, child in zip(names, children) for _ in range(child.num_leaves)]
+    counts = [child.num_leaves for child in children]
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+
+    def state(i):
+        return counts[i] > 0 and all(j in replaced
+                                     for j in range(starts[i], starts[i] + counts[i]))
+    convention = len(children) == 3 and state(0) and state(1) and not state(2)
+    names = TRAIN_STEP_ARGS if convention else [f"argument {i}" for i in range(len(children))]
+    return [name for name, count in zip(names, counts) for _ in range(count)]
 
 
 #: Share of the device memory left to the runtime, the framework and fragmentation when no

@@ -21,6 +21,7 @@ from autopar.passes.highs import Work, solve_milp
 from autopar.passes.ilp import IlpBuilder, choice_of
 from autopar.passes.ir import Graph, NodeKind
 from autopar.passes.memory_budget import (
+    LIVE_AT_PEAK,
     MAX_ROUNDS,
     BudgetRows,
     breakdown,
@@ -266,9 +267,9 @@ def _gib(n: float) -> str:
 
 #: What shrinks each part of a peak, for the InfeasiblePlanError message.
 _ADVICE = {
-    "activations and temporaries": "a smaller batch or sequence, or rematerialization",
+    LIVE_AT_PEAK: "a smaller batch or sequence, or rematerialization",
     "optimizer state": "a lower-precision or stateless optimizer",
-    "results": "the state the step returns (on XLA:CPU results are held for the whole call)",
+    "results": "the state the step returns, which XLA:CPU holds for the whole call",
 }
 
 

@@ -454,7 +454,8 @@ def _over_budget(plain: _State, searched: bool) -> _State:
     o, traced = plain.options, plain.traced
     error = over_budget_error(
         traced.graph, plain.strats, plain.groups, o.mesh_ctx, o.memory_budget_bytes,
-        input_labels(traced.in_tree), o.time_limit_s, plain.solution,
+        input_labels(traced.in_tree, _replaced_leaves(traced.graph, plain.ties)),
+        o.time_limit_s, plain.solution,
         " (rematerializing every layer did not make one fit either)"
         if searched and residual_bytes(traced, RematPolicy.NOTHING) else "",
         _scan_advice(traced) if o.remat and o.search else "")
@@ -463,6 +464,12 @@ def _over_budget(plain: _State, searched: bool) -> _State:
     warnings.warn(f"autopar: {error} The plan below ignores the default budget.",
                   MemoryBudgetWarning, stacklevel=7)  # autopar._gc's wrapper of _plan_once
     return plain
+
+
+def _replaced_leaves(graph, ties) -> frozenset[int]:
+    """Flat argument leaves a result replaces (``ties``: (output node, input node) pairs)."""
+    position = {node: i for i, node in enumerate(graph.input_nodes)}
+    return frozenset(position[n] for _, n in ties if n in position)
 
 
 def _scan_advice(traced: Traced) -> str:

@@ -5,6 +5,7 @@ import dataclasses
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -62,6 +63,23 @@ def test_impossible_budget_names_the_smallest_peak(wide_mlp):
     names = [name for name, _ in err.peak_breakdown]
     assert {"parameters", "optimizer state", "activations and temporaries"} <= set(names)
     assert f"dominated by {names[0]}" in str(err)
+    assert sum(size for _, size in err.peak_breakdown) == err.smallest_peak_bytes
+
+
+def test_an_impossible_budget_names_arguments_by_position_outside_a_train_step():
+    """Three arguments are (params, opt_state, batch) only when results replace the first
+    two; here the second is data, and the parts still sum to the peak."""
+    def step(w, x, y):
+        loss, grad = jax.value_and_grad(lambda w: jnp.mean((jnp.tanh(x @ w) - y) ** 2))(w)
+        return w - 0.1 * grad, loss
+
+    w, x, y = jnp.ones((64, 128)), jnp.ones((32, 64)), jnp.zeros((32, 128))
+    with pytest.raises(InfeasiblePlanError) as info:
+        autopar.plan(step, w, x, y, mesh=MESH, memory_budget="10KiB")
+    names = [name for name, _ in info.value.peak_breakdown]
+    assert {"argument 0", "argument 1", "argument 2"} <= set(names)
+    assert "optimizer state" not in str(info.value)
+    assert sum(size for _, size in info.value.peak_breakdown) == info.value.smallest_peak_bytes
 
 
 def test_default_budget_is_the_profile_capacity_and_only_warns(wide_mlp):
