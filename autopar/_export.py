@@ -245,13 +245,13 @@ def _opening(verdict: str) -> str:
     """The docstring's first instruction, true to ``verdict`` (:func:`plain_jit_check`'s
     sentence, or "" when unchecked)."""
     if verdict.startswith(_SAME):
-        return ("Run it with plain jax (the program XLA compiles from these shardings is the "
+        return ("Run it with plain jax (the program XLA compiles from these shardings is the\n"
                 "plan's, as checked below)")
     if verdict.startswith(_DIFFERS):
-        return ("Run it with plain jax: these specs compute the same numbers as the plan, but "
+        return ("Run it with plain jax: these specs compute the same numbers as the plan, but\n"
                 "XLA compiles other collectives from them, as the check below says")
-    return ("Run it with plain jax (XLA infers the shardings inside the step from these, so the "
-            "program may communicate otherwise than the plan)")
+    return ("Run it with plain jax (XLA infers the shardings inside the step from these, so\n"
+            "the program may communicate otherwise than the plan)")
 
 
 def collective_signature(summary: HloSummary) -> list[tuple]:
