@@ -136,9 +136,10 @@ def test_cli_export_writes_the_module(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     r = subprocess.run([sys.executable, "-m", "autopar.cli", "export", f"{target}:mlp_step",
                         "--mesh", "data=2,model=4", "--out", str(out), "--simulate-devices", "8",
-                        "--quiet"], capture_output=True, text=True, cwd=ROOT, env=env,
-                       timeout=600)
+                        "--hardware", "h100", "--quiet"], capture_output=True, text=True, cwd=ROOT,
+                       env=env, timeout=600)
     assert r.returncode == 0, r.stderr
+    assert "hardware profile `h100`" in r.stdout.splitlines()[0]
     assert "w1: column-parallel over model(4)" in r.stdout and f"wrote {out}" in r.stdout
     assert "Checked when written" in r.stdout
     text = out.read_text()
