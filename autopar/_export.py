@@ -35,13 +35,20 @@ def _class_name(obj, imports: set[str]) -> str:
     module, name = cls.__module__, cls.__qualname__
     if "." in name or "<" in name or module in ("__main__", "builtins"):
         raise _NotCode(f"{module}.{name}")
-    try:
-        if getattr(importlib.import_module(module), name, None) is not cls:
-            raise _NotCode(f"{module}.{name}")
-    except ImportError:
-        raise _NotCode(f"{module}.{name}") from None
-    imports.add(f"from {module} import {name}")
+    if _exported_by(module, name) is not cls:
+        raise _NotCode(f"{module}.{name}")
+    package = module.partition(".")[0]
+    public = package if _exported_by(package, name) is cls else module
+    imports.add(f"from {public} import {name}")
     return name
+
+
+def _exported_by(module: str, name: str):
+    """``module.name`` (None when the module does not import or has no such name)."""
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
 
 
 def _code(obj, imports: set[str], indent: int = 0) -> str:
@@ -81,7 +88,7 @@ def _code(obj, imports: set[str], indent: int = 0) -> str:
 
 _TEMPLATE = '''"""Sharding plan for `{fn}` on mesh {mesh_words}, written by autopar.
 
-Run it with plain jax (the program XLA compiles from these shardings is the plan's)::
+{opening}::
 
     import jax
     import {module} as plan
@@ -208,7 +215,7 @@ def module_source(plan, module: str = "plan_specs", fn_name: str = "step",
     mesh = {str(a): int(n) for a, n in zip(plan.mesh.axis_names, plan.mesh.devices.shape)}
     said = "\nThe plan in words:\n" + "".join(f"  {w}\n" for w in words) if words else ""
     return _TEMPLATE.format(
-        fn=fn_name, module=module, hardware=plan.hardware, mesh=mesh,
+        fn=fn_name, module=module, opening=_opening(verdict), hardware=plan.hardware, mesh=mesh,
         mesh_words=" x ".join(f"{a}={n}" for a, n in mesh.items()),
         step=format_seconds(plan.estimate.step_time_s),
         peak=format_bytes(plan.estimate.peak_memory_bytes), words=said.rstrip("\n"),
@@ -226,6 +233,25 @@ def write_module(plan, path: str | os.PathLike, fn_name: str = "step",
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
     return text
+
+
+_SAME = ("Checked when written: plain jax.jit with these shardings compiles to the plan's "
+         "collectives.")
+_DIFFERS = ("Checked when written: plain jax.jit with these shardings compiles to other "
+            "collectives than the plan")
+
+
+def _opening(verdict: str) -> str:
+    """The docstring's first instruction, true to ``verdict`` (:func:`plain_jit_check`'s
+    sentence, or "" when unchecked)."""
+    if verdict.startswith(_SAME):
+        return ("Run it with plain jax (the program XLA compiles from these shardings is the\n"
+                "plan's, as checked below)")
+    if verdict.startswith(_DIFFERS):
+        return ("Run it with plain jax: these specs compute the same numbers as the plan, but\n"
+                "XLA compiles other collectives from them, as the check below says")
+    return ("Run it with plain jax (XLA infers the shardings inside the step from these, so\n"
+            "the program may communicate otherwise than the plan)")
 
 
 def collective_signature(summary: HloSummary) -> list[tuple]:
@@ -247,12 +273,10 @@ def plain_jit_check(plan, fn) -> tuple[bool, str]:
                             out_shardings=plan.out_shardings).lower(*abstract).compile())
     planned = analyze(plan.compile())
     if collective_signature(plain) == collective_signature(planned):
-        return True, ("Checked when written: plain jax.jit with these shardings compiles to the "
-                      "plan's collectives.")
+        return True, _SAME
     kinds = {k.value: v for k, v in plain.by_kind().items()}
     want = {k.value: v for k, v in planned.by_kind().items()}
-    return False, ("Checked when written: plain jax.jit with these shardings compiles to other "
-                   f"collectives than the plan ({_kinds(kinds)}, the plan {_kinds(want)}): the "
+    return False, (f"{_DIFFERS} ({_kinds(kinds)}, the plan {_kinds(want)}): the "
                    "plan also splits intermediate values, which jax does not infer from the "
                    "arguments and results alone. autopar's plan.jit() runs the plan itself.")
 

@@ -1,4 +1,4 @@
-"""The `autopar` command line: demo, report, profile.
+"""The `autopar` command line: demo, report, export, profile.
 
 Errors print one line and exit non-zero; ``--debug`` shows the traceback.
 """
@@ -7,19 +7,63 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import math
 import os
+import re
 import stat
 import sys
+import traceback
 
 from autopar._compat import backends_initialized
-from autopar._mesh import simulate_cpu_devices
+from autopar._mesh import SIMULATE_FLAG, simulate_cpu_devices
+from autopar._meshspec import parse_mesh_spec
 from autopar._sizes import parse_bytes
-from autopar.errors import AutoparError, CLIError
+from autopar.errors import AutoparError, CLIError, MeshError
 
+#: Each ILP solve's safety-net time limit, as ``autopar.plan(time_limit_s=...)`` defaults it.
+_TIME_LIMIT_S = 300.0
 
 
 def _say(msg: str) -> None:
     print(msg, flush=True)
+
+
+def _parse_mesh(text: str) -> dict[str, int]:
+    """``--mesh``'s value as {axis: size} (``parse_mesh_spec``); a MeshError naming an axis
+    whose size is under 1."""
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if re.fullmatch(r"[+-]?\d+", size.strip()) and int(size) < 1:
+            raise MeshError(f"mesh `{text}`: axis `{name.strip()}` has size {size.strip()}; "
+                            "sizes must be at least 1, e.g. --mesh data=2,model=4")
+    return parse_mesh_spec(text)
+
+
+def _xla_flags_count() -> str | None:
+    """The host device count XLA_FLAGS sets (its last ``SIMULATE_FLAG``), else None."""
+    counts = re.findall(re.escape(SIMULATE_FLAG) + r"=(\S*)", os.environ.get("XLA_FLAGS", ""))
+    return counts[-1] if counts else None
+
+
+def _simulate(n: int, asked: str) -> None:
+    """Ask XLA for ``n`` simulated CPU devices; ``asked`` names who asks, for the message. A
+    CLIError when XLA_FLAGS already sets another count: XLA would keep that one."""
+    count = _xla_flags_count()
+    if count is not None and count != str(n):
+        raise CLIError(f"{asked} asks for {n} CPU devices but XLA_FLAGS sets {SIMULATE_FLAG}="
+                       f"{count}, which wins: unset that flag in XLA_FLAGS or make the counts "
+                       "agree")
+    simulate_cpu_devices(n)
+
+
+def _start_devices(simulate: int, mesh: dict[str, int]) -> None:
+    """Before jax starts: ``--simulate-devices N``'s devices or, with none asked and
+    JAX_PLATFORMS=cpu, as many CPU devices as ``mesh`` needs."""
+    if simulate:
+        _simulate(simulate, f"--simulate-devices {simulate}")
+    elif os.environ.get("JAX_PLATFORMS") == "cpu":
+        simulate_cpu_devices(math.prod(mesh.values()))
 
 
 # ----- demo
@@ -65,21 +109,23 @@ def _carried_hints(plan, args):
 
 
 def cmd_demo(args) -> int:
-    simulate_cpu_devices(8)
+    _simulate(8, "the demo")
     import jax
     if not backends_initialized():  # simulated CPU devices, even on a GPU host
         jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
     import numpy as np
 
     import autopar
+    from autopar.cost_model.hardware import get_profile
     from autopar.models import gpt, targets
 
+    get_profile(args.hardware)  # fail early on an unknown name
     devices = jax.devices()
-    _say(f"autopar demo: a GPT train step (flax linen + optax adam) on {len(devices)} "
-         f"{devices[0].platform} devices, mesh data=4 x model=2\n")
     if len(devices) < 8:
         raise CLIError(f"the demo needs 8 devices and {len(devices)} exist; unset XLA_FLAGS "
-                       "or set XLA_FLAGS=--xla_force_host_platform_device_count=8")
+                       f"or set XLA_FLAGS={SIMULATE_FLAG}=8")
+    _say(f"autopar demo: a GPT train step (flax linen + optax adam) on {len(devices)} "
+         f"{devices[0].platform} devices, mesh data=4 x model=2\n")
     mesh = {"data": 4, "model": 2}
     # 1. At realistic widths, from shapes only: this is where sharding decisions pay.
     big_step, big_state = targets.gpt_realistic()
@@ -158,17 +204,13 @@ def _check_traces(made, what: str) -> None:
 
 
 def _target_module(where: str, name: str):
-    """The module a target names: a Python file's path, or an importable dotted name."""
-    import importlib
+    """The module a target names: a Python file's path, or a dotted name importable with the
+    current directory first on the path (as ``python -m`` has it)."""
     import importlib.util
     if not os.path.isfile(where):
-        if where.endswith(".py") or os.sep in where:
-            raise CLIError(f"no file `{where}`: give the path of a Python file holding `{name}`")
-        try:
-            return importlib.import_module(where)
-        except ImportError as e:
-            raise CLIError(f"no file or module `{where}`: give a Python file's path or an "
-                           f"importable module holding `{name}` ({e})") from e
+        if where.endswith(".py") or os.sep in where or "/" in where:
+            raise _not_a_file(where, name)
+        return _import_target(where, name)
     if not where.endswith(".py"):
         raise CLIError(f"`{where}` is not a Python file: give a `.py` file (or an importable "
                        f"module name) that defines `{name}`")
@@ -178,6 +220,34 @@ def _target_module(where: str, name: str):
     with _users_code(f"running `{where}`"):
         spec.loader.exec_module(module)
     return module
+
+
+def _not_a_file(where: str, name: str) -> CLIError:
+    """The error for a target path that is not a file: a directory, or nothing."""
+    if os.path.isdir(where):
+        return CLIError(f"`{where}` is a directory: give the path of a Python file in it that "
+                       f"defines `{name}`, as {os.path.join(where, 'FILE.py')}:{name}")
+    return CLIError(f"no file `{where}`: give the path of a Python file holding `{name}`")
+
+
+def _import_target(where: str, name: str):
+    """The module ``where`` imported with the current directory first on ``sys.path``."""
+    import importlib
+    if os.getcwd() not in map(os.path.abspath, sys.path):
+        sys.path.insert(0, os.getcwd())
+    try:
+        with _users_code(f"importing `{where}`"):
+            return importlib.import_module(where)
+    except CLIError as e:
+        missing = getattr(e.__cause__, "name", None)
+        if not isinstance(e.__cause__, ModuleNotFoundError) or not missing or not (
+                where == missing or where.startswith(missing + ".")):
+            raise
+        if os.path.isdir(where):
+            raise _not_a_file(where, name) from e.__cause__
+        raise CLIError(f"no file or module `{where}`: no module `{missing}` is importable from "
+                       f"{os.getcwd()}; give a Python file's path instead, as "
+                       f"{where.replace('.', os.sep)}.py:{name}") from e.__cause__
 
 
 @contextlib.contextmanager
@@ -225,35 +295,71 @@ def _count(least: int):
     return parse
 
 
-def check_writable(path: str, flag: str) -> None:
+def check_outputs(*outputs: tuple[str | None, str, str]) -> None:
+    """A CLIError, before any work, unless every given ``(path, flag, example file name)`` can
+    be written (:func:`check_writable`) and no two name the same file. A None path is not
+    given."""
+    seen: dict[str, str] = {}
+    for path, flag, example in outputs:
+        if not path:
+            continue
+        check_writable(path, flag, example)
+        key = os.path.realpath(path)
+        if key in seen:
+            raise CLIError(f"`{seen[key]}` and `{flag} {path}` name the same file: give each "
+                           "output its own path")
+        seen[key] = f"{flag} {path}"
+
+
+def check_writable(path: str, flag: str, example: str = "plan.json") -> None:
     """A CLIError, before any work, when ``flag``'s output ``path`` cannot be written: its
-    folder is missing or read-only, or the path is a folder or another non-file."""
+    folder is missing, the path is a folder or another non-file, or opening it for writing
+    fails (the file is tried, and left as it was). ``example`` names a file the message
+    suggests in place of a folder."""
     folder = os.path.dirname(os.path.abspath(path)) or "."
     if not os.path.isdir(folder):
         raise CLIError(f"cannot write `{flag} {path}`: folder `{folder}` does not exist; "
                        "create it or give another path")
     if os.path.isdir(path):
-        example = {"--html": "plan.html", "--out": "profile.json"}.get(flag, "plan.json")
         raise CLIError(f"cannot write `{flag} {path}`: it is a folder; give a file path "
                        f"such as {os.path.join(path, example)}")
     if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
         raise CLIError(f"cannot write `{flag} {path}`: it is not a regular file; give a "
                        "file path")
-    writable = (os.access(path, os.W_OK) if os.path.exists(path)
-                else os.access(folder, os.W_OK | os.X_OK))
-    if not writable:
-        raise CLIError(f"cannot write `{flag} {path}`: permission denied; give a path in a "
-                       "folder you can write to")
+    try:
+        if os.path.exists(path):
+            open(path, "a").close()   # no write: the file keeps its text
+        else:
+            open(path, "x").close()
+            os.remove(path)
+    except OSError as e:
+        raise CLIError(f"cannot write `{flag} {path}`: opening it for writing failed "
+                       f"({e.strerror or e}); {_os_error_fix(e)}") from None
+
+
+def _os_error_fix(e: OSError) -> str:
+    """What to do about a failed write, from its errno."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space or give another path"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "give a path in a folder you can write to"
+    return "give another path"
+
+
+@contextlib.contextmanager
+def _writing(path: str, flag: str):
+    """An OSError while writing ``flag``'s ``path`` (a full disk, say) becomes a CLIError."""
+    try:
+        yield
+    except OSError as e:
+        raise CLIError(f"writing `{flag} {path}` failed: {e.strerror or e}; "
+                       f"{_os_error_fix(e)}") from None
 
 
 def write_output(path: str, flag: str, text: str) -> None:
-    """``text`` written to ``path``; an OSError (a full disk, say) is a CLIError."""
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
-    except OSError as e:
-        raise CLIError(f"writing `{flag} {path}` failed: {e.strerror or e}; free space or "
-                       "give another path") from None
+    """``text`` written to ``path``; an OSError is a CLIError (:func:`_writing`)."""
+    with _writing(path, flag), open(path, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 #: ``--remat`` choices, as ``autopar.plan(remat=...)`` takes them.
@@ -262,17 +368,9 @@ _REMAT = {"auto": True, "off": False, "dots_saveable": "dots_saveable",
 
 
 def cmd_report(args) -> int:
-    import math
-
-    from autopar._meshspec import parse_mesh_spec
-    mesh = parse_mesh_spec(args.mesh)
-    for path, flag in ((args.json, "--json"), (args.html, "--html")):
-        if path:
-            check_writable(path, flag)
-    if args.simulate_devices:
-        simulate_cpu_devices(args.simulate_devices)
-    elif "JAX_PLATFORMS" in os.environ and os.environ["JAX_PLATFORMS"] == "cpu":
-        simulate_cpu_devices(math.prod(mesh.values()))
+    mesh = _parse_mesh(args.mesh)
+    check_outputs((args.json, "--json", "plan.json"), (args.html, "--html", "plan.html"))
+    _start_devices(args.simulate_devices, mesh)
     import autopar
     from autopar.cost_model.hardware import get_profile
     get_profile(args.hardware)  # fail early on an unknown name
@@ -307,18 +405,11 @@ def cmd_report(args) -> int:
 # ----- export
 def cmd_export(args) -> int:
     """Plan FILE.py:NAME and write the plan as a standalone module for plain ``jax.jit``."""
-    import math
-
-    from autopar._meshspec import parse_mesh_spec
-    mesh = parse_mesh_spec(args.mesh)
-    if args.simulate_devices:
-        simulate_cpu_devices(args.simulate_devices)
-    elif os.environ.get("JAX_PLATFORMS") == "cpu":
-        simulate_cpu_devices(math.prod(mesh.values()))
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_dir):
-        raise CLIError(f"cannot write `{args.out}`: folder `{out_dir}` does not exist")
+    mesh = _parse_mesh(args.mesh)
+    check_outputs((args.out, "--out", "plan_specs.py"))
+    _start_devices(args.simulate_devices, mesh)
     import autopar
+    from autopar._report import hardware_words, mesh_words
     from autopar.cost_model.hardware import get_profile
     get_profile(args.hardware)  # fail early on an unknown name
     fn, example_args = _load_target(args.target)
@@ -328,9 +419,13 @@ def cmd_export(args) -> int:
     if not args.quiet:
         print("[autopar] compiling the plan and plain jax.jit with its shardings to compare",
               file=sys.stderr, flush=True)
-    text = plan.to_python(args.out, fn=fn)
+    with _writing(args.out, "--out"):
+        text = plan.to_python(args.out, fn=fn)
+    _say(f"autopar plan on mesh {mesh_words(plan)}, {hardware_words(plan)}")
     _say(plan.summary())
-    _say(next(line for line in text.splitlines() if line.startswith("Checked when written")))
+    for line in text.splitlines():
+        if line.startswith("Checked when written"):
+            _say(line)
     _say(f"wrote {args.out}: MESH, IN_SPECS, OUT_SPECS; run with jax.jit(fn, "
          "in_shardings=m.in_shardings(mesh), out_shardings=m.out_shardings(mesh))")
     return 0
@@ -338,18 +433,12 @@ def cmd_export(args) -> int:
 
 # ----- profile
 def cmd_profile(args) -> int:
-    import math
-
-    from autopar._meshspec import parse_mesh_spec
-    mesh = parse_mesh_spec(args.mesh)
-    check_writable(args.out, "--out")
+    mesh = _parse_mesh(args.mesh)
+    check_outputs((args.out, "--out", "profile.json"))
     if args.min_bytes > args.max_bytes:
         raise CLIError(f"`--min-bytes {args.min_bytes}` is over `--max-bytes {args.max_bytes}`: "
                        "give a smallest message no larger than the largest")
-    if args.simulate_devices:
-        simulate_cpu_devices(args.simulate_devices)
-    elif os.environ.get("JAX_PLATFORMS") == "cpu":
-        simulate_cpu_devices(math.prod(mesh.values()))
+    _start_devices(args.simulate_devices, mesh)
     from autopar.cost_model.profiler import profile
     prof = profile(mesh, base=args.base, min_bytes=args.min_bytes, max_bytes=args.max_bytes,
                    repeats=args.repeats, verbose=not args.quiet)
@@ -366,6 +455,30 @@ def _version() -> str:
         return "0+unknown (not installed)"
 
 
+def _add_planning_arguments(parser: argparse.ArgumentParser) -> None:
+    """The target and the planning flags ``report`` and ``export`` share, with their defaults
+    (those of ``autopar.plan``) in the help."""
+    parser.add_argument("target", help="FILE.py:NAME or MODULE:NAME, NAME a zero-argument "
+                                       "function returning (fn, example_args_tuple)")
+    parser.add_argument("--mesh", required=True, help="e.g. data=2,model=4")
+    parser.add_argument("--hardware", default=None,
+                        help="profile name or profile JSON path (default: this backend's, as "
+                             "plan())")
+    parser.add_argument("--memory-budget", type=_size, default=None, metavar="SIZE",
+                        help="per-device memory the plan must fit in, e.g. 40GiB (checked "
+                             "against the compiled program); default: the hardware profile's "
+                             "memory less 10%%, as predicted")
+    parser.add_argument("--time-limit", type=_positive_seconds, default=_TIME_LIMIT_S,
+                        metavar="SECONDS",
+                        help=f"a safety net on each ILP solve's wall-clock time (default "
+                             f"{_TIME_LIMIT_S:g}; solves are bounded by work, so plans do not "
+                             "depend on load)")
+    parser.add_argument("--simulate-devices", type=_count(1), default=0, metavar="N",
+                        help="run on N simulated CPU devices (default: the devices present; "
+                             "with JAX_PLATFORMS=cpu, as many as the mesh needs)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true",
@@ -374,50 +487,27 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="plan and run the bundled GPT example on 8 simulated "
                                        "CPU devices")
-    demo.add_argument("--hardware", default="h100", help="hardware profile to plan for")
+    demo.add_argument("--hardware", default="h100",
+                      help="hardware profile to plan for (default: h100)")
     demo.add_argument("--no-baselines", action="store_true",
                       help="skip estimating the data-parallel and FSDP baselines")
     demo.set_defaults(run=cmd_demo)
     rep = sub.add_parser("report", help="plan FILE.py:NAME and explain the plan")
-    rep.add_argument("target", help="FILE.py:NAME or MODULE:NAME, NAME a zero-argument "
-                                    "function returning "
-                                    "(fn, example_args_tuple)")
-    rep.add_argument("--mesh", required=True, help="e.g. data=2,model=4")
-    rep.add_argument("--hardware", default=None,
-                     help="profile name or profile JSON path (default: this backend's, as plan())")
+    _add_planning_arguments(rep)
     rep.add_argument("--json", help="write the plan as JSON to this path")
     rep.add_argument("--html", help="write a self-contained HTML report to this path")
     rep.add_argument("--no-baselines", action="store_true",
                      help="skip estimating the data-parallel and FSDP baselines")
     rep.add_argument("--validate", action="store_true",
                      help="compile the plan and compare the prediction with the compiled HLO")
-    rep.add_argument("--memory-budget", type=_size, default=None, metavar="SIZE",
-                     help="per-device memory the plan must fit in, e.g. 40GiB (checked "
-                          "against the compiled program); default: the hardware profile's "
-                          "memory less 10%%, as predicted")
     rep.add_argument("--remat", choices=tuple(_REMAT), default="auto",
                      help="rematerialize layers when no sharding fits the budget (auto), "
-                          "never (off), or every layer with this policy")
-    rep.add_argument("--time-limit", type=_positive_seconds, default=300.0, metavar="SECONDS",
-                     help="a safety net on each ILP solve's wall-clock time (default 300; "
-                          "solves are bounded by work, so plans do not depend on load)")
-    rep.add_argument("--simulate-devices", type=_count(1), default=0, metavar="N",
-                     help="run on N simulated CPU devices")
-    rep.add_argument("--quiet", action="store_true", help="no progress lines")
+                          "never (off), or every layer with this policy (default: auto)")
     rep.set_defaults(run=cmd_report)
     exp = sub.add_parser("export", help="plan FILE.py:NAME and write the plan as a Python "
                                         "module (MESH, IN_SPECS, OUT_SPECS) for plain jax.jit")
-    exp.add_argument("target", help="FILE.py:NAME or MODULE:NAME, as for `report`")
-    exp.add_argument("--mesh", required=True, help="e.g. data=2,model=4")
+    _add_planning_arguments(exp)
     exp.add_argument("--out", required=True, help="the .py file to write")
-    exp.add_argument("--hardware", default="h100", help="profile name or profile JSON path")
-    exp.add_argument("--memory-budget", type=_size, default=None, metavar="SIZE",
-                     help="per-device memory the plan must fit in, e.g. 40GiB")
-    exp.add_argument("--time-limit", type=_positive_seconds, default=60.0, metavar="SECONDS",
-                     help="each ILP solve's time limit (default 60)")
-    exp.add_argument("--simulate-devices", type=int, default=0, metavar="N",
-                     help="run on N simulated CPU devices")
-    exp.add_argument("--quiet", action="store_true", help="no progress lines")
     exp.set_defaults(run=cmd_export)
     prof = sub.add_parser("profile", help="measure this machine's matmuls, memory and "
                                           "collectives and write a hardware profile JSON")
@@ -438,9 +528,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """Runs the command ``argv`` (default: ``sys.argv[1:]``) and returns its exit status. Every
-    failure is one line on stderr, unless ``--debug`` (anywhere on the line) asks for the
-    traceback."""
+    """Runs the command ``argv`` and returns its exit status: 2 for bad input (an
+    AutoparError), 1 for anything else. Every failure is one line on stderr. ``--debug``
+    (anywhere on the line) adds the traceback: on the command line (``argv`` None, read from
+    ``sys.argv``) it is printed above that line and the status stays the same; a caller
+    passing ``argv`` gets the exception raised instead."""
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
@@ -451,8 +544,10 @@ def main(argv=None) -> int:
         print("autopar: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        if debug:
+        if debug and not from_command_line:
             raise
+        if debug:
+            traceback.print_exc()
         print(f"autopar: error: {_one_line(e)}", file=sys.stderr)
         return 2 if isinstance(e, AutoparError) else 1
 

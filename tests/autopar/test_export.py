@@ -136,9 +136,10 @@ def test_cli_export_writes_the_module(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     r = subprocess.run([sys.executable, "-m", "autopar.cli", "export", f"{target}:mlp_step",
                         "--mesh", "data=2,model=4", "--out", str(out), "--simulate-devices", "8",
-                        "--quiet"], capture_output=True, text=True, cwd=ROOT, env=env,
-                       timeout=600)
+                        "--hardware", "h100", "--quiet"], capture_output=True, text=True, cwd=ROOT,
+                       env=env, timeout=600)
     assert r.returncode == 0, r.stderr
+    assert "hardware profile `h100`" in r.stdout.splitlines()[0]
     assert "w1: column-parallel over model(4)" in r.stdout and f"wrote {out}" in r.stdout
     assert "Checked when written" in r.stdout
     text = out.read_text()
@@ -162,6 +163,47 @@ def test_check_says_when_plain_jit_differs(mlp_plan, monkeypatch):
     monkeypatch.setattr(_export, "analyze", fewer)
     same, said = plain_jit_check(plan, step)
     assert not same and "other collectives than the plan" in said
+
+
+def test_docstring_does_not_claim_the_plans_program_when_the_check_differs(
+        mlp_plan, monkeypatch, tmp_path):
+    step, _, plan = mlp_plan
+    from autopar import _export
+    real = _export.analyze
+    calls = []
+
+    def fewer(compiled):   # as in the test above: plain jax.jit's compile loses a collective
+        calls.append(compiled)
+        summary = real(compiled)
+        if len(calls) == 1:
+            return summary.__class__(**{**summary.__dict__,
+                                        "collectives": summary.collectives[1:]})
+        return summary
+    monkeypatch.setattr(_export, "analyze", fewer)
+    text = plan.to_python(tmp_path / "differs_specs.py", fn=step)
+    assert "other collectives than the plan" in text
+    opening = text.split("::")[0]
+    assert "is the plan's" not in opening, opening
+    assert "compute the same numbers" in opening and "collectives" in opening, opening
+
+
+def test_optax_states_are_imported_by_their_public_names(tmp_path):
+    import optax
+    params = {"w": jnp.ones((64, 64))}
+    opt = optax.adam(1e-3)
+
+    def step(params, opt_state, x):
+        grads = jax.grad(lambda p: jnp.mean((x @ p["w"]) ** 2))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+    args = (params, opt.init(params), jnp.ones((16, 64)))
+    plan = autopar.plan(step, *args, mesh=MESH, hardware="h100")
+    path = tmp_path / "adam_specs.py"
+    text = plan.to_python(path)
+    assert "from optax import EmptyState" in text and "from optax import ScaleByAdamState" in text
+    assert "optax._src" not in text, text
+    specs = _load(str(path))
+    assert isinstance(specs.IN_SPECS[1][0], optax.ScaleByAdamState)
 
 
 @pytest.mark.parametrize("names, specs, rules, unclean", [
