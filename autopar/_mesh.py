@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import re
+import warnings
 from collections.abc import Mapping
 
 import jax
@@ -14,7 +15,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 
 from autopar._compat import backends_initialized
 from autopar._meshspec import parse_mesh_spec
-from autopar.errors import MeshError
+from autopar.errors import HardwareWarning, MeshError
 
 SIMULATE_HINT = ("To simulate devices on CPU, set "
                  "XLA_FLAGS=--xla_force_host_platform_device_count=N "
@@ -121,11 +122,26 @@ def simulate_cpu_devices(n: int) -> bool:
     """Ask XLA for ``n`` host (CPU) devices, to plan and run a mesh on one machine. Takes
     effect only before jax creates its devices (the first ``jax.devices()`` or computation);
     only the CPU platform is affected. Returns whether it took effect (False also when
-    ``XLA_FLAGS`` already sets a count, which is kept)."""
-    if n <= 0 or backends_initialized():
+    ``XLA_FLAGS`` already sets a count, which is kept). A HardwareWarning says when it came
+    too late, or ``XLA_FLAGS`` holds, and fewer than ``n`` CPU devices are there."""
+    if n <= 0:
+        return False
+    if backends_initialized():
+        have = len(jax.devices("cpu"))
+        if have < n:
+            warnings.warn(f"autopar.simulate_cpu_devices({n}) came too late: jax has made its "
+                          f"devices already ({have} CPU). Call it before the first "
+                          "jax.devices() or computation, or set "
+                          f"XLA_FLAGS={SIMULATE_FLAG}={n} before Python starts.",
+                          HardwareWarning, stacklevel=2)
         return False
     flags = os.environ.get("XLA_FLAGS", "")
     if SIMULATE_FLAG in flags:
+        kept = re.findall(re.escape(SIMULATE_FLAG) + r"=(\d+)", flags)
+        if kept and int(kept[-1]) < n:
+            warnings.warn(f"autopar.simulate_cpu_devices({n}): XLA_FLAGS sets "
+                          f"{SIMULATE_FLAG}={kept[-1]}, which is kept; change it there.",
+                          HardwareWarning, stacklevel=2)
         return False
     os.environ["XLA_FLAGS"] = f"{flags} {SIMULATE_FLAG}={n}".strip()
     return True

@@ -61,7 +61,8 @@ class AutoparWarning(UserWarning):
 
 
 class HardwareWarning(AutoparWarning):
-    """The accelerator has no built-in hardware profile: the nearest one is used."""
+    """The devices are not those asked for: the accelerator has no built-in hardware profile
+    (the nearest one is used), or simulated CPU devices were asked for too late."""
 
 
 class ShardingConflictWarning(AutoparWarning):
