@@ -20,14 +20,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar._sizes import format_bytes, format_seconds
 from autopar.cost_model.hlo import HloSummary, analyze
+from autopar.cost_model.spec import pspec_text
 
 
 class _NotCode(Exception):
     """A pytree node with no plain-code form."""
-
-
-def _spec_code(spec: PartitionSpec) -> str:
-    return "P(" + ", ".join(repr(e) for e in spec) + ")"
 
 
 def _class_name(obj, imports: set[str]) -> str:
@@ -55,7 +52,7 @@ def _code(obj, imports: set[str], indent: int = 0) -> str:
     """Python source that builds ``obj`` (a pytree of NamedSharding leaves) with specs."""
     pad, inner = "    " * indent, "    " * (indent + 1)
     if isinstance(obj, NamedSharding):
-        return _spec_code(obj.spec)
+        return pspec_text(obj.spec)
     if obj is None:
         return "None"
     if isinstance(obj, dict) and all(isinstance(k, (str, int)) for k in obj):
@@ -165,7 +162,7 @@ def out_shardings(mesh: Mesh | None = None, like=None):
 
 def _flat_code(name: str, paths, tree) -> str:
     leaves = jax.tree_util.tree_leaves(tree)
-    body = "".join(f"    {_spec_code(s.spec)},  # {p}\n" for p, s in zip(paths, leaves))
+    body = "".join(f"    {pspec_text(s.spec)},  # {p}\n" for p, s in zip(paths, leaves))
     return f"{name} = [\n{body}]"
 
 

@@ -28,7 +28,6 @@ from autopar._report import (
     _pipeline_lines,
     _remat_lines,
     _shape_str,
-    _spec_str,
     candidates,
     collective_groups,
     pipeline_search,
@@ -38,6 +37,7 @@ from autopar._report import (
     place_words,
 )
 from autopar._sizes import format_bytes, format_flops, format_seconds
+from autopar.cost_model.spec import pspec_text
 from autopar._summary import axis_words, summary_lines
 from autopar._validate import validation_rows
 
@@ -179,12 +179,12 @@ def _layer_section(plan, rows) -> list[str]:
               "parameters: global and per-device shapes</summary>"
               + _table(["layer", "parameter", "global shape", "per device", "PartitionSpec"],
                        [[r.name, p.path, _shape_str(p.shape), _shape_str(p.local_shape),
-                         _spec_str(p.spec)] for r in rows for p in r.params],
+                         pspec_text(p.spec)] for r in rows for p in r.params],
                        left=2, mono=(1, 2, 3, 4)) + "</details>")
     ins, outs = outside_layers(plan, {p.path for r in rows for p in r.params})
     others = _table(["value", "PartitionSpec"],
-                    [[f"input {p}", _spec_str(s)] for p, s in ins]
-                    + [[f"output {p}", _spec_str(s)] for p, s in outs], left=2, mono=(1,))
+                    [[f"input {p}", pspec_text(s)] for p, s in ins]
+                    + [[f"output {p}", pspec_text(s)] for p, s in outs], left=2, mono=(1,))
     return ["<h2>Time per layer</h2>",
             _legend([(COMPUTE, "compute"), (COMM, "communication")]), layer_bars(rows),
             "<h2>Per layer</h2>", '<p class="note">Per device; optimizer state follows its '

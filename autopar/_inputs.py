@@ -163,7 +163,7 @@ def hints(tree, mesh: Mesh, what: str):
         elif isinstance(leaf, PartitionSpec):
             check_partition_spec(leaf, where)
         elif leaf is not None:
-            raise ShardingHintError(f"hint for `{where}` is a {type(leaf).__name__} ({leaf!r}): "
+            raise ShardingHintError(f"hint for `{where}` is of type {type(leaf).__name__} ({leaf!r}): "
                                     "give a PartitionSpec, a NamedSharding or None")
         out.append(leaf)
     return jax.tree_util.tree_unflatten(treedef, out)

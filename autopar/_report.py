@@ -21,12 +21,9 @@ from autopar._layers import (
 from autopar._sizes import format_bytes, format_flops, format_seconds
 from autopar._summary import summary_lines
 from autopar._validate import validation_table
+from autopar.cost_model.spec import pspec_text
 
 _fmt_bytes, _fmt_s, fmt_flops = format_bytes, format_seconds, format_flops
-
-
-def _spec_str(pspec) -> str:
-    return "P(" + ", ".join(repr(e) for e in pspec) + ")"
 
 
 def _shape_str(shape) -> str:
@@ -90,9 +87,9 @@ def render_text(plan, baselines: dict | None = None) -> str:
     rest, outs = outside_layers(plan, layered)
     width = max([len(p) for p, _ in rest + outs] + [4])
     lines += ["", "Input shardings (other than parameters and their optimizer state):"]
-    lines += [f"  {path:<{width}}  {_spec_str(s)}" for path, s in rest] or ["  none"]
+    lines += [f"  {path:<{width}}  {pspec_text(s)}" for path, s in rest] or ["  none"]
     lines += ["", "Output shardings (new parameters and optimizer state keep their inputs'):"]
-    lines += [f"  {path:<{width}}  {_spec_str(s)}" for path, s in outs] or ["  none"]
+    lines += [f"  {path:<{width}}  {pspec_text(s)}" for path, s in outs] or ["  none"]
     if plan._details is not None:
         lines += ["", "Collectives chosen, by mesh axis and kind (per device and step):"]
         lines += _collective_lines(plan)
@@ -112,7 +109,7 @@ def _param_lines(params) -> list[str]:
     shapes = [f"{_shape_str(p.shape)} -> {_shape_str(p.local_shape)}"
               if p.shape != p.local_shape else _shape_str(p.shape) for p in params]
     swidth = max(len(s) for s in shapes)
-    return [f"      {p.path:<{width}}  {s:<{swidth}}  {_spec_str(p.spec)}"
+    return [f"      {p.path:<{width}}  {s:<{swidth}}  {pspec_text(p.spec)}"
             for p, s in zip(params, shapes)]
 
 

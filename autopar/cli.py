@@ -14,12 +14,13 @@ import re
 import stat
 import sys
 import traceback
+import warnings
 
 from autopar._compat import backends_initialized
 from autopar._mesh import SIMULATE_FLAG, simulate_cpu_devices
 from autopar._meshspec import parse_mesh_spec
 from autopar._sizes import parse_bytes
-from autopar.errors import AutoparError, CLIError, MeshError
+from autopar.errors import AutoparError, CLIError, HardwareWarning, MeshError
 
 #: Each ILP solve's safety-net time limit, as ``autopar.plan(time_limit_s=...)`` defaults it.
 _TIME_LIMIT_S = 300.0
@@ -63,7 +64,9 @@ def _start_devices(simulate: int, mesh: dict[str, int]) -> None:
     if simulate:
         _simulate(simulate, f"--simulate-devices {simulate}")
     elif os.environ.get("JAX_PLATFORMS") == "cpu":
-        simulate_cpu_devices(math.prod(mesh.values()))
+        with warnings.catch_warnings():  # not asked for: too few devices is the mesh's error
+            warnings.simplefilter("ignore", HardwareWarning)
+            simulate_cpu_devices(math.prod(mesh.values()))
 
 
 # ----- demo

@@ -92,6 +92,12 @@ class Spec:
         return "".join(f"S({','.join(d)})" if d else "R" for d in self.dims)
 
 
+def pspec_text(pspec: PartitionSpec) -> str:
+    """A PartitionSpec as code a user writes, ``P('data', None)`` (jax's own repr varies by
+    version: ``P('data',)``)."""
+    return "P(" + ", ".join(repr(e) for e in pspec) + ")"
+
+
 def spec_fits(spec: Spec, shape: tuple[int, ...], axis_sizes: dict[str, int]) -> bool:
     """Whether every split dimension divides evenly by the product of its axes."""
     return all(s % spec.shards(d, axis_sizes) == 0 for d, s in enumerate(shape))

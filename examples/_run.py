@@ -100,6 +100,8 @@ def plan_summary(plan, params, planning_s: float, top: int = 6, baseline=None) -
     """A few lines: mesh, hardware, the prediction (beside data parallelism's, ``baseline``),
     and the largest parameters' shardings, global and per device."""
     import jax
+
+    from autopar.cost_model.spec import pspec_text
     sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
     e = plan.estimate
     lines = [(f"autopar plan: mesh {sizes}, hardware profile `{plan.hardware}`, "
@@ -120,7 +122,7 @@ def plan_summary(plan, params, planning_s: float, top: int = 6, baseline=None) -
     sharded, total = sharded_count(plan)
     lines.append(f"  parameters: {sharded} of {total} sharded; the largest:")
     width = max(len(r[1]) for r in rows[:top])
-    lines += [f"    {path:<{width}}  {shape!s:<16} {str(spec):<22} over {_axes_of(spec):<11} "
+    lines += [f"    {path:<{width}}  {shape!s:<16} {pspec_text(spec):<22} over {_axes_of(spec):<11} "
               f"per device {_per_device(shape, spec, sizes)}"
               for _, path, shape, spec in rows[:top]]
     return "\n".join(lines)

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from autopar.errors import ShardingHintError
 from autopar.passes.ir import Graph
 from autopar.passes.rules import op_info
-from autopar.cost_model.spec import Spec, spec_fits
+from autopar.cost_model.spec import Spec, pspec_text, spec_fits
 from autopar.passes.trace import constraint_label
 
 
@@ -25,12 +25,12 @@ def check_partition_spec(hint: PartitionSpec, where: str) -> None:
         if entry is PartitionSpec.UNCONSTRAINED or any(
                 n is PartitionSpec.UNCONSTRAINED for n in names):
             raise ShardingHintError(
-                f"hint {hint} for `{where}` leaves dim {i} P.UNCONSTRAINED, which autopar does "
+                f"hint {pspec_text(hint)} for `{where}` leaves dim {i} P.UNCONSTRAINED, which autopar does "
                 "not take: write None there (that dim unsplit), or None for the whole value to "
                 "let autopar decide")
         if entry is not None and not all(isinstance(n, str) for n in names):
             raise ShardingHintError(
-                f"hint {hint} for `{where}`: dim {i}'s entry {entry!r} is not a mesh axis name; "
+                f"hint {pspec_text(hint)} for `{where}`: dim {i}'s entry {entry!r} is not a mesh axis name; "
                 "each entry must be None, an axis name such as 'data', or a tuple of names")
 
 
@@ -41,25 +41,25 @@ def to_spec(hint, shape, axis_sizes: dict[str, int], where: str) -> Spec | None:
     if isinstance(hint, NamedSharding):
         hint = hint.spec
     if not isinstance(hint, PartitionSpec):
-        raise ShardingHintError(f"hint for `{where}` is a {type(hint).__name__}: give a "
+        raise ShardingHintError(f"hint for `{where}` is of type {type(hint).__name__}: give a "
                                 "PartitionSpec, a NamedSharding or None")
     check_partition_spec(hint, where)
     try:
         spec = Spec.from_partition_spec(hint, len(shape))
     except ValueError as e:
-        raise ShardingHintError(f"hint {hint} for `{where}` (shape {tuple(shape)}): {e}") from None
+        raise ShardingHintError(f"hint {pspec_text(hint)} for `{where}` (shape {tuple(shape)}): {e}") from None
     for axis in spec.axes:
         if axis not in axis_sizes:
             raise ShardingHintError(
-                f"hint {hint} for `{where}` names mesh axis `{axis}`, which the mesh lacks; "
+                f"hint {pspec_text(hint)} for `{where}` names mesh axis `{axis}`, which the mesh lacks; "
                 f"its axes are {list(axis_sizes)}")
     if len(set(spec.axes)) != len(spec.axes):
-        raise ShardingHintError(f"hint {hint} for `{where}` uses a mesh axis twice")
+        raise ShardingHintError(f"hint {pspec_text(hint)} for `{where}` uses a mesh axis twice")
     order = list(axis_sizes)
     for d in spec.dims:
         if list(d) != sorted(d, key=order.index):
             raise ShardingHintError(
-                f"hint {hint} for `{where}` splits one dim over {d}, against the mesh's axis "
+                f"hint {pspec_text(hint)} for `{where}` splits one dim over {d}, against the mesh's axis "
                 f"order {tuple(order)}; autopar plans multi-axis dims in mesh order: write "
                 f"{tuple(sorted(d, key=order.index))}, or reorder the mesh axes")
     if not spec_fits(spec, tuple(shape), axis_sizes):
@@ -67,7 +67,7 @@ def to_spec(hint, shape, axis_sizes: dict[str, int], where: str) -> Spec | None:
         d = bad[0]
         n = spec.shards(d, axis_sizes)
         raise ShardingHintError(
-            f"hint {hint} for `{where}` splits dim {d} of size {shape[d]} over {n} devices, which "
+            f"hint {pspec_text(hint)} for `{where}` splits dim {d} of size {shape[d]} over {n} devices, which "
             f"does not divide it. Use axes whose sizes divide {shape[d]}, or pad dim {d} to "
             f"{-(-shape[d] // n) * n}.")
     return spec

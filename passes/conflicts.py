@@ -8,7 +8,7 @@ ILP's choice otherwise) and a :class:`~autopar.errors.ShardingConflictWarning` n
 
 from __future__ import annotations
 
-from autopar.cost_model.spec import Spec
+from autopar.cost_model.spec import Spec, pspec_text
 from autopar.passes.fixed import (
     Propagation,
     compatible,
@@ -44,14 +44,20 @@ def find_conflicts(graph: Graph, strats, prop: Propagation, labels: dict[int, st
                                                      for lab in pair)):
             continue
         seen.add(tuple(sorted(pair)))
-        said = "; ".join(f"{lab} wants {wants[lab][1]}{'' if wants[lab][0] else ' (propagated)'}"
-                         for lab in pair)
+        said = "; ".join(f"{lab} wants {_shown(wants[lab][1])}"
+                         f"{'' if wants[lab][0] else ' (propagated)'}" for lab in pair)
+        where = node.where or "the program boundary"
         messages.append(
-            f"autopar: sharding annotations conflict at `{node.prim}` "
-            f"({node.where or 'the program boundary'}): {said}. A user annotation wins over a "
+            f"autopar: sharding annotations conflict at `{node.prim}`"
+            f"{'' if where == node.prim else f' ({where})'}: {said}. A user annotation wins over a "
             "propagated one; the value is resharded where they meet. Make the two annotations "
             "agree to avoid the resharding.")
     return messages
+
+
+def _shown(spec) -> str:
+    """A spec as the user writes it (``P('data', None)``); a partial one as it is."""
+    return pspec_text(spec.to_partition_spec()) if isinstance(spec, Spec) else str(spec)
 
 
 def nested(a: Spec, b: Spec) -> bool:

@@ -65,7 +65,7 @@ def check_args(args) -> tuple[list, Any]:
     for path, leaf in zip(paths, leaves):
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
             raise ArgumentError(
-                f"example argument leaf `args{path}` is a {type(leaf).__name__}, not an array. "
+                f"example argument leaf `args{path}` is of type {type(leaf).__name__}, not an array. "
                 "Pass arrays or jax.ShapeDtypeStruct leaves; close over Python values in `fn`, "
                 "or mark them static with functools.partial.")
     return leaves, treedef
