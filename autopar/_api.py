@@ -175,8 +175,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         accelerator without one gets the nearest, with a warning).
       memory_budget: per-device bytes the plan's peak memory must fit in (as
         ``plan.estimate.peak_memory_bytes`` predicts it), or a size such as ``"40GiB"`` or
-        ``"64GB"`` (``autopar._sizes``). Default: the profile's HBM capacity
-        minus a margin (``passes.memory_budget.DEFAULT_MARGIN``). When no sharding fits, layers
+        ``"64GB"``. Default: the profile's HBM capacity less 10%. When no sharding fits, layers
         are rematerialized (see ``remat``); when still none fits a given budget,
         ``InfeasiblePlanError`` names the smallest peak found and what dominates it; when none
         fits the default one, a ``MemoryBudgetWarning`` says so.
@@ -186,11 +185,11 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         the logical axis names of flax partitioning metadata on the arguments map to mesh
         axes. Metadata (linen ``nn.with_partitioning`` / ``nn.with_logical_partitioning``,
         nnx ``sharding=``) are hints like ``in_shardings``, which win where both are given.
-        Pass the boxed arguments as they are; see ``passes/flax_metadata.py``.
+        Pass the boxed arguments as they are.
       search: False plans like plain GSPMD: the annotations plus their propagation, no ILP;
         values propagation leaves free are replicated. Fast, and a baseline for the search.
       time_limit_s: a safety net on each ILP solve's wall-clock time. Solves are bounded by
-        work (simplex iterations, branch-and-bound nodes: ``passes/highs.py``), so the same
+        work (simplex iterations, branch-and-bound nodes), so the same
         inputs give the same plan on a busy machine and an idle one; when this limit stops
         a solve first, the best plan found so far is kept and a ``SolverFallbackWarning``
         says the plan may depend on the machine.
@@ -203,9 +202,8 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         (a warm start: HiGHS's cutoff), and whichever plan, the ILP's or one of these, is
         predicted fastest is kept (``plan.stats["candidates_step_s"]`` lists them). When the
         ILP does not finish in its time limit, data parallelism over each single mesh axis is
-        tried the same way (which axis carries the batch). The ILP prices a resharding per
-        consuming edge and runs under a time limit, so on large or 3-D meshes propagation
-        from a good start can beat it.
+        tried the same way (which axis carries the batch). The ILP approximates some moves
+        on 3-D meshes, so there propagation from a good start can beat it.
       remat: True: when no sharding plan fits the memory budget, let the planner
         rematerialize layers of a train step (``passes.remat``: as ``jax.checkpoint`` with the
         ``dots_saveable`` policy, else ``nothing_saveable``): every layer, or fewer (largest
@@ -215,9 +213,8 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         ``plan.stats["remat"]`` and the report say which layers.
       check_memory: compile the plan (from abstract arguments; nothing runs) and check its
         per-device peak as XLA reports it (``memory_analysis()``) against ``memory_budget``.
-        When it is over, plan again under a budget lowered by the miss, up to
-        ``autopar._check_memory.CHECK_MEMORY_ROUNDS`` (2) times, then raise
-        ``InfeasiblePlanError`` with the predicted and compiled peaks.
+        When it is over, plan again under a budget lowered by the miss, up to twice, then
+        raise ``InfeasiblePlanError`` with the predicted and compiled peaks.
         ``plan.stats["memory_checks"]`` lists each round. Default: on when ``memory_budget``
         is given (and the plan is not loaded from a plan cache); ``True`` without a
         ``memory_budget`` checks against the default budget.
@@ -706,8 +703,12 @@ def parallelize(fn: Callable | None = None, *, mesh, static_argnums=(), static_a
     to restore a checkpoint into, see ``examples/checkpoint_orbax.py``).
 
     Args:
+      fn: the single-device function, as :func:`plan` takes it.
+      mesh: as :func:`plan`'s: a ``jax.sharding.Mesh`` or a dict ``{"data": 2, "model": 4}``.
       static_argnums / static_argnames: arguments that are Python values (hashable), not
-        arrays: part of the signature, as in ``jax.jit``. Keyword arguments must be static.
+        arrays: part of the signature, as in ``jax.jit`` (either names a parameter passed by
+        position or by keyword). Other keyword arguments are refused: pass arrays by
+        position.
       donate_argnums: positional arguments whose buffers the program may reuse for its
         results (e.g. params and optimizer state in a train step), as in ``jax.jit``. The
         plan records them (``plan.donate_argnums``, among the non-static arguments) and its
