@@ -546,6 +546,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("autopar: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader stopped (`autopar report ... | head`): no error
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, as a shell reports a program its pipe closed
     except Exception as e:
         if debug and not from_command_line:
             raise
@@ -553,6 +556,20 @@ def main(argv=None) -> int:
             traceback.print_exc()
         print(f"autopar: error: {_one_line(e)}", file=sys.stderr)
         return 2 if isinstance(e, AutoparError) else 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at the null device, so that the interpreter's last flush at exit does
+    not fail again on the closed pipe."""
+    try:
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError):
+        pass
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout replaced by an object (tests)
+        pass
 
 
 def _one_line(e: Exception) -> str:

@@ -166,3 +166,18 @@ def test_debug_keeps_the_exit_code_and_adds_the_traceback():
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert r.returncode == 2, r.stderr
     assert "Traceback" in r.stderr and "autopar: error: unknown hardware 'h999'" in r.stderr
+
+
+def test_a_reader_closing_the_pipe_is_no_error():
+    """`autopar report ... | head` stops reading early: no error line, the status a shell
+    gives a program whose pipe closed."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    reader = subprocess.Popen([sys.executable, "-m", "autopar.cli", "report",
+                               TARGETS + ":gpt_tiny", "--mesh", "data=8",
+                               "--simulate-devices", "8", "--quiet"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                              env=env)
+    reader.stdout.close()   # as `| true` does: nothing reads what it prints
+    _, err = reader.communicate(timeout=600)
+    assert reader.returncode == 141, err.decode()
+    assert b"error" not in err
