@@ -9,7 +9,10 @@ def parse_mesh_spec(text: str) -> dict[str, int]:
     for part in text.split(","):
         name, sep, size = part.partition("=")
         name, size = name.strip(), size.strip()
-        if not sep or not name or not size.isdigit() or int(size) < 1:
+        if sep and name and size.lstrip("+-").isdigit() and int(size) < 1:
+            raise MeshError(f"mesh `{text}`: axis `{name}` has size {size}; sizes must be at "
+                            "least 1, e.g. --mesh data=2,model=4")
+        if not sep or not name or not size.isdigit():
             raise MeshError(f"malformed mesh `{text}`: write it as name=size pairs joined by "
                             "commas, e.g. --mesh data=2,model=4")
         if not name.isascii() or not (name[0].isalpha() or name[0] == "_") or not all(

@@ -20,7 +20,7 @@ from autopar._compat import backends_initialized
 from autopar._mesh import SIMULATE_FLAG, simulate_cpu_devices
 from autopar._meshspec import parse_mesh_spec
 from autopar._sizes import parse_bytes
-from autopar.errors import AutoparError, CLIError, HardwareWarning, MeshError
+from autopar.errors import AutoparError, CLIError, HardwareWarning
 
 #: Each ILP solve's safety-net time limit, as ``autopar.plan(time_limit_s=...)`` defaults it.
 _TIME_LIMIT_S = 300.0
@@ -28,17 +28,6 @@ _TIME_LIMIT_S = 300.0
 
 def _say(msg: str) -> None:
     print(msg, flush=True)
-
-
-def _parse_mesh(text: str) -> dict[str, int]:
-    """``--mesh``'s value as {axis: size} (``parse_mesh_spec``); a MeshError naming an axis
-    whose size is under 1."""
-    for part in text.split(","):
-        name, _, size = part.partition("=")
-        if re.fullmatch(r"[+-]?\d+", size.strip()) and int(size) < 1:
-            raise MeshError(f"mesh `{text}`: axis `{name.strip()}` has size {size.strip()}; "
-                            "sizes must be at least 1, e.g. --mesh data=2,model=4")
-    return parse_mesh_spec(text)
 
 
 def _xla_flags_count() -> str | None:
@@ -371,7 +360,7 @@ _REMAT = {"auto": True, "off": False, "dots_saveable": "dots_saveable",
 
 
 def cmd_report(args) -> int:
-    mesh = _parse_mesh(args.mesh)
+    mesh = parse_mesh_spec(args.mesh)
     check_outputs((args.json, "--json", "plan.json"), (args.html, "--html", "plan.html"))
     _start_devices(args.simulate_devices, mesh)
     import autopar
@@ -408,7 +397,7 @@ def cmd_report(args) -> int:
 # ----- export
 def cmd_export(args) -> int:
     """Plan FILE.py:NAME and write the plan as a standalone module for plain ``jax.jit``."""
-    mesh = _parse_mesh(args.mesh)
+    mesh = parse_mesh_spec(args.mesh)
     check_outputs((args.out, "--out", "plan_specs.py"))
     _start_devices(args.simulate_devices, mesh)
     import autopar
@@ -436,7 +425,7 @@ def cmd_export(args) -> int:
 
 # ----- profile
 def cmd_profile(args) -> int:
-    mesh = _parse_mesh(args.mesh)
+    mesh = parse_mesh_spec(args.mesh)
     check_outputs((args.out, "--out", "profile.json"))
     if args.min_bytes > args.max_bytes:
         raise CLIError(f"`--min-bytes {args.min_bytes}` is over `--max-bytes {args.max_bytes}`: "
