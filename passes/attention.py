@@ -294,7 +294,9 @@ def attention(q, k, v, kv_mask=None, *, causal: bool = False, scale: float | Non
         q: ``[batch, seq, heads, head_dim]``.
         k, v: ``[batch, seq_k, kv_heads, head_dim]``; ``kv_heads`` divides ``heads`` (grouped
             query attention).
-        kv_mask: optional bool ``[batch, seq_k]``, False for padding keys.
+        kv_mask: optional bool ``[batch, seq_k]``, False for padding keys. A query row
+            with no key to attend (all padding, or before the first valid key when causal)
+            comes out as zeros.
         causal: query ``i`` attends keys ``j <= i``.
         scale: the scores' factor (default ``1 / sqrt(head_dim)``).
         strategy: force how autopar splits it: ``"ulysses"``, ``"ring"``, ``"heads"``,

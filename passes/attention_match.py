@@ -68,6 +68,7 @@ class Match:
     kv_mask: object | None
     causal: bool
     scale: float
+    fill: float                 # the masked scores' value (-inf: none masked, or -inf)
     end: int                    # the equation whose result is the attention's output
     eqns: frozenset[int]        # every equation of the pattern
 
@@ -131,12 +132,18 @@ def _all_literal(view: _View, atom, value) -> bool:
     return b is not None and isinstance(b.invars[0], jcore.Literal) and bool(b.invars[0].val) == value
 
 
-def _constant(view: _View, atom) -> bool:
-    """Whether ``atom`` is a literal or a broadcast of one (the fill of masked scores)."""
+def _constant(view: _View, atom) -> float | None:
+    """The value of ``atom`` when it is a literal or a broadcast of one (the fill of masked
+    scores), else None."""
     if isinstance(atom, jcore.Literal):
-        return True
+        return _literal(atom)
     b = view.of(atom, "broadcast_in_dim")
-    return b is not None and isinstance(b.invars[0], jcore.Literal)
+    return _literal(b.invars[0]) if b is not None else None
+
+
+#: A fill of masked scores at or below this value gives them no weight beside a key that is
+#: not masked (exp of it underflows float32), as the kernels do; a higher one is no mask.
+MASKED_AT_MOST = -1e4
 
 
 def _mask(view: _View, atom, rank: int):
@@ -201,10 +208,11 @@ def _match_at(view: _View, i: int) -> Match | None:
     x = _softmax_input(view, p_atom)
     if x is None:
         return None
-    causal, kv_mask, s = False, None, x
+    causal, kv_mask, s, fill = False, None, x, -np.inf
     if (sel := view.of(x, "select_n")) is not None:
         mask = _mask(view, sel.invars[0], len(x.aval.shape))
-        if mask is None or not _constant(view, sel.invars[1]):
+        fill = _constant(view, sel.invars[1])
+        if mask is None or fill is None or not fill <= MASKED_AT_MOST:
             return None
         causal, kv_mask = mask
         s = sel.invars[2]
@@ -221,7 +229,7 @@ def _match_at(view: _View, i: int) -> Match | None:
     q, k, v = qk.invars[0], _ungroup(view, qk.invars[1]), _ungroup(view, v_atom)
     if k.aval.shape != v.aval.shape or len(q.aval.shape) != 4:
         return None
-    return Match(q, k, v, kv_mask, causal, scale, i, frozenset(view.taken | {i}))
+    return Match(q, k, v, kv_mask, causal, scale, fill, i, frozenset(view.taken | {i}))
 
 
 def find(jaxpr) -> list[Match]:
@@ -277,14 +285,35 @@ def interpret(jaxpr, consts, args, rewrite: bool) -> list:
         eqn = jaxpr.eqns[i]
         if i in matches:
             m = matches[i]
-            out = (_ACTIVE.get() or _planned)(
-                read(m.q), read(m.k), read(m.v), None if m.kv_mask is None else read(m.kv_mask),
-                m.causal, m.scale)
+            kv_mask = None if m.kv_mask is None else read(m.kv_mask)
+            out = (_ACTIVE.get() or _planned)(read(m.q), read(m.k), read(m.v), kv_mask,
+                                               m.causal, m.scale)
+            if kv_mask is not None:
+                out = _fully_masked_rows(out, read(m.v), kv_mask, m.causal, m.fill)
             outs = [out.astype(eqn.outvars[0].aval.dtype)]
         else:
             outs = _equation(eqn, [read(a) for a in eqn.invars], rewrite)
         env.update((v, x) for v, x in zip(eqn.outvars, outs) if not isinstance(v, jcore.DropVar))
     return [read(a) for a in jaxpr.outvars]
+
+
+def _fully_masked_rows(out, v, kv_mask, causal: bool, fill: float):
+    """``out`` with each query row whose every key is masked as the matched jnp computes it:
+    its scores all equal ``fill``, so softmax weighs every key alike (the mean of ``v``), or,
+    with a fill of -inf, gives NaN. (The kernels give such a row zeros.)"""
+    jnp = jax.numpy
+    b, sq, heads, _ = out.shape
+    seen = kv_mask if not causal else lax.cummax(kv_mask.astype(jnp.int32), axis=1) > 0
+    if causal:  # query i reads keys 0..i
+        seen = seen[:, jnp.minimum(jnp.arange(sq), kv_mask.shape[1] - 1)]
+    else:
+        seen = jnp.broadcast_to(seen.any(axis=1, keepdims=True), (b, sq))
+    if np.isfinite(fill):
+        mean = jnp.repeat(v.astype(jnp.float32).mean(axis=1), heads // v.shape[2], axis=1)
+        masked = mean[:, None].astype(out.dtype)
+    else:
+        masked = jnp.full((), jnp.nan, out.dtype)
+    return jnp.where(seen[:, :, None, None], out, masked)
 
 
 def _equation(eqn, invals, rewrite: bool) -> list:

@@ -85,8 +85,9 @@ def test_forced_strategy_on_8_devices(strategy, causal, groups, padded, collecti
     assert collective in _collectives(plan, q, k, v)
 
 
-def _projected_loss(batch, seq, kv_heads, groups, causal, mask):
-    """A loss whose attention is written in jnp (as the example models do), GQA by repeat."""
+def _projected_loss(batch, seq, kv_heads, groups, causal, mask, fill=-1e30):
+    """A loss whose attention is written in jnp (as the example models do), GQA by repeat;
+    masked scores take ``fill``."""
     heads = kv_heads * groups
 
     def loss(p, x):
@@ -98,7 +99,7 @@ def _projected_loss(batch, seq, kv_heads, groups, causal, mask):
         valid = mask[:, None, None, :]
         if causal:
             valid = valid & common.causal_mask(seq)
-        s = jnp.where(valid, s, -1e30)
+        s = jnp.where(valid, s, fill)
         o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
         return jnp.mean(jnp.tanh(o))
 
@@ -176,6 +177,31 @@ def test_the_long_context_llama_on_2x4_splits_attention_over_the_whole_mesh():
     assert attention in ({"forward: ulysses(data,model)", "backward: ulysses(data,model)"},
                          {"forward: ulysses(model) + batch(data)",
                           "backward: ulysses(model) + batch(data)"}), attention
+
+
+@pytest.mark.parametrize("causal,fill", [(False, float(np.finfo(np.float32).min)),
+                                         (True, -1e9), (False, -np.inf), (True, -10.0)])
+def test_rows_with_every_key_masked_are_computed_as_the_jnp_code_does(causal, fill):
+    """A padding-only example (and, causally, the left-padded rows of another) has rows
+    whose every key is masked: the jnp code weighs all keys alike there (a finite fill) or
+    gives NaN (-inf); the rewritten attention computes the same, forward and gradients. A
+    fill too high to mask (-10) is not attention with a mask: it is left as written."""
+    mask = np.ones((2, 64), bool)
+    mask[0, :] = False
+    mask[1, :24] = False
+    loss, params, x = _projected_loss(2, 64, 2, 2, causal, jnp.asarray(mask), fill)
+    forward = jax.make_jaxpr(loss)(params, x)
+    assert attention_match.recognize(forward)[1] == (0 if fill > -1e4 else 1)
+
+    def step(p, x):
+        return autopar.value_and_grad(loss)(p, x)
+
+    plan = autopar.plan(step, params, x, mesh={"a": 2, "b": 4}, pipeline=None)
+    got, want = plan.jit()(params, x), jax.jit(jax.value_and_grad(loss))(params, x)
+    if np.isinf(fill):
+        assert np.isnan(float(got[0])) and np.isnan(float(want[0]))
+    else:
+        _close(got, want)
 
 
 def test_recognition_needs_the_forward_pass():
