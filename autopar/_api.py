@@ -21,7 +21,7 @@ from autopar._export import logical_names
 from autopar._gc import with_gc_paused
 from autopar._judge import main_dtype, simulated_step_s
 from autopar._layers import weight_leaves
-from autopar._mesh import as_auto_mesh, axis_sizes, mesh_in_context
+from autopar._mesh import as_auto_mesh, axis_sizes, with_mesh_when_asked
 from autopar._multiprocess import process_0_plan
 from autopar import _axis_roles, _inputs, _pipeline, _stage_plan
 from autopar._plan import Plan
@@ -291,19 +291,19 @@ def _plan_checked(fn, example_args, memory_budget, check_memory, verbose, option
     solution to take instead of solving (a plan cache's entry, process 0's plan)."""
     options = {**options, "choice": choice, "forced_remat": forced_remat}
     progress = _progress(verbose)
-    with mesh_in_context(options["mesh"]):
-        try:
-            planned, failure = _planned_checked(fn, example_args, memory_budget,
-                                                check_memory, options, progress), None
-        except Exception as e:  # raised by process_0_plan, after telling the others
-            planned, failure = None, e
-        # Multi-process: the same plan on every process (and on every process this call or
-        # none).
-        return process_0_plan(
-            planned, lambda choice, remat: _plan_once(
-                fn, example_args, memory_budget, progress=progress,
-                **{**options, "choice": choice, "forced_remat": remat}),
-            progress, failure)
+    mesh = options["mesh"]
+    try:
+        planned, failure = with_mesh_when_asked(
+            lambda: _planned_checked(fn, example_args, memory_budget, check_memory, options,
+                                     progress), mesh), None
+    except Exception as e:  # raised by process_0_plan, after telling the other processes
+        planned, failure = None, e
+    # Multi-process: the same plan on every process (and on every process this call or none).
+    return process_0_plan(
+        planned, lambda choice, remat: with_mesh_when_asked(lambda: _plan_once(
+            fn, example_args, memory_budget, progress=progress,
+            **{**options, "choice": choice, "forced_remat": remat}), mesh),
+        progress, failure)
 
 
 def _planned_checked(fn, example_args, memory_budget, check_memory, options, progress) -> Plan:

@@ -17,7 +17,7 @@ from autopar import _api, baselines
 from autopar._judge import main_dtype
 from autopar.baselines import baseline_kinds
 from autopar.baselines import baseline_kwargs as _baseline_kwargs
-from autopar._mesh import as_auto_mesh, mesh_in_context
+from autopar._mesh import as_auto_mesh, with_mesh_when_asked
 from autopar.errors import ShardingConflictWarning
 from autopar.cost_model.hardware import get_profile
 from autopar.cost_model.hlo import HloSummary, analyze
@@ -112,16 +112,17 @@ def compare(fn, args, mesh, *, hardware=None, kinds=None, plan=None, dtype=None,
     """
     jax_mesh = as_auto_mesh(mesh)
     profile = get_profile(hardware)
-    with mesh_in_context(jax_mesh):
-        if dtype is None:
-            dtype = main_dtype(fn, args)
-        start = time.perf_counter()
-        if plan is None:
-            plan = _api.plan(fn, *args, mesh=jax_mesh, hardware=profile, **plan_kwargs)
-        planning_s = time.perf_counter() - start
-        results = {"autopar": measure("autopar", plan.compile(), profile, dtype)}
+    start = time.perf_counter()
+    if plan is None:
+        plan = _api.plan(fn, *args, mesh=jax_mesh, hardware=profile, **plan_kwargs)
+    planning_s = time.perf_counter() - start
+
+    def baselines_measured():
+        priced_at = main_dtype(fn, args) if dtype is None else dtype
+        results = {"autopar": measure("autopar", plan.compile(), profile, priced_at)}
         structure = baselines.structure_of(fn, args) if len(args) >= 2 else None
         for kind in kinds if kinds is not None else baseline_kinds(jax_mesh, args, structure):
             results[kind] = measure(kind, compile_baseline(fn, args, jax_mesh, kind), profile,
-                                    dtype)
-    return plan, results, planning_s
+                                    priced_at)
+        return results
+    return plan, with_mesh_when_asked(baselines_measured, jax_mesh), planning_s

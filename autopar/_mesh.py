@@ -39,13 +39,39 @@ def as_auto_mesh(mesh) -> Mesh:
 
 def mesh_in_context(mesh):
     """A context manager setting ``mesh`` (:func:`as_auto_mesh`'s argument) as jax's mesh
-    (``jax.set_mesh``): the user's function traces and compiles with it, so its
-    ``with_sharding_constraint`` calls may name bare ``PartitionSpec``s. No change inside a
-    trace, or for a mesh that is not one (the planner reports that)."""
+    (``jax.set_mesh``). No change inside a trace, or for a mesh that is not one (the planner
+    reports that)."""
     try:
         return jax.set_mesh(as_auto_mesh(mesh))
     except (ValueError, MeshError):
         return contextlib.nullcontext()
+
+
+def with_mesh_when_asked(run, mesh):
+    """``run()``; when the user's function asked jax for a mesh in context (a bare
+    ``PartitionSpec`` in ``with_sharding_constraint``, which a dict mesh gives no Mesh to
+    build a NamedSharding from), ``run()`` again with ``mesh`` set (:func:`mesh_in_context`).
+    Only then: traced under a mesh, values carry it, which the pipeline's manual regions
+    cannot take."""
+    try:
+        return run()
+    except Exception as e:  # noqa: BLE001 (re-raised unless it is jax asking for a mesh)
+        if not _asks_for_mesh(e):
+            raise
+    with mesh_in_context(mesh):
+        return run()
+
+
+def _asks_for_mesh(e: BaseException | None) -> bool:
+    """Whether ``e``, or an exception it came from, is jax's "requires a non-empty mesh in
+    context"."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if "non-empty mesh in context" in str(e):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 #: Mesh axis names autopar takes: ASCII words (XLA aborts the process on some others).
