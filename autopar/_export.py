@@ -90,8 +90,8 @@ _TEMPLATE = '''"""Sharding plan for `{fn}` on mesh {mesh_words}, written by auto
     import jax
     import {module} as plan
     mesh = plan.make_mesh()
-    step = jax.jit({fn}, in_shardings=plan.in_shardings(mesh),
-                   out_shardings=plan.out_shardings(mesh))
+    step = jax.jit({fn}, in_shardings=plan.in_shardings(mesh{like_in}),
+                   out_shardings=plan.out_shardings(mesh{like_out}))
 
 Predicted per device on the `{hardware}` profile: step {step}, peak memory {peak}.
 {verdict}{words}
@@ -147,16 +147,25 @@ _FLAT_HELPERS = '''
 def in_shardings(mesh: Mesh | None = None, like=None):
     """``jax.jit``'s ``in_shardings`` for arguments shaped like ``like`` (the tuple of
     arguments, or ShapeDtypeStructs of them): IN_SPECS_FLAT in their tree."""
-    mesh = mesh if mesh is not None else make_mesh()
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like),
-                                        [NamedSharding(mesh, s) for s in IN_SPECS_FLAT])
+    return _in_tree(IN_SPECS_FLAT, mesh, like, "arguments")
 
 
 def out_shardings(mesh: Mesh | None = None, like=None):
-    """``jax.jit``'s ``out_shardings`` for results shaped like ``like``."""
+    """``jax.jit``'s ``out_shardings`` for results shaped like ``like`` (the results, or
+    ``jax.eval_shape`` of the step)."""
+    return _in_tree(OUT_SPECS_FLAT, mesh, like, "results")
+
+
+def _in_tree(specs, mesh, like, what):
+    if like is None:
+        raise TypeError(f"the specs here are flat (the {what}' trees could not be written as "
+                        f"code): pass like= the {what} (or ShapeDtypeStructs of them)")
+    tree = jax.tree_util.tree_structure(like)
+    if tree.num_leaves != len(specs):
+        raise ValueError(f"like= has {tree.num_leaves} leaves; the plan's {what} have "
+                         f"{len(specs)}")
     mesh = mesh if mesh is not None else make_mesh()
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like),
-                                        [NamedSharding(mesh, s) for s in OUT_SPECS_FLAT])
+    return jax.tree_util.tree_unflatten(tree, [NamedSharding(mesh, s) for s in specs])
 '''
 
 
@@ -219,7 +228,9 @@ def module_source(plan, module: str = "plan_specs", fn_name: str = "step",
         verdict=f"\n{verdict}\n" if verdict else "",
         imports="".join(f"{i}\n" for i in sorted(imports)), specs=specs,
         rules=_rules_code(rules), rules_why=f"# None: {why}.\n" if why else "",
-        helpers=_TREE_HELPERS if as_tree else _FLAT_HELPERS)
+        helpers=_TREE_HELPERS if as_tree else _FLAT_HELPERS,
+        like_in="" if as_tree else ", like=args",
+        like_out="" if as_tree else ", like=jax.eval_shape({}, *args)".format(fn_name))
 
 
 def write_module(plan, path: str | os.PathLike, fn_name: str = "step",

@@ -198,8 +198,10 @@ class Plan:
         if self._flat_fn is None:
             raise PlanFormatError(
                 "this plan was loaded from JSON and holds shardings and estimates only, not the "
-                "program. Re-plan with autopar.plan(fn, *args, mesh=...), or run fn with "
-                "jax.jit(fn, in_shardings=plan.in_shardings, out_shardings=plan.out_shardings).")
+                "program, its shardings flat (one per argument leaf, in plan.in_paths). "
+                "Re-plan with autopar.plan(fn, *args, mesh=...), or write plan.to_python(path) "
+                "and run fn with jax.jit(fn, in_shardings=module.in_shardings(mesh, "
+                "like=args), out_shardings=module.out_shardings(mesh, like=results)).")
 
     def jit(self, donate_argnums=None) -> Callable:
         """A callable with the planned function's signature that runs the parallel program.

@@ -21,6 +21,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import autopar
+from autopar.errors import PlanFormatError
 from autopar._export import logical_rules, plain_jit_check
 from autopar.cost_model.hlo import analyze
 
@@ -124,7 +125,13 @@ def test_trees_not_writable_as_code_are_written_flat(tmp_path):
     path = tmp_path / "flat_specs.py"
     text = plan.to_python(path)
     assert "IN_SPECS_FLAT = [" in text and "# [0].w" in text
+    # the usage its docstring shows passes the trees
+    assert "in_shardings(mesh, like=args)" in text and "like=jax.eval_shape(step, *args)" in text
     specs = _load(str(path))
+    with pytest.raises(TypeError, match="pass like="):
+        specs.in_shardings()
+    with pytest.raises(ValueError, match="leaves"):
+        specs.in_shardings(like=(args[0],))
     run = jax.jit(step, in_shardings=specs.in_shardings(like=args),
                   out_shardings=specs.out_shardings(like=jax.eval_shape(step, *args)))
     np.testing.assert_array_equal(np.asarray(run(*args)[0].w), 2 * np.ones((8, 8)))
@@ -258,3 +265,23 @@ def test_exported_train_state_specs_compute_the_plans_numbers(tmp_path):
     got, want = plain(*jax.device_put(args, specs.in_shardings(mesh))), plan.jit()(*args)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=1e-5)
+
+
+def test_a_loaded_plan_says_how_to_run_it_and_its_module_does(tmp_path):
+    """A plan loaded from JSON has no program: its error points at to_python, whose module
+    (flat specs) runs the step with plain jax.jit given like=."""
+    def step(w, x):
+        return w - 0.1 * (x.T @ jnp.tanh(x @ w)), x + 1
+    args = (jnp.ones((16, 32)), jnp.ones((8, 16)))
+    plan = autopar.plan(step, *args, mesh=MESH, hardware="h100")
+    plan.save(tmp_path / "plan.json")
+    loaded = autopar.Plan.load(tmp_path / "plan.json")
+    with pytest.raises(PlanFormatError, match="to_python"):
+        loaded.jit()
+    loaded.to_python(tmp_path / "loaded_specs.py")
+    specs = _load(str(tmp_path / "loaded_specs.py"))
+    mesh = specs.make_mesh()
+    run = jax.jit(step, in_shardings=specs.in_shardings(mesh, like=args),
+                  out_shardings=specs.out_shardings(mesh, like=jax.eval_shape(step, *args)))
+    for a, b in zip(run(*args), step(*args)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)
