@@ -30,6 +30,7 @@ from autopar._report import (
     _shape_str,
     candidates,
     collective_groups,
+    pipeline_collective_words,
     pipeline_search,
     hardware_words,
     mesh_words,
@@ -196,8 +197,12 @@ def _layer_section(plan, rows) -> list[str]:
 def _collective_section(plan) -> list[str]:
     found = collective_groups(plan)
     out = ["<h2>Collectives, by mesh axis and kind</h2>"]
+    said = pipeline_collective_words(plan)
+    if said:
+        out.append(f"<p>{html.escape(said[0][0].upper() + said[0][1:])}.</p>")
     if not found:
-        return out + ["<p>None: the plan runs no collective.</p>"]
+        return out + ["<p>None outside the pipelined stack.</p>" if said else
+                      "<p>None: the plan runs no collective.</p>"]
     for (axes, kind), groups in found.items():
         n = sum(g.count for g in groups)
         head = (f"{kind} over {axes}: {n} per step, "

@@ -181,7 +181,8 @@ def candidate_axes(mesh: jax.sharding.Mesh, levels: dict, fits: bool) -> list[st
 
 def with_stages(est: Estimate, context: PipelineContext | None) -> Estimate:
     """``est`` (which prices each pipeline region as free) with the pipelined stacks' priced
-    time in its compute time and their activations in its peak."""
+    time in its compute time, their activations in its peak, and their flops and wire bytes
+    (their layers' work, collectives and stage-to-stage sends) in its own."""
     if context is None:
         return est
     priced = [c for c in context.chosen if c.predicted_time_s is not None]
@@ -189,7 +190,9 @@ def with_stages(est: Estimate, context: PipelineContext | None) -> Estimate:
     held = sum(c.activation_bytes for c in priced)
     return dataclasses.replace(est, step_time_s=est.step_time_s + time_s,
                                compute_time_s=est.compute_time_s + time_s,
-                               peak_memory_bytes=est.peak_memory_bytes + held)
+                               peak_memory_bytes=est.peak_memory_bytes + held,
+                               flops=est.flops + sum(c.flops for c in priced),
+                               comm_bytes=est.comm_bytes + sum(c.comm_bytes for c in priced))
 
 
 def record(context: PipelineContext | None, est: Estimate) -> dict | None:
@@ -212,6 +215,7 @@ def record(context: PipelineContext | None, est: Estimate) -> dict | None:
             "bubble_fraction": chosen.bubble_fraction,
             "predicted_time_s": chosen.predicted_time_s,
             "activation_bytes": chosen.activation_bytes,
+            "flops": chosen.flops, "comm_bytes": chosen.comm_bytes,
             "stage_peak_bytes": [est.peak_memory_bytes] * chosen.stages,
             "inner": None if chosen.inner is None else _inner_record(chosen.inner)}
 

@@ -93,6 +93,7 @@ def render_text(plan, baselines: dict | None = None) -> str:
     if plan._details is not None:
         lines += ["", "Collectives chosen, by mesh axis and kind (per device and step):"]
         lines += _collective_lines(plan)
+        lines += [f"  {line}" for line in pipeline_collective_words(plan)]
     lines += _option_lines(plan.stats.get("compiler_options"))
     lines += ["", "Fallbacks (primitives with no sharding rule, planned replicated):"]
     lines += [f"  {p}: {n} use(s)" for p, n in sorted(plan.fallbacks.items())] or ["  none"]
@@ -319,7 +320,7 @@ _SHOWN = 6
 def _collective_lines(plan) -> list[str]:
     found = collective_groups(plan)
     if not found:
-        return ["  none"]
+        return ["  none" + (" outside the pipelined stack" if plan.pipeline else "")]
     sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
     out = []
     for (axes, kind), groups in found.items():
@@ -338,3 +339,14 @@ def _collective_lines(plan) -> list[str]:
                        f"{_fmt_bytes(sum(g.wire_bytes for g in rest)):>10}  "
                        f"from {len(rest)} other places")
     return out
+
+
+def pipeline_collective_words(plan) -> list[str]:
+    """What the pipelined stack sends (the collectives above are the rest of the program's),
+    or nothing for a plan that does not pipeline."""
+    p = plan.pipeline
+    if p is None:
+        return []
+    return [f"inside the pipelined stack: each microbatch's activation sent on and its "
+            f"gradient sent back over `{p['axis']}` (collective-permute), and the collectives "
+            f"of the stage's layers, {format_bytes(p.get('comm_bytes') or 0)} in all"]

@@ -110,6 +110,7 @@ def layer_planner(mesh: Mesh, axis: str, profile, axis_level_overrides, plan: Ca
                          time_s=planned.estimate.step_time_s, kept_bytes=int(kept),
                          carry_bytes=carry,
                          hop_s=level.latency_s + carry / level.bandwidth_bytes_per_s,
-                         devices=inner_mesh.devices.size)
+                         devices=inner_mesh.devices.size, flops=planned.estimate.flops,
+                         comm_bytes=planned.estimate.comm_bytes)
 
     return plan_layer

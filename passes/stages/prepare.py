@@ -61,6 +61,8 @@ class StageChoice:
     virtual_stages: int = 1
     predicted_time_s: float | None = None      # the pipelined stack (None: not priced)
     activation_bytes: int | None = None        # kept per device at the fullest stage
+    flops: float = 0.0                         # of the pipelined stack, per device
+    comm_bytes: float = 0.0                    # of the pipelined stack, per device
     inner: Inner | None = None
 
 
@@ -98,6 +100,8 @@ class Prepared:
             virtual_stages=v,
             predicted_time_s=None if priced is None else priced.time_s,
             activation_bytes=None if priced is None else priced.activation_bytes,
+            flops=0.0 if priced is None else priced.flops,
+            comm_bytes=0.0 if priced is None else priced.comm_bytes,
             inner=self.inner)
 
 

@@ -55,6 +55,8 @@ class LayerPlan:
     carry_bytes: int         # the microbatch's activation entering a stage, per device
     hop_s: float             # one ppermute of that activation over the stage axis
     devices: int = 1         # the devices of one stage (the other mesh axes)
+    flops: float = 0.0       # forward and backward, per device
+    comm_bytes: float = 0.0  # forward and backward, the layer's own collectives per device
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,10 @@ class Priced:
     layer: LayerPlan
     time_s: float
     activation_bytes: int    # per device, at the stage holding the most
+    flops: float = 0.0       # per device: its stage's layers as the emitted loops run them
+    # per device: the layers' collectives, and an activation sent on and a cotangent sent
+    # back over the stage axis at every tick of the emitted loops (bubbles included)
+    comm_bytes: float = 0.0
 
 
 def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: int,
@@ -74,14 +80,19 @@ def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: 
     chunks each, interleaved), priced."""
     n = ticks(schedule, stages, microbatches, virtual)
     stage_s = layers_per_stage * layer.time_s / virtual
+    # layers: the layer forward-and-backward passes a device runs (bubbles included, as the
+    # emitted loops compute them masked), in units of one layer's
     if schedule in (Schedule.GPIPE, Schedule.INTERLEAVED):
         time_s = n * (stage_s + 2 * layer.hop_s)
         held = microbatches * layers_per_stage * layer.kept_bytes * layer.devices
+        layers = n * layers_per_stage / virtual
     elif schedule is Schedule.ONE_F_ONE_B:
         forward_s, backward_s = stage_s * FORWARD_SHARE + layer.hop_s, stage_s + layer.hop_s
         time_s = sum((stop - first) * (forward_s * f + backward_s * b)
                      for first, stop, f, b in phases(stages, microbatches))
         held = stash_slots(stages) * layer.carry_bytes + layers_per_stage * layer.kept_bytes
+        layers = layers_per_stage * sum((stop - first) * (FORWARD_SHARE * f + b)
+                                        for first, stop, f, b in phases(stages, microbatches))
     else:
         assert schedule in TABLED, schedule
         tab = table(schedule, stages, microbatches)
@@ -89,8 +100,10 @@ def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: 
         held = (layers_per_stage * (tab.held * layer.kept_bytes
                                     + tab.pending_w * layer.carry_bytes)
                 + (tab.waiting_f + tab.waiting_b) * layer.carry_bytes)
+        layers = n * layers_per_stage * FORWARD_SHARE
     return Priced(schedule=schedule, microbatches=microbatches, layer=layer, time_s=time_s,
-                  activation_bytes=int(held))
+                  activation_bytes=int(held), flops=layers * layer.flops,
+                  comm_bytes=layers * layer.comm_bytes + 2 * n * layer.carry_bytes)
 
 
 def best(options: list[Priced], budget_bytes: float | None) -> Priced:

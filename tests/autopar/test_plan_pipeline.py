@@ -43,7 +43,14 @@ def test_pipelined_plan_computes_the_single_device_step(case, mesh, schedule):
     validated = plan.validate()
     checked = validated["pipeline"]
     assert checked["ticks"][0] == checked["ticks"][1]
-    assert "pipeline tick loops" in autopar._validate.validation_table(plan, validated)
+    table = autopar._validate.validation_table(plan, validated)
+    assert "pipeline tick loops" in table and "please report" not in table
+    # the estimate counts the pipelined stack's work and sends (it once priced them as free)
+    (flops, compiled_flops), (wire, compiled_wire) = validated["flops"], validated["wire_bytes"]
+    assert 0.5 * compiled_flops <= flops <= 1.5 * compiled_flops
+    assert 0.25 * compiled_wire <= wire <= 1.5 * compiled_wire
+    assert "inside the pipelined stack" in plan.report()
+    assert "runs no collective" not in render_html(plan)
     # Saved with the plan, and shown in the report.
     loaded = autopar.Plan.from_json(plan.to_json())
     assert loaded.pipeline == plan.pipeline
