@@ -18,7 +18,7 @@ from autopar._judge import main_dtype
 from autopar.baselines import baseline_kinds
 from autopar.baselines import baseline_kwargs as _baseline_kwargs
 from autopar._mesh import as_auto_mesh, with_mesh_when_asked
-from autopar.errors import ShardingConflictWarning
+from autopar.errors import ArgumentError, ShardingConflictWarning
 from autopar.cost_model.hardware import get_profile
 from autopar.cost_model.hlo import HloSummary, analyze
 from autopar.cost_model.reference import reference_step_time_s
@@ -112,6 +112,12 @@ def compare(fn, args, mesh, *, hardware=None, kinds=None, plan=None, dtype=None,
     """
     jax_mesh = as_auto_mesh(mesh)
     profile = get_profile(hardware)
+    if plan is not None and (plan.mesh.axis_names != jax_mesh.axis_names
+                             or plan.mesh.devices.shape != jax_mesh.devices.shape):
+        raise ArgumentError(
+            f"`plan` was made for mesh {_shape_words(plan.mesh)} and the baselines would run "
+            f"on {_shape_words(jax_mesh)}: pass the plan's mesh, or leave `plan` out to "
+            "plan on this one")
     start = time.perf_counter()
     if plan is None:
         plan = _api.plan(fn, *args, mesh=jax_mesh, hardware=profile, **plan_kwargs)
@@ -126,3 +132,7 @@ def compare(fn, args, mesh, *, hardware=None, kinds=None, plan=None, dtype=None,
                                     priced_at)
         return results
     return plan, with_mesh_when_asked(baselines_measured, jax_mesh), planning_s
+
+
+def _shape_words(mesh) -> str:
+    return " x ".join(f"{a}={n}" for a, n in zip(mesh.axis_names, mesh.devices.shape))

@@ -148,8 +148,10 @@ def _no_strategy_message(shape: AttentionShape, forced, sizes) -> str:
             why.append(f"mesh axis `{axis}` ({n}) does not divide the batch {shape.batch}")
     fix = {"ulysses": "use `attention=\"ring\"` (any axis that divides the sequence) or a mesh "
                       "axis that divides the kv heads",
-           "ring": "pad the sequence to a multiple of the axis size"}.get(
-        forced, "pad the sequence or choose another strategy")
+           "ring": "pad the sequence to a multiple of the axis size",
+           "heads": "use a mesh axis that divides the kv heads, or `attention=\"ring\"`",
+           "batch": "use a batch the mesh axis divides, or `attention=\"ring\"`"}.get(
+        forced, "choose another strategy")
     return (f"no `{forced}` attention strategy fits q [batch={shape.batch}, seq={shape.seq}, "
             f"heads={shape.heads}] with {shape.kv_heads} kv heads on mesh {sizes}: "
             f"{'; '.join(why) or 'no axis can take it'}. Fix: {fix}, or leave the strategy to "

@@ -80,8 +80,13 @@ MSG_MIXES = (
     "`{op}` mixes examples across the batch inside {where}, so splitting the batch into "
     "microbatches would change the result (batch statistics, a loss normalized by a count "
     "computed from the batch, an op that indexes across examples). Compute it per example, "
-    "or pipeline with `autopar.Pipeline(schedule=\"gpipe\")`{hint}."
+    "or {fix}."
 )
+#: MSG_MIXES's other fix: in the layers no schedule microbatches exactly; in the loss GPipe
+#: does (it computes the loss on the whole batch).
+FIX_IN_LAYERS = "plan without a pipeline (`pipeline=None`)"
+FIX_IN_LOSS = ("pipeline with `autopar.Pipeline(schedule=\"gpipe\")` (which computes the "
+               "loss on the whole batch)")
 
 
 def analyze(jaxpr, in_states: list, mode: Mode, where: str) -> Analysis:
@@ -133,8 +138,8 @@ def _eqn(eqn, states, result: Analysis, where: str) -> list:
         if result.mode is Mode.LOSS and name == "reduce_sum":
             result.n_terms += 1
             return [BatchSum(((result.n_terms - 1, 1.0),))]
-        hint = "" if result.mode is Mode.BODY else " (which computes the loss on the whole batch)"
-        raise PipelineError(MSG_MIXES.format(op=name, where=where, hint=hint)) from None
+        fix = FIX_IN_LAYERS if result.mode is Mode.BODY else FIX_IN_LOSS
+        raise PipelineError(MSG_MIXES.format(op=name, where=where, fix=fix)) from None
     return [out] * n_out
 
 
@@ -270,8 +275,7 @@ def _batch_sum(eqn, states, result: Analysis, where: str) -> BatchSum:
     """Rules for an equation with a batch-sum operand (mode LOSS only produces them)."""
     name = eqn.primitive.name
     sums = [s for s in states if isinstance(s, BatchSum)]
-    fail = PipelineError(MSG_MIXES.format(
-        op=name, where=where, hint=" (which computes the loss on the whole batch)"))
+    fail = PipelineError(MSG_MIXES.format(op=name, where=where, fix=FIX_IN_LOSS))
     if name not in _SCALE_OPS:
         raise fail
     if name in ("add", "sub"):

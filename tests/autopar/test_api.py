@@ -130,6 +130,9 @@ def test_a_bare_partition_spec_constraint_names_the_plans_mesh():
     assert plan.validate()["unexpected_kinds"] == []
     _, measured, _ = autopar.compare(f, (w, x), mesh, kinds=("dp",))
     assert set(measured) == {"autopar", "dp"}
+    # a plan compared on another mesh than its own is refused
+    with pytest.raises(autopar.ArgumentError, match="pass the plan's mesh"):
+        autopar.compare(f, (w, x), {"data": 8}, plan=plan, kinds=("dp",))
 
 
 def test_validate_flags_collectives_the_plan_did_not_predict(monkeypatch):

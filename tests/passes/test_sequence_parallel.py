@@ -231,6 +231,12 @@ def test_bad_requests_name_the_problem_and_the_fix():
     step, args = _abstract_step(1020, heads=8, kv_heads=8)
     with pytest.raises(autopar.AutoparError, match=r"1020 is not a multiple of mesh axis `x`"):
         autopar.plan(step, *args, mesh={"x": 8}, attention="ring", pipeline=None)
+    step, args = _abstract_step(1024, heads=8, kv_heads=4)
+    with pytest.raises(autopar.AutoparError, match=r"divide the 4 kv heads.*Fix: use a mesh "
+                                                   r"axis that divides the kv heads"):
+        autopar.plan(step, *args, mesh={"x": 8}, attention="heads", pipeline=None)
+    with pytest.raises(autopar.AutoparError, match=r"divide the batch 1.*Fix: use a batch"):
+        autopar.plan(step, *args, mesh={"x": 8}, attention="batch", pipeline=None)
     with pytest.raises(autopar.ArgumentError, match="`attention='rings'`"):
         autopar.plan(step, *args, mesh={"x": 8}, attention="rings", pipeline=None)
     q = jnp.zeros((1, 64, 6, 16))
