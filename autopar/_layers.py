@@ -293,6 +293,14 @@ def _region(node) -> bool:
     return node.kind == NodeKind.OP and op_info(node).manual_region
 
 
+def pipelined_layer(plan) -> str | None:
+    """The layer whose stack the plan pipelines (its first region's), or None."""
+    if not plan.pipeline or plan._details is None:
+        return None
+    region = next((n for n in plan._details[0].nodes if _region(n)), None)
+    return None if region is None else node_layers(plan)[region.id]
+
+
 def _label_loss(graph, label: list, by_path: list[int]) -> None:
     """Label ``LOSS`` the operations without a layer that run after the last forward operation
     a layer's source path names and before the first such backward one (all after it

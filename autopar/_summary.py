@@ -28,6 +28,7 @@ from autopar._layers import (
     node_layers,
     node_phases,
     param_leaves,
+    pipelined_layer,
     same_layer_groups,
     state_of,
 )
@@ -174,8 +175,9 @@ def describe(facts: LayerFacts, sizes: dict[str, int], stage_axis: str | None = 
 def _layer_words(plan, sizes) -> list[tuple[str, str]]:
     """(layers, their plan in words) per group of like layers said alike."""
     facts = layer_facts(plan)
-    stage_axis = plan.pipeline["axis"] if plan.pipeline else None
-    words = {name: describe(f, sizes, stage_axis) for name, f in facts.items()}
+    stage_axis, stack = (plan.pipeline["axis"] if plan.pipeline else None), pipelined_layer(plan)
+    words = {name: describe(f, sizes, stage_axis if name == stack else None)
+             for name, f in facts.items()}
     out = []
     for group in same_layer_groups(list(facts)):
         for said in dict.fromkeys(words[n] for n in group):

@@ -10,7 +10,7 @@ import pytest
 
 import autopar
 from autopar._html import render_html
-from autopar._layers import OTHER, layer_rows, memory_over_program
+from autopar._layers import OTHER, layer_rows, memory_over_program, pipelined_layer
 from autopar.errors import ArgumentError, PipelineError
 from autopar.models import common, gpt
 from tests.autopar.test_pipeline import CONFIG, _step, gpt_case  # noqa: F401 (a fixture)
@@ -50,6 +50,10 @@ def test_pipelined_plan_computes_the_single_device_step(case, mesh, schedule):
     assert 0.5 * compiled_flops <= flops <= 1.5 * compiled_flops
     assert 0.25 * compiled_wire <= wire <= 1.5 * compiled_wire
     assert "inside the pipelined stack" in plan.report()
+    # only the pipelined stack is said to be cut into stages, whatever else the axis splits
+    assert pipelined_layer(plan) == "blocks"
+    assert all(("pipeline stages" in line) == line.startswith("blocks")
+               for line in plan.summary().splitlines() if ":" in line)
     assert "runs no collective" not in render_html(plan)
     # Saved with the plan, and shown in the report.
     loaded = autopar.Plan.from_json(plan.to_json())
