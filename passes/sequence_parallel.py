@@ -109,9 +109,11 @@ def attention_strategies(node, graph, mesh: MeshContext) -> list[Strategy]:
         ins, outs, manual = _specs(by_axis, shape.backward)
         cost = attention_cost(shape, split, mesh.profile, mesh.levels, dtype,
                               _kernel_block(shape, split))
+        rewrite = _rewrite(split, manual, tuple(a for a, r in by_axis.items() if r == _B),
+                           tuple(a for a, r in by_axis.items() if r == _H))
         out.append(Strategy(ins, outs, cost.flops, cost.compute_s,
                             sum(c.time_s(mesh.levels) for c in cost.collectives),
-                            cost.collectives, _rewrite(split, manual), cost.scratch_bytes))
+                            cost.collectives, rewrite, cost.scratch_bytes))
     if not out:
         raise ArgumentError(_no_strategy_message(shape, forced, sizes))
     return out
@@ -126,12 +128,16 @@ def _kernel_block(shape: AttentionShape, split: AttentionSplit) -> int:
     return attn.block_size(shape.seq // split.seq * u, shape.batch * shape.heads // u)
 
 
-def _rewrite(split: AttentionSplit, manual: tuple[str, ...]) -> Rewrite | None:
+def _rewrite(split: AttentionSplit, manual: tuple[str, ...], batch: tuple[str, ...],
+             heads: tuple[str, ...]) -> Rewrite | None:
+    """The region of a sequence-parallel split over ``manual`` (the sequence axes), also
+    manual over the ``batch`` and ``heads`` axes (left automatic, XLA gathers the heads)."""
     if not manual:
         return None
     kind = RewriteKind.RING_ATTENTION if split.ring else RewriteKind.ULYSSES_ATTENTION
     return Rewrite(kind, manual, (("ulysses", split.ulysses[0] if split.ulysses else None),
-                                  ("ring", split.ring[0] if split.ring else None)))
+                                  ("ring", split.ring[0] if split.ring else None),
+                                  ("batch", batch), ("heads", heads)))
 
 
 def _no_strategy_message(shape: AttentionShape, forced, sizes) -> str:
@@ -185,6 +191,8 @@ class _Region:
     def __init__(self, mesh, rewrite: Rewrite, *, causal: bool, scale: float, seq: int):
         p = dict(rewrite.params)
         self.seq_axes = rewrite.axes
+        # the region is manual over these too: each device runs its batch rows and heads
+        self.batch_axes, self.head_axes = p.get("batch", ()), p.get("heads", ())
         u, self.r = p["ulysses"], p["ring"]
         self.u = None if u is None else (u,) if isinstance(u, str) else tuple(u)
         self.sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
@@ -263,13 +271,25 @@ class _Region:
         return tuple(lax.ppermute(x, self.r, perm) for x in xs)
 
     def specs(self, ranks_and_seq_dims):
-        seq = self.seq_axes if len(self.seq_axes) > 1 else self.seq_axes[0]
-        return tuple(PartitionSpec(*[seq if d == s else None for d in range(rank)])
-                     for rank, s in ranks_and_seq_dims)
+        """A PartitionSpec per operand (rank, its sequence dim): the batch on dim 0, the
+        sequence on its dim, the heads on dim 2 of a ``[b, s, h, d]`` and dim 1 of an lse."""
+        def entry(axes):
+            return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+        out = []
+        for rank, s in ranks_and_seq_dims:
+            dims = [None] * rank
+            dims[0] = entry(self.batch_axes)
+            dims[s] = entry(self.seq_axes)
+            heads = {4: 2, 3: 1}.get(rank)
+            if heads is not None:
+                dims[heads] = entry(self.head_axes)
+            out.append(PartitionSpec(*dims))
+        return tuple(out)
 
     def region(self, body, ins, outs):
+        manual = self.seq_axes + self.batch_axes + self.head_axes
         return jax.shard_map(body, mesh=self.mesh, in_specs=self.specs(ins),
-                             out_specs=self.specs(outs), axis_names=frozenset(self.seq_axes),
+                             out_specs=self.specs(outs), axis_names=frozenset(manual),
                              check_vma=False)
 
 

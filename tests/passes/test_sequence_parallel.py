@@ -213,10 +213,10 @@ def test_recognition_needs_the_forward_pass():
     assert attention_match.recognize(differentiated)[1] == 0  # its backward reads the probs
 
 
-def _abstract_step(seq, heads, kv_heads, batch=1, head_dim=64):
+def _abstract_step(seq, heads, kv_heads, batch=1, head_dim=64, dtype=jnp.bfloat16):
     shape = jax.ShapeDtypeStruct
-    q = shape((batch, seq, heads, head_dim), jnp.bfloat16)
-    kv = shape((batch, seq, kv_heads, head_dim), jnp.bfloat16)
+    q = shape((batch, seq, heads, head_dim), dtype)
+    kv = shape((batch, seq, kv_heads, head_dim), dtype)
 
     def step(q, k, v):
         return jax.grad(lambda q, k, v: jnp.sum(autopar.attention(q, k, v, causal=True)
@@ -255,3 +255,16 @@ def test_memory_budget_finds_sequence_parallel_attention():
     fitted = plan(memory_budget=budget, check_memory=False)
     assert fitted.estimate.peak_memory_bytes <= budget
     assert all(label.endswith("ring(x)") for label in fitted.stats["attention"])
+
+
+@pytest.mark.parametrize("attention", ["ring", "ulysses"])
+def test_a_sequence_parallel_region_keeps_the_other_axes_splits(attention):
+    """The region is manual over the batch and heads axes too: left automatic, XLA gathered
+    the heads over them (a ring over `data` with heads over `model` compiled 4x the
+    predicted wire bytes). In float32: XLA:CPU carries bf16 collectives in float32."""
+    step, args = _abstract_step(2048, heads=8, kv_heads=4, batch=2, dtype=jnp.float32)
+    plan = autopar.plan(step, *args, mesh={"data": 2, "model": 4}, attention=attention,
+                        pipeline=None, hardware="h100")
+    assert any("heads(" in label or "batch(" in label for label in plan.stats["attention"])
+    predicted, compiled = plan.validate()["wire_bytes"]
+    assert 0.8 * compiled <= predicted <= 1.5 * compiled, (predicted, compiled)
