@@ -63,6 +63,8 @@ def test_validation_goes_into_the_report_json_and_html(gpt_plan):
     ((4, 100.0), (0, 0.0), "XLA compiled none of the 4 predicted"),
     ((4, 2048.0), (2, 1024.0), "XLA merged or removed some: 4 predicted, 2 compiled, "
                                "1.0 KiB fewer bytes"),
+    ((2, 643.0), (13, 643.0), "13 compiled, 2 predicted, the same bytes: run in more steps "
+                              "(a region's loop)"),
 ])
 def test_count_notes(predicted, compiled, note):
     assert count_note("all-reduce", predicted, compiled) == note
@@ -89,7 +91,8 @@ def test_a_compiled_kind_missing_from_the_prediction_is_flagged():
 @pytest.mark.parametrize("predicted, compiled, flagged", [
     ({"all-reduce": (4, 100.0)}, {"all-reduce": (2, 100.0)}, None),        # combined by XLA
     ({"all-reduce": (4, 100.0)}, {"all-reduce": (4, 109.0)}, None),        # within 10%
-    ({"all-reduce": (4, 100.0)}, {"all-reduce": (5, 100.0)}, "5 compiled, 4 predicted"),
+    ({"all-reduce": (4, 100.0)}, {"all-reduce": (5, 100.0)}, None),        # more steps
+    ({"all-reduce": (4, 100.0)}, {"all-reduce": (5, 130.0)}, "1.30x the predicted bytes"),
     ({"all-reduce": (4, 100.0)}, {"all-reduce": (4, 120.0)}, "1.20x the predicted bytes"),
     ({"all-reduce": (4, 100.0)}, {"all-to-all": (1, 10.0)}, "not predicted"),
     ({"all-gather": (3, 50.0)}, {}, None),                                  # predicted only
