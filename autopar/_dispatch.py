@@ -4,6 +4,7 @@ dispatch when nothing changed since the last call."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -126,6 +127,7 @@ class Program:
         self.flat_shardings = jax.tree_util.tree_leaves(plan.in_shardings)
         planned = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in plan._arg_avals)
 
+        @functools.wraps(flat_fn)  # the program's ops keep the step's name
         def guarded(*leaves):
             if tuple((tuple(x.shape), np.dtype(x.dtype)) for x in leaves) != planned:
                 raise SignatureChanged()

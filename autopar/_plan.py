@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -239,6 +240,7 @@ class Plan:
         flat_fn, paths = self._flat_fn, self.in_paths
         planned = [(tuple(a.shape), np.dtype(a.dtype)) for a in self._arg_avals]
 
+        @functools.wraps(flat_fn)  # the program's ops keep the step's name
         def guarded(*leaves):
             for i, (x, want) in enumerate(zip(leaves, planned)):
                 got = (tuple(x.shape), np.dtype(x.dtype))

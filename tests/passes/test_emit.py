@@ -131,6 +131,11 @@ def test_the_compiled_plan_keeps_the_programs_op_names(mesh_2d):
     names = set(re.findall(r'op_name="([^"]*)"', plan.compile().as_text()))
     assert "jit(train_step)/transpose(jvp(GPT))/block_0/qkv/dot_general" in names
     assert "jit(train_step)/jvp(GPT)/block_1/mlp_out/dot_general" in names
+    # parallelize's program too (its shape check wraps the function)
+    from autopar._dispatch import Program
+    text = Program(plan, plan._flat_fn)._jitted.lower(*jax.tree.leaves(args)).as_text(
+        debug_info=True)
+    assert "jit(train_step)" in text and "jit(guarded)" not in text
 
 
 def test_a_cast_back_to_f32_folds_as_under_plain_jit(mesh_1d):
