@@ -17,7 +17,7 @@ from autopar import _api, baselines
 from autopar._judge import main_dtype
 from autopar.baselines import baseline_kinds
 from autopar.baselines import baseline_kwargs as _baseline_kwargs
-from autopar._mesh import as_auto_mesh, with_mesh_when_asked
+from autopar._mesh import as_auto_mesh, mesh_text, with_mesh_when_asked
 from autopar.errors import ArgumentError, ShardingConflictWarning
 from autopar.cost_model.hardware import get_profile
 from autopar.cost_model.hlo import HloSummary, analyze
@@ -115,8 +115,8 @@ def compare(fn, args, mesh, *, hardware=None, kinds=None, plan=None, dtype=None,
     if plan is not None and (plan.mesh.axis_names != jax_mesh.axis_names
                              or plan.mesh.devices.shape != jax_mesh.devices.shape):
         raise ArgumentError(
-            f"`plan` was made for mesh {_shape_words(plan.mesh)} and the baselines would run "
-            f"on {_shape_words(jax_mesh)}: pass the plan's mesh, or leave `plan` out to "
+            f"`plan` was made for mesh {mesh_text(plan.mesh)} and the baselines would run "
+            f"on {mesh_text(jax_mesh)}: pass the plan's mesh, or leave `plan` out to "
             "plan on this one")
     start = time.perf_counter()
     if plan is None:
@@ -132,7 +132,3 @@ def compare(fn, args, mesh, *, hardware=None, kinds=None, plan=None, dtype=None,
                                     priced_at)
         return results
     return plan, with_mesh_when_asked(baselines_measured, jax_mesh), planning_s
-
-
-def _shape_words(mesh) -> str:
-    return " x ".join(f"{a}={n}" for a, n in zip(mesh.axis_names, mesh.devices.shape))

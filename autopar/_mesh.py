@@ -37,6 +37,11 @@ def as_auto_mesh(mesh) -> Mesh:
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
 
 
+def mesh_text(mesh: Mesh) -> str:
+    """``data=2 x model=4``: a mesh's axes and sizes, major to minor."""
+    return " x ".join(f"{a}={n}" for a, n in zip(mesh.axis_names, mesh.devices.shape))
+
+
 def mesh_in_context(mesh):
     """A context manager setting ``mesh`` (:func:`as_auto_mesh`'s argument) as jax's mesh
     (``jax.set_mesh``). No change inside a trace, or for a mesh that is not one (the planner

@@ -16,7 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from autopar._mesh import SIMULATE_HINT, as_auto_mesh, check_axis_name, on_explicit_axes
+from autopar._mesh import (SIMULATE_HINT, as_auto_mesh, check_axis_name, mesh_text,
+                           on_explicit_axes)
 from autopar._layers import flat_donation, memory_over_program
 from autopar._export import plain_jit_check, write_module
 from autopar._html import render_html
@@ -285,10 +286,8 @@ class Plan:
     def __repr__(self) -> str:
         """One line: the mesh, the hardware, the predicted step and peak, and where the plan
         came from (the graph and strategies it keeps for the report are left out)."""
-        mesh = ", ".join(f"{a}={n}" for a, n in zip(self.mesh.axis_names,
-                                                   self.mesh.devices.shape))
         source = self.stats.get("source")
-        return (f"Plan(mesh=({mesh}), hardware={self.hardware!r}, step "
+        return (f"Plan(mesh=({mesh_text(self.mesh)}), hardware={self.hardware!r}, step "
                 f"{format_seconds(self.estimate.step_time_s)}, peak "
                 f"{format_bytes(self.estimate.peak_memory_bytes)} per device"
                 + (f", from {source}" if source else "")

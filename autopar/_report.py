@@ -18,6 +18,7 @@ from autopar._layers import (
     node_phases,
     same_layer_groups,
 )
+from autopar._mesh import mesh_text
 from autopar._sizes import format_bytes, format_flops, format_seconds
 from autopar._summary import summary_lines
 from autopar._validate import validation_table
@@ -31,8 +32,7 @@ def _shape_str(shape) -> str:
 
 
 def mesh_words(plan) -> str:
-    sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
-    return " x ".join(f"{a}={n}" for a, n in sizes.items()) + f" ({plan.mesh.devices.size} devices)"
+    return f"{mesh_text(plan.mesh)} ({plan.mesh.devices.size} devices)"
 
 
 def hardware_words(plan) -> str:

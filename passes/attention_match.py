@@ -22,6 +22,7 @@ import contextvars
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
@@ -301,7 +302,6 @@ def _fully_masked_rows(out, v, kv_mask, causal: bool, fill: float):
     """``out`` with each query row whose every key is masked as the matched jnp computes it:
     its scores all equal ``fill``, so softmax weighs every key alike (the mean of ``v``), or,
     with a fill of -inf, gives NaN. (The kernels give such a row zeros.)"""
-    jnp = jax.numpy
     b, sq, heads, _ = out.shape
     seen = kv_mask if not causal else lax.cummax(kv_mask.astype(jnp.int32), axis=1) > 0
     if causal:  # query i reads keys 0..i
