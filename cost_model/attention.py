@@ -47,7 +47,9 @@ _F32 = 4
 @dataclass(frozen=True)
 class AttentionShape:
     """One attention node's whole tensors: ``q [batch, seq, heads, head_dim]``, ``k``/``v
-    [batch, seq, kv_heads, head_dim]``, of ``itemsize`` bytes per element."""
+    [batch, seq, kv_heads, head_dim]``, of ``itemsize`` bytes per element, and
+    ``wire_itemsize`` per element as collectives move them (None: ``itemsize``; XLA:CPU moves
+    16-bit floats as float32)."""
     batch: int
     seq: int
     heads: int
@@ -56,6 +58,11 @@ class AttentionShape:
     itemsize: int
     backward: bool
     causal: bool = False
+    wire_itemsize: int | None = None
+
+    def on_wire(self, nbytes: int) -> int:
+        """``nbytes`` of q, k, v or o as collectives move them."""
+        return nbytes * (self.wire_itemsize or self.itemsize) // self.itemsize
 
 
 @dataclass(frozen=True)
@@ -114,17 +121,18 @@ def attention_cost(shape: AttentionShape, split: AttentionSplit, profile, levels
     scratch = block * (5 if s.backward else 3) + q_bytes // s.itemsize * _F32 * 2
     if s.backward:
         scratch += 2 * kv_bytes // s.itemsize * _F32
+    q_wire, kv_wire = s.on_wire(q_bytes), s.on_wire(kv_bytes)
     if split.ulysses:
-        steps += _ulysses_steps(split.ulysses, q_bytes, kv_bytes, mask_bytes, s)
+        steps += _ulysses_steps(split.ulysses, q_wire, kv_wire, mask_bytes, s)
         moved = (3 * q_bytes + 2 * kv_bytes) if s.backward else (2 * q_bytes + kv_bytes)
         scratch += moved + (q_bytes + 2 * kv_bytes if s.backward else q_bytes)
     if split.ring and s.causal and not split.ulysses:  # striped: an all-to-all each way
-        steps += _ulysses_steps(((split.ring[0],), split.ring[1]), q_bytes, kv_bytes,
+        steps += _ulysses_steps(((split.ring[0],), split.ring[1]), q_wire, kv_wire,
                                 mask_bytes, s)
         scratch += (3 * q_bytes + 2 * kv_bytes) if s.backward else (2 * q_bytes + kv_bytes)
     if split.ring:
         axis, n = split.ring
-        per_step = 2 * kv_bytes + mask_bytes
+        per_step = 2 * kv_wire + mask_bytes
         if s.backward:
             per_step += 2 * kv_bytes // s.itemsize * _F32
         trips = n if s.backward else n - 1
@@ -150,12 +158,14 @@ def causal_share(shape: AttentionShape, split: AttentionSplit, blocks: int) -> f
 
 
 def _ulysses_steps(ulysses, q_bytes, kv_bytes, mask_bytes, s: AttentionShape):
+    """The all-to-alls and the mask's all-gather of a Ulysses group: ``q_bytes`` and
+    ``kv_bytes`` as they cross the wire (:meth:`AttentionShape.on_wire`)."""
     axes, n = ulysses
     sizes = (n,) if len(axes) == 1 else ()   # per-axis sizes: a torus prices one axis alone
 
     def a2a(nbytes):
         return CommStep(CollectiveKind.ALL_TO_ALL, axes, n, nbytes, nbytes, axis_sizes=sizes)
-    lse_bytes = q_bytes // s.itemsize // s.head_dim * _F32
+    lse_bytes = q_bytes // (s.wire_itemsize or s.itemsize) // s.head_dim * _F32
     moved = [q_bytes, kv_bytes, kv_bytes, lse_bytes]          # q, k, v in; o, lse out
     moved += [q_bytes] + ([q_bytes, q_bytes, kv_bytes, kv_bytes] if s.backward else [])
     steps = [a2a(b) for b in moved]

@@ -43,10 +43,11 @@ from autopar.passes.strategies import (STRATEGY_BUILDERS, MeshContext, Rewrite, 
 _R, _B, _H, _U, _G = "replicate", "batch", "heads", "ulysses", "ring"
 
 
-def _shape(node) -> AttentionShape:
+def _shape(node, mesh: MeshContext) -> AttentionShape:
     (b, s, h, d), dtype = node.in_avals[0]
     return AttentionShape(batch=b, seq=s, heads=h, kv_heads=node.in_avals[1][0][2],
                           head_dim=d, itemsize=itemsize(dtype),
+                          wire_itemsize=mesh.dtype_wire_itemsize(dtype),
                           backward=node.primitive is attn.attention_bwd_p,
                           causal=node.params["causal"])
 
@@ -93,7 +94,7 @@ def _specs(roles: dict[str, str], backward: bool):
 def attention_strategies(node, graph, mesh: MeshContext) -> list[Strategy]:
     """Every role assignment of the mesh axes the shapes allow, priced; only those of the
     forced strategy (the node's ``strategy`` or the plan's ``attention``) when one is."""
-    shape = _shape(node)
+    shape = _shape(node, mesh)
     forced = node.params.get("strategy") or mesh.attention
     sizes = dict(mesh.axis_sizes)
     dtype = node.in_avals[0][1]

@@ -57,10 +57,15 @@ class MeshContext:
 
     def wire_itemsize(self, value: Value) -> int:
         """Bytes per element of ``value`` as collectives move it."""
-        if (self.upcast_16bit_collectives and value.itemsize == 2
-                and jax.dtypes.issubdtype(value.dtype, np.floating)):
+        return self.dtype_wire_itemsize(value.dtype)
+
+    def dtype_wire_itemsize(self, dtype) -> int:
+        """Bytes per element of a ``dtype`` array as collectives move it."""
+        size = itemsize(dtype)
+        if (self.upcast_16bit_collectives and size == 2
+                and jax.dtypes.issubdtype(dtype, np.floating)):
             return 4
-        return value.itemsize
+        return size
 
     def reshard(self, src: Spec, dst: Spec, value: Value) -> tuple[CommStep, ...]:
         if value.recomputable or src == dst:

@@ -257,12 +257,13 @@ def test_memory_budget_finds_sequence_parallel_attention():
     assert all(label.endswith("ring(x)") for label in fitted.stats["attention"])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("attention", ["ring", "ulysses"])
-def test_a_sequence_parallel_region_keeps_the_other_axes_splits(attention):
+def test_a_sequence_parallel_region_keeps_the_other_axes_splits(attention, dtype):
     """The region is manual over the batch and heads axes too: left automatic, XLA gathered
     the heads over them (a ring over `data` with heads over `model` compiled 4x the
-    predicted wire bytes). In float32: XLA:CPU carries bf16 collectives in float32."""
-    step, args = _abstract_step(2048, heads=8, kv_heads=4, batch=2, dtype=jnp.float32)
+    predicted wire bytes). In bf16 the prediction counts what XLA:CPU moves: float32."""
+    step, args = _abstract_step(2048, heads=8, kv_heads=4, batch=2, dtype=dtype)
     plan = autopar.plan(step, *args, mesh={"data": 2, "model": 4}, attention=attention,
                         pipeline=None, hardware="h100")
     assert any("heads(" in label or "batch(" in label for label in plan.stats["attention"])
