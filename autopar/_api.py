@@ -26,8 +26,8 @@ from autopar._multiprocess import process_0_plan
 from autopar import _axis_roles, _inputs, _pipeline, _stage_plan
 from autopar._plan import Plan
 from autopar._sizes import format_bytes
-from autopar.baselines import (baseline_kinds, baseline_kwargs, baseline_shardings,
-                               structure_of_jaxpr)
+from autopar.baselines import (baseline_io_shardings, baseline_kinds, baseline_kwargs,
+                               baseline_shardings, structure_of_jaxpr)
 from autopar.errors import ArgumentError, InfeasiblePlanError, PipelineError
 from autopar.passes.estimate import estimate, plan_collectives
 from autopar.cost_model.hardware import axis_levels, get_profile
@@ -160,7 +160,8 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
          time_limit_s: float = 300.0, tie_state: bool = True, axis_level_overrides=None,
          baseline_seeds: bool = True, remat: bool | str = True,
          check_memory: bool | None = None, verbose: bool | None = None,
-         pipeline="auto", overlap: bool = True, batch_axes=None, attention=None) -> Plan:
+         pipeline="auto", overlap: bool = True, batch_axes=None, attention=None,
+         exportable: bool = False) -> Plan:
     """Plan how to run ``fn`` on ``mesh``.
 
     Args:
@@ -248,6 +249,17 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         autopar recognizes; see ``docs/context_parallel.md``): ``"ulysses"``, ``"ring"``,
         ``"heads"``, ``"batch"`` or ``"replicated"``; None (the default): the ILP chooses per
         layer. ``ArgumentError`` when the shapes or the mesh cannot take the one asked.
+      exportable: True: a plan whose program is the one plain ``jax.jit(fn,
+        in_shardings=plan.in_shardings, out_shardings=plan.out_shardings)`` compiles (XLA's
+        propagation decides every intermediate value), so ``plan.to_python`` takes it home
+        exactly. The searched plan's input and output shardings and, without hints, each
+        hand-written baseline's are compiled that way (from the arguments' shapes; nothing
+        runs), and the one whose program simulates fastest on ``hardware`` among those whose
+        compiled peak fits the memory budget is kept: ``plan.stats["exportable"]`` gives each
+        one's simulated step and peak. No pipeline and no overlap rewrites. The plan's
+        estimate is autopar's propagation of those shardings; ``plan.validate()`` compares it
+        with the program. Default False: the searched plan, which also pins intermediate
+        values (``plan.jit()`` runs it; its exported specs alone may compile otherwise).
 
     Returns:
       A :class:`Plan`. In a multi-process run (``jax.distributed``) every process must call
@@ -274,9 +286,73 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                "baseline_seeds": baseline_seeds, "remat": remat, "pipeline": pipeline,
                "overlap": overlap, "batch_axes": batch_axes,
                "attention": _attention_option(attention)}
+    if _inputs.flag(exportable, "exportable"):
+        return _plan_exportable(fn, example_args, memory_budget, verbose, options)
     choice, forced_remat = _FORCED.get()
     return _plan_checked(fn, example_args, memory_budget, check_memory, verbose, options,
                          choice, forced_remat)
+
+
+def _plan_exportable(fn, example_args, memory_budget, verbose, options) -> Plan:
+    """``plan(..., exportable=True)``: the searched plan's input and output shardings and
+    (without hints) each baseline's, compiled under plain ``jax.jit``; the fastest program
+    that fits the memory budget becomes a plan that pins nothing in between."""
+    if options["pipeline"] not in (None, "auto"):
+        raise ArgumentError(
+            "`exportable=True` plans without a pipeline: plain jax.jit cannot run a plan's "
+            "pipeline stages from input and output shardings alone. Pass `pipeline=None`, or "
+            "drop `exportable=True` and run the plan with `plan.jit()`.")
+    options = {**options, "pipeline": None, "overlap": False}
+    progress = _progress(verbose)
+    searched = _plan_checked(fn, example_args, memory_budget, False, verbose, options)
+    mesh = searched.mesh
+    io = {"autopar": (searched.in_shardings, searched.out_shardings)}
+    hinted = (options["in_shardings"] is not None or options["out_shardings"] is not None
+              or any(hint is not None for hint, _ in metadata_hints(
+                  example_args, options["logical_axis_rules"])))
+    for kind in () if hinted else baseline_kinds(mesh, example_args):
+        try:
+            io[kind] = baseline_io_shardings(fn, example_args, mesh, kind,
+                                             **baseline_kwargs(mesh, kind))
+        except ArgumentError:  # the arguments or the mesh do not suit this baseline
+            pass
+    progress(f"exportable: compiling {len(io)} candidate shardings under plain jax.jit")
+    profile = get_profile(options["hardware"])
+    budget = (memory_budget if memory_budget is not None
+              else default_memory_budget_bytes(profile))
+    judged = _judge_plain(fn, example_args, io, profile)
+    pinned_s = simulated_step_s(searched.jit().lower(*_shapes(example_args)).compile(), profile,
+                                main_dtype(fn, example_args))
+    fitting = [name for name, (_, peak) in judged.items() if peak <= budget] or list(judged)
+    best = min(fitting, key=lambda name: judged[name][0])  # the searched plan first among equals
+    ins, outs = io[best]
+    planned = _plan_checked(fn, example_args, None, False, verbose,
+                            {**options, "in_shardings": ins, "out_shardings": outs,
+                             "search": False, "pin_intermediates": False})
+    planned.stats = {**planned.stats, "exportable": {
+        "chosen": best, "step_s": {name: t for name, (t, _) in judged.items()},
+        "pinned_step_s": pinned_s,
+        "peak_bytes": {name: peak for name, (_, peak) in judged.items()}}}
+    return planned
+
+
+def _shapes(example_args):
+    """``example_args`` as ``jax.ShapeDtypeStruct``s, to compile from (nothing runs)."""
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), example_args)
+
+
+def _judge_plain(fn, example_args, io: dict, profile) -> dict[str, tuple[float, int]]:
+    """name -> (simulated step s, compiled peak bytes per device) of ``fn`` under plain
+    ``jax.jit`` with each (in_shardings, out_shardings) of ``io``, compiled from the
+    arguments' shapes."""
+    dtype = main_dtype(fn, example_args)
+    judged = {}
+    for name, (ins, outs) in io.items():
+        compiled = jax.jit(fn, in_shardings=ins, out_shardings=outs).lower(
+            *_shapes(example_args)).compile()
+        judged[name] = (simulated_step_s(compiled, profile, dtype),
+                        program_peak_bytes(compiled))
+    return judged
 
 
 #: (choice, remat) a plan cache's entry gives :func:`plan` to take instead of solving;
@@ -327,7 +403,8 @@ def _planned_checked(fn, example_args, memory_budget, check_memory, options, pro
 def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, mesh, hardware,
                in_shardings, out_shardings, search, logical_axis_rules, time_limit_s,
                tie_state, axis_level_overrides, baseline_seeds, remat, pipeline, batch_axes,
-               progress, overlap, choice, forced_remat, attention=None) -> Plan:
+               progress, overlap, choice, forced_remat, attention=None,
+               pin_intermediates: bool = True) -> Plan:
     """:func:`plan` without the compiled memory check; ``target_bytes``: the budget to plan
     under when it is not ``memory_budget`` itself (lowered after a check)."""
     if target_bytes is None:
@@ -395,7 +472,7 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
         memory_budget_bytes=(target_bytes if target_bytes is not None
                              else default_memory_budget_bytes(profile)),
         strict_budget=memory_budget is not None, remat=remat is True, progress=progress,
-        overlap=overlap)
+        overlap=overlap, pin_intermediates=pin_intermediates)
     plan_layer = None if stages in (None, _pipeline.MARK) else _stage_plan.layer_planner(
         jax_mesh, stages.axis, profile, axis_level_overrides, plan)
     with _pipeline.planning(stages, jax_mesh, plan_layer,

@@ -286,7 +286,8 @@ def plain_jit_check(plan, fn) -> tuple[bool, str]:
     want = {k.value: v for k, v in planned.by_kind().items()}
     return False, (f"{_DIFFERS} ({_kinds(kinds)}, the plan {_kinds(want)}): the "
                    "plan also splits intermediate values, which jax does not infer from the "
-                   "arguments and results alone. autopar's plan.jit() runs the plan itself.")
+                   "arguments and results alone. autopar's plan.jit() runs the plan itself; "
+                   "a plan made with `exportable=True` runs under plain jax.jit as planned.")
 
 
 def _kinds(by_kind: dict) -> str:

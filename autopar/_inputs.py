@@ -69,7 +69,9 @@ def seconds(value, name: str = "time_limit_s") -> float:
     return float(value)
 
 
-def _flag(value, name: str, allow_none: bool = False):
+def flag(value, name: str, allow_none: bool = False):
+    """``value`` as a bool (None kept with ``allow_none``); ArgumentError naming ``name``
+    for anything else."""
     if value is None and allow_none:
         return None
     if not isinstance(value, (bool, np.bool_)):
@@ -182,11 +184,11 @@ def options(values: dict) -> dict:
         "hardware": lambda v: (get_profile(v), v)[1],
         "memory_budget": memory_budget_bytes,
         "time_limit_s": seconds,
-        "search": lambda v: _flag(v, "search"),
-        "tie_state": lambda v: _flag(v, "tie_state"),
-        "baseline_seeds": lambda v: _flag(v, "baseline_seeds"),
-        "check_memory": lambda v: _flag(v, "check_memory", allow_none=True),
-        "verbose": lambda v: _flag(v, "verbose", allow_none=True),
+        "search": lambda v: flag(v, "search"),
+        "tie_state": lambda v: flag(v, "tie_state"),
+        "baseline_seeds": lambda v: flag(v, "baseline_seeds"),
+        "check_memory": lambda v: flag(v, "check_memory", allow_none=True),
+        "verbose": lambda v: flag(v, "verbose", allow_none=True),
         "remat": _remat,
         "pipeline": _pipeline,
         "logical_axis_rules": _rules,

@@ -68,6 +68,7 @@ def render_text(plan, baselines: dict | None = None) -> str:
                         if len(checks) > 1 else ""))
     lines += _baseline_lines(plan, baselines)
     lines += _pipeline_search_lines(plan)
+    lines += _exportable_lines(plan.stats.get("exportable"))
     if not plan.pipeline:   # the candidates are priced without the pipeline's stages
         lines += _candidate_lines(plan.stats)
     layered = set()
@@ -198,6 +199,23 @@ def _pipeline_search_lines(plan) -> list[str]:
                  "simulated and its peak; the fastest compiled program that fits is kept):"]
     lines += [f"  {'*' if chosen else ' '} {label:<22}{predicted:>12}{compiled:>14}{peak:>12}"
               for label, predicted, compiled, peak, chosen in found]
+    return lines
+
+
+def _exportable_lines(exportable: dict | None) -> list[str]:
+    """``plan(..., exportable=True)``'s candidates: each one's program under plain
+    ``jax.jit``, simulated, and its compiled peak; and the searched plan's own program."""
+    if not exportable:
+        return []
+    lines = ["", "Exportable (plain jax.jit with each candidate's argument and result "
+                 "shardings, compiled and simulated; the fastest that fits is kept):"]
+    lines += [f"  {'*' if name == exportable['chosen'] else ' '} {name:<22}"
+              f"{_fmt_s(t):>12}{format_bytes(exportable['peak_bytes'][name]):>12}"
+              for name, t in sorted(exportable["step_s"].items(), key=lambda item: item[1])]
+    pinned = exportable.get("pinned_step_s")
+    if pinned is not None:
+        lines.append(f"  the searched plan with its intermediate shardings pinned (plan.jit() "
+                     f"of exportable=False): {_fmt_s(pinned)}")
     return lines
 
 

@@ -407,7 +407,7 @@ def cmd_export(args) -> int:
     fn, example_args = _load_target(args.target)
     plan = autopar.plan(fn, *example_args, mesh=mesh, hardware=args.hardware,
                         memory_budget=args.memory_budget, time_limit_s=args.time_limit,
-                        verbose=not args.quiet)
+                        verbose=not args.quiet, exportable=not args.pinned)
     if not args.quiet:
         print("[autopar] compiling the plan and plain jax.jit with its shardings to compare",
               file=sys.stderr, flush=True)
@@ -500,6 +500,10 @@ def build_parser() -> argparse.ArgumentParser:
                                         "module (MESH, IN_SPECS, OUT_SPECS) for plain jax.jit")
     _add_planning_arguments(exp)
     exp.add_argument("--out", required=True, help="the .py file to write")
+    exp.add_argument("--pinned", action="store_true",
+                     help="write the searched plan, whose intermediate shardings plain jax.jit "
+                          "does not reproduce (default: a plan plain jax.jit runs as planned, "
+                          "as plan(..., exportable=True) makes)")
     exp.set_defaults(run=cmd_export)
     prof = sub.add_parser("profile", help="measure this machine's matmuls, memory and "
                                           "collectives and write a hardware profile JSON")

@@ -109,7 +109,9 @@ class PlanOptions:
     behind their compute (``passes.overlap``) where the hardware runs collectives
     asynchronously; False: none.
     ``preferences_of``: node id -> a penalty per strategy, the ILP's tie break
-    (``passes.ilp``; the mesh axes' names).
+    (``passes.ilp``; the mesh axes' names). ``pin_intermediates``: False emits no sharding
+    inside the program, leaving XLA to propagate the arguments' and results' shardings (what
+    plain ``jax.jit`` with them compiles).
     """
     mesh_ctx: MeshContext
     jax_mesh: Mesh
@@ -130,6 +132,7 @@ class PlanOptions:
     progress: Callable[[str], None] = _quiet
     verify_ir: bool = field(default_factory=debug_requested)
     overlap: bool = True
+    pin_intermediates: bool = True
 
 
 @dataclass
@@ -390,6 +393,9 @@ def _emit(state: _State) -> _State:
     taken = [strats[n.id][choice[n.id]] for n in graph.nodes]
     node_in_specs = {n.id: s.in_specs for n, s in zip(graph.nodes, taken)}
     rewrites = {n.id: s.rewrite for n, s in zip(graph.nodes, taken) if s.rewrite is not None}
+    if not state.options.pin_intermediates:
+        specs, rewrites = {}, {}
+        node_in_specs = {n: (None,) * len(s) for n, s in node_in_specs.items()}
     return replace(state, flat_fn=build_flat_fn(state.traced, specs, node_in_specs,
                                                 state.options.jax_mesh, rewrites))
 
