@@ -216,6 +216,7 @@ def record(context: PipelineContext | None, est: Estimate) -> dict | None:
             "predicted_time_s": chosen.predicted_time_s,
             "activation_bytes": chosen.activation_bytes,
             "flops": chosen.flops, "comm_bytes": chosen.comm_bytes,
+            "sends": chosen.sends, "send_bytes": chosen.send_bytes,
             "stage_peak_bytes": [est.peak_memory_bytes] * chosen.stages,
             "inner": None if chosen.inner is None else _inner_record(chosen.inner)}
 

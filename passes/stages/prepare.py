@@ -63,6 +63,8 @@ class StageChoice:
     activation_bytes: int | None = None        # kept per device at the fullest stage
     flops: float = 0.0                         # of the pipelined stack, per device
     comm_bytes: float = 0.0                    # of the pipelined stack, per device
+    sends: int = 0                             # its stage-to-stage collective-permutes
+    send_bytes: float = 0.0                    # and their bytes, per device
     inner: Inner | None = None
 
 
@@ -102,6 +104,8 @@ class Prepared:
             activation_bytes=None if priced is None else priced.activation_bytes,
             flops=0.0 if priced is None else priced.flops,
             comm_bytes=0.0 if priced is None else priced.comm_bytes,
+            sends=0 if priced is None else priced.sends,
+            send_bytes=0.0 if priced is None else priced.send_bytes,
             inner=self.inner)
 
 

@@ -72,6 +72,8 @@ class Priced:
     # per device: the layers' collectives, and an activation sent on and a cotangent sent
     # back over the stage axis at every tick of the emitted loops (bubbles included)
     comm_bytes: float = 0.0
+    sends: int = 0           # those stage-to-stage sends (collective-permutes) a device runs
+    send_bytes: float = 0.0  # and their bytes, per device (part of comm_bytes)
 
 
 def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: int,
@@ -79,6 +81,7 @@ def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: 
     """``schedule`` with ``stages`` stages of ``layers_per_stage`` layers (in ``virtual``
     chunks each, interleaved), priced."""
     n = ticks(schedule, stages, microbatches, virtual)
+    sends = 2 * n  # an activation on and a cotangent back per tick; 1F1B's ramps send one
     stage_s = layers_per_stage * layer.time_s / virtual
     # layers: the layer forward-and-backward passes a device runs (bubbles included, as the
     # emitted loops compute them masked), in units of one layer's
@@ -93,6 +96,7 @@ def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: 
         held = stash_slots(stages) * layer.carry_bytes + layers_per_stage * layer.kept_bytes
         layers = layers_per_stage * sum((stop - first) * (FORWARD_SHARE * f + b)
                                         for first, stop, f, b in phases(stages, microbatches))
+        sends = sum((stop - first) * (f + b) for first, stop, f, b in phases(stages, microbatches))
     else:
         assert schedule in TABLED, schedule
         tab = table(schedule, stages, microbatches)
@@ -103,7 +107,8 @@ def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: 
         layers = n * layers_per_stage * FORWARD_SHARE
     return Priced(schedule=schedule, microbatches=microbatches, layer=layer, time_s=time_s,
                   activation_bytes=int(held), flops=layers * layer.flops,
-                  comm_bytes=layers * layer.comm_bytes + 2 * n * layer.carry_bytes)
+                  comm_bytes=layers * layer.comm_bytes + sends * layer.carry_bytes,
+                  sends=sends, send_bytes=sends * layer.carry_bytes)
 
 
 def best(options: list[Priced], budget_bytes: float | None) -> Priced:

@@ -49,6 +49,10 @@ def test_pipelined_plan_computes_the_single_device_step(case, mesh, schedule):
     (flops, compiled_flops), (wire, compiled_wire) = validated["flops"], validated["wire_bytes"]
     assert 0.5 * compiled_flops <= flops <= 1.5 * compiled_flops
     assert 0.25 * compiled_wire <= wire <= 1.5 * compiled_wire
+    # the stage-to-stage sends are predicted as the collective-permutes XLA compiles
+    (sends, send_bytes), (permutes, permute_bytes) = validated["by_kind"]["collective-permute"]
+    assert (sends, send_bytes) == (permutes, permute_bytes) == (
+        plan.pipeline["sends"], plan.pipeline["send_bytes"])
     assert "inside the pipelined stack" in plan.report()
     # only the pipelined stack is said to be cut into stages, whatever else the axis splits
     assert pipelined_layer(plan) == "blocks"
