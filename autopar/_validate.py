@@ -98,7 +98,7 @@ def validate(plan) -> dict:
     flags = flag_kinds(predicted, compiled)
     if plan.pipeline is not None:
         # The pipelined stack's layers' collectives are predicted as wire bytes, not by kind,
-        # and the reduction of its gradients over the other axes not at: no miss to flag.
+        # and the reduction of its gradients over the other axes not at all: nothing to flag.
         flags = {}
     result = {
         "wire_bytes": (plan.estimate.comm_bytes, summary.wire_bytes),
