@@ -793,8 +793,8 @@ def parallelize(fn: Callable | None = None, *, mesh, static_argnums=(), static_a
       cache_dir: a folder for an on-disk plan cache, so that a restarted program does not
         solve again (see ``autopar/_cache.py``); a corrupted or stale entry is ignored with a
         ``StalePlanCacheWarning``.
-      plan_kwargs: those of :func:`plan` (``hardware``, ``in_shardings``, ...), applied to the
-        non-static arguments.
+      plan_kwargs: those of :func:`plan` (``hardware``, ``in_shardings``, ...) but
+        ``exportable``, applied to the non-static arguments.
 
     Example::
 
@@ -804,6 +804,11 @@ def parallelize(fn: Callable | None = None, *, mesh, static_argnums=(), static_a
     def wrap(f):
         static, names, donate = _inputs.parallelize_arguments(
             f, static_argnums, static_argnames, donate_argnums, cache_dir)
+        if "exportable" in plan_kwargs:
+            raise ArgumentError(
+                "`parallelize` runs its plans itself, so it takes no `exportable`: drop it, "
+                "or call `autopar.plan(..., exportable=True)` and `plan.to_python(path)` to "
+                "take a plan home.")
         kwargs = _inputs.options(dict(plan_kwargs, mesh=mesh))
         return Parallelized(f, kwargs, static, names, donate, cache_dir)
     return wrap if fn is None else wrap(fn)

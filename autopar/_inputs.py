@@ -30,7 +30,8 @@ from autopar.passes.remat import RematPolicy
 #: value; ``parallelize`` passes on exactly these.
 PLAN_OPTIONS = ("mesh", "hardware", "memory_budget", "in_shardings", "out_shardings", "search",
                 "logical_axis_rules", "time_limit_s", "tie_state", "axis_level_overrides",
-                "baseline_seeds", "remat", "check_memory", "verbose", "pipeline")
+                "baseline_seeds", "remat", "check_memory", "verbose", "pipeline", "overlap",
+                "batch_axes", "attention")
 
 
 def _is_int(x) -> bool:
@@ -177,7 +178,8 @@ def options(values: dict) -> dict:
     unknown = sorted(set(values) - set(PLAN_OPTIONS))
     if unknown:
         raise ArgumentError(f"unknown option(s) {', '.join(f'`{k}`' for k in unknown)}: "
-                            f"autopar.plan takes {', '.join(PLAN_OPTIONS)}")
+                            f"`parallelize` passes these on to autopar.plan: "
+                            f"{', '.join(PLAN_OPTIONS)}")
     mesh = as_auto_mesh(values["mesh"])
     out = dict(values)
     checks: dict[str, Callable] = {
@@ -189,6 +191,7 @@ def options(values: dict) -> dict:
         "baseline_seeds": lambda v: flag(v, "baseline_seeds"),
         "check_memory": lambda v: flag(v, "check_memory", allow_none=True),
         "verbose": lambda v: flag(v, "verbose", allow_none=True),
+        "overlap": lambda v: flag(v, "overlap"),
         "remat": _remat,
         "pipeline": _pipeline,
         "logical_axis_rules": _rules,

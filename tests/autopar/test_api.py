@@ -60,6 +60,18 @@ def test_parallelize_plans_once_per_signature_and_matches_single_device():
     assert step.plan is not None
 
 
+def test_parallelize_passes_every_plan_option_on():
+    step = autopar.parallelize(lambda x: jnp.sin(x) * 2, mesh={"data": 2, "model": 4},
+                               batch_axes="data", overlap=False, attention=None)
+    x = jnp.ones((8, 4))
+    np.testing.assert_allclose(np.asarray(step(x)), np.asarray(jnp.sin(x) * 2), rtol=1e-6)
+    assert step.plan.stats["overlap"] is False
+    with pytest.raises(autopar.ArgumentError, match="takes no `exportable`"):
+        autopar.parallelize(lambda x: x, mesh={"data": 8}, exportable=True)
+    with pytest.raises(autopar.ArgumentError, match="`overlap` must be True or False"):
+        autopar.parallelize(lambda x: x, mesh={"data": 8}, overlap="no")
+
+
 def test_parallelize_as_decorator_replans_for_a_new_shape():
     @autopar.parallelize(mesh={"data": 8})
     def f(x):
