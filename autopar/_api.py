@@ -7,6 +7,7 @@ import functools
 import inspect
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ from autopar._plan import Plan
 from autopar._sizes import format_bytes
 from autopar.baselines import (baseline_io_shardings, baseline_kinds, baseline_kwargs,
                                baseline_shardings, structure_of_jaxpr)
-from autopar.errors import ArgumentError, InfeasiblePlanError, PipelineError
+from autopar.errors import ArgumentError, InfeasiblePlanError, MemoryBudgetWarning, PipelineError
 from autopar.passes.estimate import estimate, plan_collectives
 from autopar.cost_model.hardware import axis_levels, get_profile
 from autopar.cost_model.hlo import program_peak_bytes
@@ -255,8 +256,10 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         exactly. The searched plan's input and output shardings and, without hints, each
         hand-written baseline's are compiled that way (from the arguments' shapes; nothing
         runs), and the one whose program simulates fastest on ``hardware`` among those whose
-        compiled peak fits the memory budget is kept: ``plan.stats["exportable"]`` gives each
-        one's simulated step and peak. No pipeline and no overlap rewrites. The plan's
+        compiled peak fits the memory budget is kept (none fits: ``InfeasiblePlanError`` for a
+        given budget, a ``MemoryBudgetWarning`` for the default one):
+        ``plan.stats["exportable"]`` gives each one's simulated step and peak. No pipeline and
+        no overlap rewrites. The plan's
         estimate is autopar's propagation of those shardings; ``plan.validate()`` compares it
         with the program. Default False: the searched plan, which also pins intermediate
         values (``plan.jit()`` runs it; its exported specs alone may compile otherwise).
@@ -323,7 +326,9 @@ def _plan_exportable(fn, example_args, memory_budget, verbose, options) -> Plan:
     judged = _judge_plain(fn, example_args, io, profile)
     pinned_s = simulated_step_s(searched.jit().lower(*_shapes(example_args)).compile(), profile,
                                 main_dtype(fn, example_args))
-    fitting = [name for name, (_, peak) in judged.items() if peak <= budget] or list(judged)
+    fitting = [name for name, (_, peak) in judged.items() if peak <= budget]
+    if not fitting:
+        fitting = _none_fits(judged, budget, memory_budget is not None)
     best = min(fitting, key=lambda name: judged[name][0])  # the searched plan first among equals
     ins, outs = io[best]
     planned = _plan_checked(fn, example_args, None, False, verbose,
@@ -339,6 +344,20 @@ def _plan_exportable(fn, example_args, memory_budget, verbose, options) -> Plan:
 def _shapes(example_args):
     """``example_args`` as ``jax.ShapeDtypeStruct``s, to compile from (nothing runs)."""
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), example_args)
+
+
+def _none_fits(judged: dict, budget: float, given: bool) -> list[str]:
+    """Every candidate, when none of their compiled peaks fits the ``budget``: with a
+    ``given`` budget InfeasiblePlanError, else a MemoryBudgetWarning."""
+    least = min(judged, key=lambda name: judged[name][1])
+    said = (f"no exportable plan fits the memory budget of {format_bytes(budget)} per device: "
+            f"the least compiled peak is {format_bytes(judged[least][1])} ({least}'s shardings)")
+    if given:
+        raise InfeasiblePlanError(
+            f"{said}. Raise memory_budget, use more devices, or plan without "
+            "`exportable=True`: a searched plan may pin shardings that hold less.")
+    warnings.warn(f"autopar: {said}; the fastest is kept.", MemoryBudgetWarning, stacklevel=4)
+    return list(judged)
 
 
 def _judge_plain(fn, example_args, io: dict, profile) -> dict[str, tuple[float, int]]:

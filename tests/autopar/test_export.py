@@ -142,6 +142,22 @@ def test_exportable_refuses_what_plain_jit_cannot_run():
         autopar.plan(step, *args, mesh=MESH, exportable="yes")
 
 
+def test_an_exportable_plan_over_the_budget_is_refused_or_warned(monkeypatch):
+    """When no candidate's compiled peak fits: a given budget raises, the default one warns."""
+    from autopar import _api
+    real = _api._judge_plain
+    monkeypatch.setattr(_api, "_judge_plain", lambda *a: {
+        name: (t, 10**15) for name, (t, _) in real(*a).items()})
+    step, args = mlp_step()
+    with pytest.raises(autopar.InfeasiblePlanError, match="no exportable plan fits"):
+        autopar.plan(step, *args, mesh=MESH, hardware="h100", memory_budget="70GB",
+                     exportable=True, verbose=False)
+    with pytest.warns(autopar.MemoryBudgetWarning, match="the least compiled peak is"):
+        plan = autopar.plan(step, *args, mesh=MESH, hardware="h100", exportable=True,
+                            verbose=False)
+    assert plan.stats["exportable"]["chosen"] in plan.stats["exportable"]["step_s"]
+
+
 class _State(NamedTuple):   # defined in a test module: importable, so written as code
     w: jax.Array
     count: jax.Array
