@@ -259,10 +259,10 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         compiled peak fits the memory budget is kept (none fits: ``InfeasiblePlanError`` for a
         given budget, a ``MemoryBudgetWarning`` for the default one):
         ``plan.stats["exportable"]`` gives each one's simulated step and peak. No pipeline and
-        no overlap rewrites. The plan's
-        estimate is autopar's propagation of those shardings; ``plan.validate()`` compares it
-        with the program. Default False: the searched plan, which also pins intermediate
-        values (``plan.jit()`` runs it; its exported specs alone may compile otherwise).
+        no overlap rewrites. The plan's estimate is autopar's propagation of those shardings;
+        ``plan.validate()`` compares it with the program. Default False: the searched plan,
+        which also pins intermediate values (``plan.jit()`` runs it; its exported specs alone
+        may compile otherwise).
 
     Returns:
       A :class:`Plan`. In a multi-process run (``jax.distributed``) every process must call
