@@ -20,7 +20,7 @@ from autopar._check_memory import check_compiled_memory
 from autopar._dispatch import Program, SignatureChanged, Split, as_planned, signature
 from autopar._export import logical_names
 from autopar._gc import with_gc_paused
-from autopar._judge import main_dtype, simulated_step_s
+from autopar._judge import abstract, main_dtype, simulated_step_s
 from autopar._layers import weight_leaves
 from autopar._mesh import as_auto_mesh, axis_sizes, with_mesh_when_asked
 from autopar._multiprocess import process_0_plan
@@ -323,55 +323,52 @@ def _plan_exportable(fn, example_args, memory_budget, verbose, options) -> Plan:
     profile = get_profile(options["hardware"])
     budget = (memory_budget if memory_budget is not None
               else default_memory_budget_bytes(profile))
-    judged = _judge_plain(fn, example_args, io, profile)
-    pinned_s = simulated_step_s(searched.jit().lower(*_shapes(example_args)).compile(), profile,
-                                main_dtype(fn, example_args))
-    fitting = [name for name, (_, peak) in judged.items() if peak <= budget]
+    programs = _judge_plain(fn, example_args, io, profile)
+    pinned_s, _ = _judged(searched.jit().lower(*abstract(example_args)).compile(), profile,
+                         main_dtype(fn, example_args))
+    fitting = [name for name, (_, peak) in programs.items() if peak <= budget]
     if not fitting:
-        fitting = _none_fits(judged, budget, memory_budget is not None)
-    best = min(fitting, key=lambda name: judged[name][0])  # the searched plan first among equals
+        fitting = _none_fits(programs, budget, memory_budget is not None)
+    best = min(fitting, key=lambda name: programs[name][0])  # the searched plan first among equals
     ins, outs = io[best]
     planned = _plan_checked(fn, example_args, None, False, verbose,
                             {**options, "in_shardings": ins, "out_shardings": outs,
                              "search": False, "pin_intermediates": False})
     planned.stats = {**planned.stats, "exportable": {
-        "chosen": best, "step_s": {name: t for name, (t, _) in judged.items()},
+        "chosen": best, "step_s": {name: t for name, (t, _) in programs.items()},
         "pinned_step_s": pinned_s,
-        "peak_bytes": {name: peak for name, (_, peak) in judged.items()}}}
+        "peak_bytes": {name: peak for name, (_, peak) in programs.items()}}}
     return planned
 
 
-def _shapes(example_args):
-    """``example_args`` as ``jax.ShapeDtypeStruct``s, to compile from (nothing runs)."""
-    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), example_args)
-
-
-def _none_fits(judged: dict, budget: float, given: bool) -> list[str]:
+def _none_fits(programs: dict, budget: float, given: bool) -> list[str]:
     """Every candidate, when none of their compiled peaks fits the ``budget``: with a
     ``given`` budget InfeasiblePlanError, else a MemoryBudgetWarning."""
-    least = min(judged, key=lambda name: judged[name][1])
+    least = min(programs, key=lambda name: programs[name][1])
     said = (f"no exportable plan fits the memory budget of {format_bytes(budget)} per device: "
-            f"the least compiled peak is {format_bytes(judged[least][1])} ({least}'s shardings)")
+            f"the least compiled peak is {format_bytes(programs[least][1])} ({least}'s shardings)")
     if given:
         raise InfeasiblePlanError(
             f"{said}. Raise memory_budget, use more devices, or plan without "
             "`exportable=True`: a searched plan may pin shardings that hold less.")
     warnings.warn(f"autopar: {said}; the fastest is kept.", MemoryBudgetWarning, stacklevel=4)
-    return list(judged)
+    return list(programs)
+
+
+def _judged(compiled, profile, dtype) -> tuple[float, int]:
+    """(the simulated step s, the compiled peak bytes per device) of ``compiled``: what a
+    candidate program is kept or dropped by."""
+    return simulated_step_s(compiled, profile, dtype), program_peak_bytes(compiled)
 
 
 def _judge_plain(fn, example_args, io: dict, profile) -> dict[str, tuple[float, int]]:
     """name -> (simulated step s, compiled peak bytes per device) of ``fn`` under plain
     ``jax.jit`` with each (in_shardings, out_shardings) of ``io``, compiled from the
     arguments' shapes."""
-    dtype = main_dtype(fn, example_args)
-    judged = {}
-    for name, (ins, outs) in io.items():
-        compiled = jax.jit(fn, in_shardings=ins, out_shardings=outs).lower(
-            *_shapes(example_args)).compile()
-        judged[name] = (simulated_step_s(compiled, profile, dtype),
-                        program_peak_bytes(compiled))
-    return judged
+    dtype, shapes = main_dtype(fn, example_args), abstract(example_args)
+    return {name: _judged(jax.jit(fn, in_shardings=ins, out_shardings=outs).lower(*shapes)
+                         .compile(), profile, dtype)
+            for name, (ins, outs) in io.items()}
 
 
 #: (choice, remat) a plan cache's entry gives :func:`plan` to take instead of solving;
@@ -585,13 +582,13 @@ def _plan_auto(fn, example_args, memory_budget, target_bytes, *, progress, **opt
             tried[axis] = f"{type(e).__name__}: {e}"
     compiled, peaks = {}, {}
     if len(named) > 1:
-        judged = _referee(list(named.values()), fn, example_args, profile, progress)
+        refereed = _referee(list(named.values()), fn, example_args, profile, progress)
         for name, p in list(named.items()):
-            if isinstance(judged[id(p)], str):   # a pipelined candidate XLA did not compile
-                tried[name] = judged[id(p)]
+            if isinstance(refereed[id(p)], str):   # a pipelined candidate XLA did not compile
+                tried[name] = refereed[id(p)]
                 del named[name]
             else:
-                compiled[name], peaks[name] = judged[id(p)]
+                compiled[name], peaks[name] = refereed[id(p)]
 
     def fits_as_compiled(name) -> bool:
         return peaks.get(name, named[name].estimate.peak_memory_bytes) <= budget
@@ -616,18 +613,16 @@ def _referee(plans: list[Plan], fn, example_args, profile, progress
     must compile)."""
     progress(f"pipeline search: compiling the {len(plans)} candidates to compare their programs")
     dtype = main_dtype(fn, example_args)
-    judged: dict[int, tuple[float, int] | str] = {}
+    results: dict[int, tuple[float, int] | str] = {}
     for p in plans:
         try:
-            compiled = p.jit().lower(*example_args).compile()
-            judged[id(p)] = (simulated_step_s(compiled, profile, dtype),
-                             program_peak_bytes(compiled))
+            results[id(p)] = _judged(p.jit().lower(*example_args).compile(), profile, dtype)
         except jax.errors.JaxRuntimeError as e:
             if p.pipeline is None:
                 raise
             lines = str(e.args[0]).splitlines() if e.args else []
-            judged[id(p)] = f"does not compile: {lines[0] if lines else type(e).__name__}"
-    return judged
+            results[id(p)] = f"does not compile: {lines[0] if lines else type(e).__name__}"
+    return results
 
 
 def _activation_budget(example_args, mesh, options: PlanOptions) -> float:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import jax
 
 from autopar import _api, baselines
-from autopar._judge import main_dtype
+from autopar._judge import abstract, main_dtype
 from autopar.baselines import baseline_kinds
 from autopar.baselines import baseline_kwargs as _baseline_kwargs
 from autopar._mesh import as_auto_mesh, mesh_text, with_mesh_when_asked
@@ -68,8 +68,7 @@ def compute_only_limit_s(fn, args, profile, dtype, devices: int, compiler_option
     simulated timeline (every kernel at its roofline, no communication) split evenly over
     the devices, all communication hidden. ``fn`` is compiled once on one device from the
     shapes of ``args`` (nothing runs)."""
-    shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
-    compiled = jax.jit(fn).lower(*shapes).compile(compiler_options=compiler_options)
+    compiled = jax.jit(fn).lower(*abstract(args)).compile(compiler_options=compiler_options)
     return simulate(compiled.as_text(), profile, dtype).step_time_s / devices
 
 

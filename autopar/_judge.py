@@ -17,6 +17,11 @@ import jax.extend.core as jax_core
 from autopar.cost_model.timeline import simulate
 
 
+def abstract(args):
+    """``args`` as ``jax.ShapeDtypeStruct`` leaves, to compile from (nothing runs)."""
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+
+
 def main_dtype(fn, args):
     """The dtype of the matmul operands that do most of ``fn``'s flops on ``args`` (float32
     when it has no matmul): the rate a program of ``fn`` is priced at (XLA:CPU computes bf16

@@ -60,9 +60,14 @@ class AttentionShape:
     causal: bool = False
     wire_itemsize: int | None = None
 
+    @property
+    def wire_size(self) -> int:
+        """Bytes per element of q, k, v and o as collectives move them."""
+        return self.wire_itemsize or self.itemsize
+
     def on_wire(self, nbytes: int) -> int:
         """``nbytes`` of q, k, v or o as collectives move them."""
-        return nbytes * (self.wire_itemsize or self.itemsize) // self.itemsize
+        return nbytes * self.wire_size // self.itemsize
 
 
 @dataclass(frozen=True)
@@ -165,7 +170,7 @@ def _ulysses_steps(ulysses, q_bytes, kv_bytes, mask_bytes, s: AttentionShape):
 
     def a2a(nbytes):
         return CommStep(CollectiveKind.ALL_TO_ALL, axes, n, nbytes, nbytes, axis_sizes=sizes)
-    lse_bytes = q_bytes // (s.wire_itemsize or s.itemsize) // s.head_dim * _F32
+    lse_bytes = q_bytes // s.wire_size // s.head_dim * _F32
     moved = [q_bytes, kv_bytes, kv_bytes, lse_bytes]          # q, k, v in; o, lse out
     moved += [q_bytes] + ([q_bytes, q_bytes, kv_bytes, kv_bytes] if s.backward else [])
     steps = [a2a(b) for b in moved]
