@@ -200,12 +200,13 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
       axis_level_overrides: e.g. ``{"data": "dcn"}``: which interconnect a mesh axis crosses.
       baseline_seeds: also plan by propagation from each hand-written baseline's input
         shardings that applies (data parallel, FSDP, Megatron, expert parallel; see
-        ``autopar.baselines``), under the annotations: the ILP starts from the best of these
-        (a warm start: HiGHS's cutoff), and whichever plan, the ILP's or one of these, is
-        predicted fastest is kept (``plan.stats["candidates_step_s"]`` lists them). When the
-        ILP does not finish in its time limit, data parallelism over each single mesh axis is
-        tried the same way (which axis carries the batch). The ILP approximates some moves
-        on 3-D meshes, so there propagation from a good start can beat it.
+        ``autopar.baselines``), under the annotations, when the ILP needs them: it starts
+        from the best of these when its LP relaxation is fractional (a warm start: HiGHS's
+        cutoff), and whichever plan, its own or one of these, is predicted fastest is kept
+        (``plan.stats["candidates_step_s"]`` lists them), unless the ILP proved its plan
+        optimal on a graph too large for them to pay (``passes.candidates.best``). When it
+        did not prove its plan optimal, data parallelism over each single mesh axis is tried
+        the same way (which axis carries the batch).
       remat: True: when no sharding plan fits the memory budget, let the planner
         rematerialize layers of a train step (``passes.remat``: as ``jax.checkpoint`` with the
         ``dots_saveable`` policy, else ``nothing_saveable``): every layer, or fewer (largest

@@ -11,6 +11,9 @@ how many layers the planner rematerialized to fit the H100's memory (``remat``).
 Targets (issue 4): 96 layers planned in under 10 s, tracing included; 32 layers in under 3x
 the 2-layer time.
 
+Each row is measured in a process of its own, as a program planning one model is (and as the
+sharding benchmark's rows are): in one process, a row planned after the others traces slower.
+
 Run: ``python -m benchmarks.planning_time [--layers 2 8 32 96] [--variant unrolled scan]``.
 It runs on simulated CPU devices when no accelerator is present.
 """
@@ -19,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 import time
 
 
@@ -85,6 +91,15 @@ def targets(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _measured_apart(layers: int, variant: str, time_limit_s: float) -> dict:
+    """:func:`measure` in a process of its own."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.planning_time", "--row", "--layers", str(layers),
+         "--variant", variant, "--time-limit-s", str(time_limit_s)],
+        capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None) -> list[dict]:
     """Run the benchmark and print its table; returns the rows."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.planning_time",
@@ -94,12 +109,19 @@ def main(argv=None) -> list[dict]:
                         default=["unrolled", "scan"])
     parser.add_argument("--time-limit-s", type=float, default=60.0,
                         help="the ILP's time limit (default 60)")
+    parser.add_argument("--row", action="store_true",
+                        help="measure one row here (one --layers and --variant) and print it "
+                             "as JSON: what each row's process runs")
     opts = parser.parse_args(argv)
     _setup_devices()
+    if opts.row:
+        print(json.dumps(measure(opts.layers[0], opts.variant[0] == "scan",
+                                 opts.time_limit_s)))
+        return []
     rows = []
     for variant in opts.variant:
         for layers in opts.layers:
-            rows.append(measure(layers, variant == "scan", opts.time_limit_s))
+            rows.append(_measured_apart(layers, variant, opts.time_limit_s))
             print(f"[planning_time] {variant} {layers} layers: plan {rows[-1]['plan_s']:.2f}s",
                   flush=True)
     print_table(rows)

@@ -2,11 +2,11 @@
 
 HiGHS releases the GIL while it solves (scipy's ``_highspy``), so Python work started just
 before a solve runs while HiGHS does: the memory analyses the budget refit reads
-(``passes.solve``), and the candidate plans and their step times (``passes.candidates``),
-read only when the ILP's plan is compared with them. Both start once the ILP is built:
-outside the solves the threads share the GIL with the planning process's own Python work.
-Nothing is forked: a process with jax loaded keeps XLA's threads, and a forked child may
-inherit a lock one of them holds.
+(``passes.solve``). Outside the solves a thread shares the GIL with the planning process's own
+Python work, so only work that is needed is started. A :class:`Deferred` never started runs
+when its result is first asked for (the candidate plans, ``passes.candidates``). Nothing is
+forked: a process with jax loaded keeps XLA's threads, and a forked child may inherit a lock
+one of them holds.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Plan selection: candidate plans beside the ILP's, made by complete propagation from the
-annotations and from seeds (a hand-written baseline's input shardings), started in a
-background thread (``passes.background``) while the ILP is built and solved, and the plan
-predicted fastest among them and the ILP's (:func:`best_of`)."""
+annotations and from seeds (a hand-written baseline's input shardings), and the plan
+predicted fastest among them and the ILP's (:func:`best_of`). The seeds' plans are made only
+for the ILP's warm start and to referee the ILP's plan where that pays (:func:`best`)."""
 
 from __future__ import annotations
 
@@ -124,15 +124,16 @@ class Problem:
 
 @dataclass(frozen=True)
 class Candidates:
-    """Candidate plans in the making: ``work``, the Deferred making them (started by the solve
-    once its ILP is built, see :func:`prepare`), and ``plans`` and ``times``, Deferreds of
-    name -> plan and name -> predicted step time (s); ``batch_seeds`` (name -> input node id
-    -> spec) are propagated only when the ILP does not finish."""
+    """Candidate plans, made when first asked for (:func:`prepare`): ``annotated``, the plan of
+    the annotations alone (when there are any), and ``seeded``, the seeds' plans, each a
+    Deferred of (name -> plan, name -> predicted step time (s)); ``seeds``, a Deferred of
+    (name -> input node id -> spec, the same for the batch seeds); ``plans``, a Deferred of
+    every plan (the ILP's warm start)."""
     problem: Problem
-    work: Deferred
+    annotated: Deferred
+    seeded: Deferred
+    seeds: Deferred
     plans: Deferred
-    times: Deferred
-    batch_seeds: dict[str, dict[int, Spec]]
 
 
 def by_node(traced: Traced, seeds: dict[str, list[Spec | None]]) -> dict[str, dict[int, Spec]]:
@@ -141,32 +142,54 @@ def by_node(traced: Traced, seeds: dict[str, list[Spec | None]]) -> dict[str, di
                    if spec is not None} for name, leaf_specs in seeds.items()}
 
 
-def prepare(problem: Problem, starts: list[tuple[str, dict | None]],
-            batch_seeds: dict[str, dict[int, Spec]]) -> Candidates:
-    """The propagations from ``starts`` (:func:`candidate_starts`) and their predicted step
-    times, to start once the ILP is built: seconds of Python on a deep model, which run while
-    HiGHS solves (it releases the GIL; ``passes.background``). Started earlier, they would
-    share the GIL with the clustering and the ILP's building, and slow both."""
-    made = Deferred(_propagate_and_time, problem, starts)
-    return Candidates(problem=problem, work=made, plans=Deferred(_part, made, 0),
-                      times=Deferred(_part, made, 1), batch_seeds=batch_seeds)
+def seeds_by_node(traced: Traced, seeds_of) -> tuple[dict, dict]:
+    """``seeds_of(traced)`` (the seeds and the batch seeds, name -> a spec or None per input
+    leaf; None: none) by node (:func:`by_node`)."""
+    seeds, batch_seeds = seeds_of(traced) if seeds_of else ({}, {})
+    return by_node(traced, seeds), by_node(traced, batch_seeds)
+
+
+def prepare(problem: Problem, seeds: Deferred) -> Candidates:
+    """The candidate plans of ``problem``: the propagations from its annotations alone and
+    from each of ``seeds`` (a Deferred of :func:`seeds_by_node`), with their predicted step
+    times. Each part is made when first asked for: the seeds' plans are seconds of Python on a
+    deep model, which only the ILP's warm start and the referee (:func:`best`) need."""
+    annotated = Deferred(_propagate_and_time, problem, candidate_starts(problem.labels))
+    seeded = Deferred(_seeded, problem, seeds)
+    return Candidates(problem=problem, annotated=annotated, seeded=seeded, seeds=seeds,
+                      plans=Deferred(_plans, annotated, seeded))
+
+
+#: The seeds' plans referee a plan the ILP proved optimal only on graphs of at most this many
+#: nodes. Its objective is the estimate, but a proven serial optimum prices the overlap only
+#: around itself (``passes.solve``), so a seed's plan can overlap more and be faster (the 3-D
+#: ResNet's data-parallel seed, by 1.8%); on larger graphs their propagations take seconds.
+REFEREE_MAX_NODES = 20_000
 
 
 def best(candidates: Candidates, solution: Solution, memory_budget_bytes: float | None,
          progress) -> tuple[Solution, dict[str, float], dict[str, int]]:
     """The fastest predicted of the ILP's ``solution`` and the candidates, a plan within
     ``memory_budget_bytes`` first; with each plan's predicted step time and peak, by name
-    (``best_of``). When the ILP's plan is not proven optimal, the batch seeds' plans
-    compete too. ``progress`` reports what it does."""
+    (``best_of``). The annotations' plan always competes, so search never does worse than
+    ``search=False``. The seeds' plans compete when the ILP's plan is not proven optimal, and
+    on a graph of at most :data:`REFEREE_MAX_NODES` nodes; the batch seeds' only when it is
+    not proven optimal. ``progress`` reports what it does."""
     p = candidates.problem
-    plans, known_s = dict(candidates.plans.result()), candidates.times.result()
-    if solution.status is not SolveStatus.OPTIMAL and candidates.batch_seeds:
-        # The ILP weighs every mesh axis for the batch, but its plan is not proven optimal:
-        # try each one outside it, by propagation.
-        progress(f"the ILP's plan is not proven optimal: propagating the batch over each of "
-                 f"{len(candidates.batch_seeds)} mesh axes")
-        plans.update(propagated_plans(p.graph, p.strats, p.mesh_ctx, p.labels, p.ties,
-                                      candidates.batch_seeds, annotations_alone=False))
+    plans, known_s = (dict(part) for part in candidates.annotated.result())
+    proven = solution.status is SolveStatus.OPTIMAL
+    if not proven or len(p.graph.nodes) <= REFEREE_MAX_NODES:
+        seeded, seeded_s = candidates.seeded.result()
+        plans.update(seeded)
+        known_s.update(seeded_s)
+        batch_seeds = {} if proven else candidates.seeds.result()[1]
+        if batch_seeds:
+            # The ILP weighs every mesh axis for the batch, but its plan is not proven
+            # optimal: try each one outside it, by propagation.
+            progress(f"the ILP's plan is not proven optimal: propagating the batch over each "
+                     f"of {len(batch_seeds)} mesh axes")
+            plans.update(propagated_plans(p.graph, p.strats, p.mesh_ctx, p.labels, p.ties,
+                                          batch_seeds, annotations_alone=False))
     progress(f"comparing the ILP's plan with {len(plans)} propagated ones")
     return best_of(solution, p.graph, p.strats, p.mesh_ctx, plans, memory_budget_bytes,
                    known_s)
@@ -180,6 +203,12 @@ def _propagate_and_time(problem: Problem, starts: list[tuple[str, dict | None]]
     return plans, step_times(p.graph, p.strats, p.mesh_ctx, plans)
 
 
-def _part(made: Deferred, k: int) -> dict:
-    """The ``k``-th dict of ``made``'s result (name -> plan, name -> time)."""
-    return made.result()[k]
+def _seeded(problem: Problem, seeds: Deferred) -> tuple[dict, dict]:
+    """:func:`_propagate_and_time` of the starts of ``seeds`` (:func:`seeds_by_node`)."""
+    return _propagate_and_time(problem, candidate_starts({}, seeds.result()[0],
+                                                         annotations_alone=False))
+
+
+def _plans(*parts: Deferred) -> dict[str, list[int]]:
+    """Name -> plan of each of ``parts`` (Deferreds of :func:`_propagate_and_time`)."""
+    return {name: plan for part in parts for name, plan in part.result()[0].items()}

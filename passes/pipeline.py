@@ -31,6 +31,7 @@ from autopar.errors import MemoryBudgetWarning, RematWarning
 from autopar.passes import candidates
 from autopar.passes import sequence_parallel  # noqa: F401  (registers attention's strategies)
 from autopar.passes.annotate import annotate
+from autopar.passes.background import Deferred
 from autopar.passes.cluster import cluster
 from autopar.passes.dedup import Groups, node_keys, structural_colors, tie_groups
 from autopar.passes.emit import build_flat_fn
@@ -164,8 +165,7 @@ class _State:
     remat: Remat | None = None                       # remat
     labels: dict[int, str] | None = None             # annotate: node -> the hint pinning it
     ties: list[tuple[int, int]] = field(default_factory=list)  # annotate: (output, input) node
-    starts: list[tuple] | None = None                # annotate: candidates' (None: no search)
-    batch_seeds: dict = field(default_factory=dict)  # annotate: name -> input node -> spec
+    seeds: Deferred | None = None                    # annotate: candidates' (None: no search)
     keys: list[tuple] | None = None                  # strategies: a structural key per node
     strats: list[list[Strategy]] | None = None       # strategies
     fallbacks: dict[str, int] = field(default_factory=dict)  # strategies
@@ -237,7 +237,7 @@ def _plan(state: _State) -> _State:
     state = _strategies(state)
     # propagate: the pinned shardings through the graph, cutting the strategies they rule out
     state = _propagate(state)
-    # candidates: whole plans propagated from each seed, in child processes
+    # candidates: whole plans propagated from the annotations and each seed, when asked for
     state = _candidates(state)
     # cluster: nodes that follow a leader, or repeat a layer, share one decision
     state = _cluster(state)
@@ -260,8 +260,8 @@ def _rematerialize(state: _State, remat: Remat | None) -> _State:
 
 @timed_pass("annotate")
 def _annotate(state: _State) -> _State:
-    """The hints pin their values (``passes.annotate``); the ties and, when the ILP is to
-    run, the candidate plans' starts, as graph nodes."""
+    """The hints pin their values (``passes.annotate``); the ties, as graph nodes, and when
+    the ILP is to run, the candidate plans' seeds, made when first asked for."""
     o, traced = state.options, state.traced
     graph = traced.graph
     in_specs = o.in_specs_of(traced) if o.in_specs_of else []
@@ -272,10 +272,9 @@ def _annotate(state: _State) -> _State:
             for out, i in (o.ties_of(traced) if o.ties_of else [])]
     if not o.search or o.choice is not None:
         return replace(state, labels=labels, ties=ties)
-    seeds, batch_seeds = o.seeds_of(traced) if o.seeds_of else ({}, {})
+    # The seeds are made when their plans are (passes.candidates.prepare).
     return replace(state, labels=labels, ties=ties,
-                   starts=candidates.candidate_starts(labels, candidates.by_node(traced, seeds)),
-                   batch_seeds=candidates.by_node(traced, batch_seeds))
+                   seeds=Deferred(candidates.seeds_by_node, traced, o.seeds_of))
 
 
 def _strategies_message(state: _State) -> str:
@@ -300,20 +299,14 @@ def _propagate(state: _State) -> _State:
     return replace(state, propagated=prop.choice)
 
 
-def _candidates_message(state: _State) -> str | None:
-    return (None if state.starts is None else
-            f"{len(state.starts)} candidate plans to propagate while the ILP solves")
-
-
-@timed_pass("candidates", progress=_candidates_message)
+@timed_pass("candidates")
 def _candidates(state: _State) -> _State:
-    if state.starts is None:
+    if state.seeds is None:
         return state
     problem = candidates.Problem(graph=state.traced.graph, strats=state.strats,
                                  mesh_ctx=state.options.mesh_ctx, labels=state.labels,
                                  ties=state.ties)
-    return replace(state, candidates=candidates.prepare(problem, state.starts,
-                                                        state.batch_seeds))
+    return replace(state, candidates=candidates.prepare(problem, state.seeds))
 
 
 @timed_pass("cluster")
@@ -363,7 +356,6 @@ def _ilp(state: _State) -> Solution:
     solution = solve(graph, state.strats, state.groups, o.mesh_ctx, time_limit_s=o.time_limit_s,
                      preferences=preferences,
                      memory_budget_bytes=o.memory_budget_bytes, warm=state.candidates.plans,
-                     while_solving=(state.candidates.work,),
                      progress=o.progress)
     own = estimate(graph, state.strats, solution.choice, o.mesh_ctx,
                    plan_collectives(graph, state.strats, solution.choice, o.mesh_ctx),

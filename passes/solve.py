@@ -34,24 +34,23 @@ __all__ = ["Solution", "SolveStatus", "Source", "greedy", "solve"]
 
 def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
           time_limit_s: float = 60.0, memory_budget_bytes: float | None = None,
-          warm: list[list[int]] | Deferred = (), while_solving: tuple[Deferred, ...] = (),
-          progress=lambda msg: None, preferences: dict | None = None) -> Solution:
+          warm: list[list[int]] | Deferred = (), progress=lambda msg: None,
+          preferences: dict | None = None) -> Solution:
     """The ILP's plan. ``warm``: plans made elsewhere (propagated ones) to start from, or a
-    :class:`passes.background.Deferred` of name -> plan (made while the ILP is built): the
+    :class:`passes.background.Deferred` of name -> plan (made when first asked for): the
     best objective among them is HiGHS's cutoff (``passes.highs.solve_milp``), and when the
     solver finds nothing better in its time limit, that plan is the solution (status
     :attr:`SolveStatus.WARM_START`). With ``memory_budget_bytes``, a plan over the budget is
     refitted (``passes.memory_fit.fit_budget``). When none fits, the plan without the budget,
-    marked ``fits_budget=False`` (``passes.memory_fit.over_budget_error`` says why).
-    ``while_solving``: work started in the background once the ILP is built, to run while
-    HiGHS solves it (``passes.background``), as the budget's rows are. ``preferences``:
-    node -> a penalty per strategy, a tie break (``passes.ilp``)."""
+    marked ``fits_budget=False`` (``passes.memory_fit.over_budget_error`` says why); the
+    budget's rows are made in the background while HiGHS solves (``passes.background``).
+    ``preferences``: node -> a penalty per strategy, a tie break (``passes.ilp``)."""
     builder = IlpBuilder(graph, strats, groups, mesh, preferences).build()
     c, A, lb, ub, integer = builder.matrices()
     rows = (None if memory_budget_bytes is None else
             Deferred(BudgetRows, graph, strats, groups, mesh, memory_budget_bytes))
-    for job in tuple(while_solving) + ((rows,) if rows else ()):
-        job.start()
+    if rows is not None:
+        rows.start()
     started = []  # the warm start, once asked for: an integral relaxation needs none
 
     def cutoff() -> float | None:
@@ -120,15 +119,16 @@ def _with_overlap(builder: IlpBuilder, budget: BudgetRows | None, solution: Solu
         overlap = IlpBuilder(graph, strats, groups, mesh, builder.preferences,
                              hidden_comm(graph, strats, solution.choice, mesh),
                              like=builder).build()
-        c, A, lb, ub, integer = overlap.matrices()
         here = overlap.point(solution.choice)
         if here is None:
             return dataclasses.replace(solution, solve_time_s=took_s, overlap_solves=solved)
-        solution = dataclasses.replace(solution, objective_us=float(c @ here),
-                                       solve_time_s=took_s, overlap_solves=solved)
+        objective_us = float(np.asarray(overlap.cost) @ here)
+        solution = dataclasses.replace(solution, objective_us=objective_us, solve_time_s=took_s,
+                                       overlap_solves=solved)
         left_s = time_limit_s - took_s
         if solved == solves or left_s < time_limit_s * OVERLAP_TIME_SHARE:
             return solution
+        c, A, lb, ub, integer = overlap.matrices()
         res, took = solve_milp(c, A, lb, ub, integer, left_s,
                                cutoff=cutoff_of(solution.objective_us))
         took_s, solved = took_s + took, solved + 1

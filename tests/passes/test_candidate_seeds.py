@@ -37,3 +37,36 @@ def test_equal_seeds_are_propagated_and_timed_once(monkeypatch):
     # Each plan is the one a propagation of its seeds alone makes.
     alone = candidates.propagated_plans(graph, strats, mesh, {}, (), {"dp": batch})
     assert alone["propagated (dp)"] == dp
+
+
+def test_seeds_referee_a_proven_plan_only_on_a_small_graph(monkeypatch):
+    """A plan HiGHS proves optimal from an integral relaxation is compared with the seeds'
+    plans on a graph of at most REFEREE_MAX_NODES nodes; on a larger one it is taken without
+    making the seeds or their plans. A plan it did not prove optimal (the time limit: the
+    warm start's plan) is compared with every seed's, on any graph."""
+    import pytest
+    import autopar
+    from autopar.errors import SolverFallbackWarning
+    from autopar.models import mlp
+
+    made = []
+    seeded, seeds_by_node = candidates._seeded, candidates.seeds_by_node
+    monkeypatch.setattr(candidates, "_seeded", lambda *a: made.append("plans") or seeded(*a))
+    monkeypatch.setattr(candidates, "seeds_by_node",
+                        lambda *a: made.append("seeds") or seeds_by_node(*a))
+    fn, args = mlp.make_train_step(mlp.TINY)
+    mesh = {"data": 2, "model": 4}
+    small = autopar.plan(fn, *args, mesh=mesh)
+    assert small.stats["solver_status"] == "optimal" and made == ["plans", "seeds"]
+    assert {"propagated (dp)", "propagated (megatron)"} <= set(small.stats["candidates_step_s"])
+    made.clear()
+    monkeypatch.setattr(candidates, "REFEREE_MAX_NODES", small.stats["nodes"] - 1)
+    large = autopar.plan(fn, *args, mesh=mesh)
+    assert large.stats["solver_status"] == "optimal" and large.stats["source"] == "ilp"
+    assert made == [] and list(large.stats["candidates_step_s"]) == ["optimal"]
+    with pytest.warns(SolverFallbackWarning):
+        unproven = autopar.plan(fn, *args, mesh=mesh, time_limit_s=1e-6)
+    assert made == ["plans", "seeds"]
+    times = unproven.stats["candidates_step_s"]
+    assert {"propagated (dp)", "propagated (megatron)"} <= set(times)
+    assert unproven.estimate.step_time_s == min(times.values())
