@@ -203,17 +203,21 @@ class IlpBuilder:
             depths = reduction_depths(self.g)
             xs_of: dict[tuple, dict[int, set[int]]] = {}  # key -> group -> its variables
             steps: dict[tuple, object] = {}
+            reducing: dict[int, list] = {}  # a strategy list (by id) -> its reductions
             for g, members in self.groups.members.items():
                 for n in members:
-                    strats = self.strats[n]
+                    made = _reductions(self.strats[n], reducing)
+                    if not made:
+                        continue
                     trips = self.g.nodes[n].trip_count
-                    for i, j in enumerate(self.groups.index_map[n]):
-                        for step in strats[j].collectives:
-                            if step.kind is not None and strats[j].rewrite is None:
-                                key = combiner_key(step, trips, depths[n])
-                                steps.setdefault(key, step)
-                                xs_of.setdefault(key, {}).setdefault(g, set()).add(
-                                    self.offset[g] + i)
+                    variables: dict[int, list[int]] = {}  # n's strategy -> the group's
+                    for i, j in enumerate(self.groups.index_map[n].tolist()):
+                        variables.setdefault(j, []).append(self.offset[g] + i)
+                    for j, step in made:
+                        if j in variables:
+                            key = combiner_key(step, trips, depths[n])
+                            steps.setdefault(key, step)
+                            xs_of.setdefault(key, {}).setdefault(g, set()).update(variables[j])
             self._memo["latency_keys"] = [
                 (key, steps[key], tuple(sorted((g, tuple(sorted(xs)))
                                                for g, xs in by_group.items())))
@@ -496,6 +500,16 @@ class IlpBuilder:
             ub.append(hi)
         A = scipy.sparse.csr_array((data, (ri, ci)), shape=(len(rows), self.n))
         return np.array(self.cost), A, np.array(lb), np.array(ub), np.array(self.integer)
+
+
+def _reductions(strats: list[Strategy], memo: dict[int, list]) -> list[tuple[int, object]]:
+    """(strategy index, step) of each reduction XLA's combiner may merge (a collective of a
+    kind, not in a rewrite) of a strategy list; ``memo``: by the list's id (the copies of a
+    layer share one)."""
+    if id(strats) not in memo:
+        memo[id(strats)] = [(j, step) for j, s in enumerate(strats) if s.rewrite is None
+                            for step in s.collectives if step.kind is not None]
+    return memo[id(strats)]
 
 
 def choice_of(x, graph: Graph, groups: Groups, offset: dict[int, int]) -> list[int]:

@@ -12,6 +12,7 @@ sites still gives distinct values.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,7 @@ class Value:
         return math.prod(self.shape) * self.itemsize
 
 
+@functools.cache
 def itemsize(dtype) -> int:
     try:
         return np.dtype(dtype).itemsize
