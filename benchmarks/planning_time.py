@@ -96,7 +96,9 @@ def _measured_apart(layers: int, variant: str, time_limit_s: float) -> dict:
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.planning_time", "--row", "--layers", str(layers),
          "--variant", variant, "--time-limit-s", str(time_limit_s)],
-        capture_output=True, text=True, check=True)
+        capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the {variant} {layers}-layer row failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -161,9 +161,9 @@ def prepare(problem: Problem, seeds: Deferred) -> Candidates:
 
 
 #: The seeds' plans referee a plan the ILP proved optimal only on graphs of at most this many
-#: nodes. Its objective is the estimate, but a proven serial optimum prices the overlap only
-#: around itself (``passes.solve``), so a seed's plan can overlap more and be faster (the 3-D
-#: ResNet's data-parallel seed, by 1.8%); on larger graphs their propagations take seconds.
+#: nodes: a proven serial optimum prices the overlap only around itself (``passes.solve``), so
+#: a seed's plan can overlap more and be faster; on larger graphs their propagations take
+#: seconds (docs/design.md, "Baseline seeds and warm start").
 REFEREE_MAX_NODES = 20_000
 
 
