@@ -239,6 +239,17 @@ class IlpBuilder:
             self._edge_cache[key] = self.mesh.reshard_time_s(a, b, value) * _US
         return self._edge_cache[key] * trip
 
+    def _cost_matrix_us(self, src_classes, dst_classes, value) -> np.ndarray:
+        """[[:meth:`_cost_us` of (a, b) for b in dst_classes] for a in src_classes], for one
+        trip; kept per classes and value shape (copies of a layer share one)."""
+        key = (tuple(src_classes), tuple(dst_classes), value.shape, value.itemsize,
+               value.recomputable)
+        cache = self._memo.setdefault("cost matrices", {})
+        if key not in cache:
+            cache[key] = np.array([[self._cost_us(a, b, value, 1) for b in dst_classes]
+                                   for a in src_classes])
+        return cache[key]
+
     def edge_counts(self) -> tuple[int, int]:
         """(graph edges, edges priced: each class of values' distinct readers)."""
         return self._edge_counts
@@ -329,7 +340,8 @@ class IlpBuilder:
                 self.cost[self.offset[gu] + i] += cost(a, b)
             return
         if len(set(src)) * len(set(dst)) <= MAX_EXACT_EDGE_PAIRS:
-            self._transport(gu, gw, src, dst, cost)
+            self._transport(gu, gw, src, dst, lambda src_classes, dst_classes: np.maximum(
+                0.0, self._cost_matrix_us(src_classes, dst_classes, value) * trip - hidden_us))
             return
         # Too many spec pairs: price the move axis by axis (see the module docstring), scaled
         # so that the reference's pair costs what it costs jointly, less what is hidden.
@@ -342,7 +354,9 @@ class IlpBuilder:
         for axis in self.mesh.axis_names:
             self._transport(
                 gu, gw, [a.place_of(axis) for a in src], [b.place_of(axis) for b in dst],
-                lambda p, q, axis=axis: scale * self._axis_cost_us(axis, p, q, value, trip))
+                lambda src_places, dst_places, axis=axis: np.array(
+                    [[scale * self._axis_cost_us(axis, p, q, value, trip) for q in dst_places]
+                     for p in src_places]))
 
     def _reference_pair(self, u, k, w, pos):
         """(u's out spec, w's in spec) in the reference plan (``Hidden.choice``), or None."""
@@ -418,14 +432,15 @@ class IlpBuilder:
             self._edge_cache[key] = self.mesh.axis_reshard_time_s(axis, p, q, value) * _US
         return self._edge_cache[key] * trip
 
-    def _transport(self, gu, gw, src_keys, dst_keys, cost) -> None:
-        """Add sum_p,q e[p,q] * cost(p, q) where e is the one pair of classes (src_keys of
-        group gu's choice, dst_keys of group gw's choice) the two choices fall in. Edges with
-        the same groups and keys (copies of a layer boundary, a value read twice) add their
-        costs into one e (:meth:`_flush_transports`)."""
+    def _transport(self, gu, gw, src_keys, dst_keys, matrix) -> None:
+        """Add sum_p,q e[p,q] * R[p, q] where e is the one pair of classes (src_keys of
+        group gu's choice, dst_keys of group gw's choice) the two choices fall in, and R is
+        ``matrix(src classes, dst classes)``. Edges with the same groups and keys (copies of a
+        layer boundary, a value read twice) add their costs into one e
+        (:meth:`_flush_transports`)."""
         src_classes = list(dict.fromkeys(src_keys))
         dst_classes = list(dict.fromkeys(dst_keys))
-        R = np.array([[cost(a, b) for b in dst_classes] for a in src_classes])
+        R = matrix(src_classes, dst_classes)
         if not R.any():
             return
         if len(src_classes) == 1 or len(dst_classes) == 1:  # linear in the other side
