@@ -20,6 +20,7 @@ from autopar._check_memory import check_compiled_memory
 from autopar._dispatch import Program, SignatureChanged, Split, as_planned, signature
 from autopar._export import logical_names
 from autopar._gc import with_gc_paused
+from autopar._stack import with_roomy_stack
 from autopar._judge import abstract, main_dtype, simulated_step_s
 from autopar._layers import weight_leaves
 from autopar._mesh import as_auto_mesh, axis_sizes, with_mesh_when_asked
@@ -378,6 +379,7 @@ _FORCED: contextvars.ContextVar = contextvars.ContextVar("autopar_forced_solutio
                                                          default=(None, None))
 
 
+@with_roomy_stack
 def _plan_checked(fn, example_args, memory_budget, check_memory, verbose, options,
                   choice=None, forced_remat=None) -> Plan:
     """:func:`plan` after its arguments are checked; ``choice`` and ``forced_remat``: a
