@@ -51,16 +51,19 @@ ROUNDS = 3
 
 
 def _freeze(value):
-    """A hashable stand-in for a primitive parameter, equal for equal parameters."""
-    if isinstance(value, (tuple, list)):
-        return tuple(_freeze(v) for v in value)
+    """A hashable stand-in for a primitive parameter, equal for equal parameters (a hashable
+    tuple is its own)."""
     if isinstance(value, dict):
         return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
     if isinstance(value, np.ndarray):
         return ("ndarray", value.shape, str(value.dtype), value.tobytes())
     try:
         hash(value)
     except TypeError:
+        if isinstance(value, tuple):
+            return tuple(_freeze(v) for v in value)
         return ("repr", type(value).__name__, repr(value))
     return value
 
@@ -108,21 +111,18 @@ def structural_colors(graph: Graph, keys: list[tuple], rounds: int = ROUNDS) -> 
 
     color = [cid((k, n.trip_count, n.in_trips, _freeze(n.pinned)))
              for k, n in zip(keys, graph.nodes)]
-    producer = graph.producer
-    uses: dict[int, list[tuple[int, int]]] = {}
-    for node in graph.nodes:
-        for pos, vid in enumerate(node.ins):
-            if vid is not None:
-                uses.setdefault(vid, []).append((node.id, pos))
+    producer, uses = graph.producer, graph.consumers()
+    # Per node: its operands' (producer, position) and its results' (reader, position).
+    ins_of = [tuple(None if v is None else producer[v] for v in node.ins)
+              for node in graph.nodes]
+    outs_of = [tuple(uses.get(v, ()) for v in node.outs) for node in graph.nodes]
     for _ in range(rounds):
         intern = {}
         new = []
-        for node in graph.nodes:
-            ins = tuple(None if v is None else (color[producer[v][0]], producer[v][1])
-                        for v in node.ins)
-            outs = tuple(tuple(sorted((color[w], p) for w, p in uses.get(v, ())))
-                         for v in node.outs)
-            new.append(cid((color[node.id], ins, outs)))
+        for c, ins, outs in zip(color, ins_of, outs_of):
+            new.append(cid((c, tuple(None if p is None else (color[p[0]], p[1]) for p in ins),
+                            tuple(tuple(sorted([(color[w], q) for w, q in readers]))
+                                  for readers in outs))))
         color = new
     return Colors(color, len(intern))
 
