@@ -1,13 +1,11 @@
-"""Planning on a roomy Python frame stack.
+"""Planning on a roomy Python frame stack: :func:`with_roomy_stack` runs a function below a
+frame so large that CPython gives it a chunk of :data:`CHUNK_BYTES` of its frame stack, about
+half of it free for the frames below. Where the interpreter does not allow such a frame, the
+function runs as it is.
 
-CPython (3.11 and later) keeps its frames in chunks of 16 KiB, and frees a chunk as soon as the
-first frame in it returns. A deep call that goes back and forth across a chunk's end, as jax's
-tracing of a model does, maps and unmaps a chunk on each crossing. Where the ends fall depends on
-how deep the caller is, so the same trace could take up to 60% longer from one caller than from
-another. :func:`with_roomy_stack` calls through a frame so large that CPython gives it a chunk of
-:data:`CHUNK_BYTES` with about half of it free: the planning below it fits in that room, and no
-chunk is made or freed while it runs. Where the interpreter does not allow the frame (another
-implementation), the call runs as it is.
+Why: CPython frees a 16 KiB chunk of frames as soon as its first frame returns, so jax's tracing,
+recursing back and forth across a chunk's end, mapped and unmapped one on each crossing, slower
+or not by where the caller's depth put that end (docs/benchmarks.md, "Planning time").
 """
 
 from __future__ import annotations
@@ -17,9 +15,9 @@ import types
 
 #: The chunk the large frame asks CPython for; its other half holds the planning's frames.
 CHUNK_BYTES = 1 << 20
-# CPython makes a chunk hold a frame and 1000 more pointers, doubling from 16 KiB: a frame of
-# more than half the chunk, less that margin, gets a chunk of CHUNK_BYTES.
-_PAD_SLOTS = (CHUNK_BYTES // 2) // 8 - 1000 + 64
+# CPython sizes a new chunk by doubling from 16 KiB until it holds the frame (and a margin):
+# a frame of a little more than half of CHUNK_BYTES gets a chunk of CHUNK_BYTES.
+_PAD_SLOTS = CHUNK_BYTES // 2 // 8 + 512
 
 
 def _call(fn, args, kwargs):
@@ -34,7 +32,7 @@ def _padded(function: types.FunctionType) -> types.FunctionType:
         padded = code.replace(
             co_varnames=code.co_varnames + tuple(f"_slot{i}" for i in range(_PAD_SLOTS)),
             co_nlocals=code.co_nlocals + _PAD_SLOTS)
-    except (TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError):
         return function
     return types.FunctionType(padded, function.__globals__, function.__name__)
 

@@ -22,10 +22,9 @@ def test_the_roomy_frame_is_more_than_half_its_chunk():
     code = _stack._roomy_call.__code__
     if code is _stack._call.__code__:
         pytest.skip("this interpreter's code objects take no extra local variables")
-    # CPython sizes a chunk to hold the frame and 1000 more pointers, doubling from 16 KiB:
-    # over half of CHUNK_BYTES (less that margin) asks for the whole of it.
-    assert code.co_nlocals * 8 > _stack.CHUNK_BYTES // 2 - 8000
-    assert code.co_nlocals * 8 < _stack.CHUNK_BYTES * 3 // 4
+    # CPython sizes a chunk by doubling from 16 KiB until it holds the frame: over half of
+    # CHUNK_BYTES asks for the whole of it, and leaves room below.
+    assert _stack.CHUNK_BYTES // 2 < code.co_nlocals * 8 < _stack.CHUNK_BYTES * 3 // 4
 
 
 def test_with_roomy_stack_passes_arguments_results_and_errors():
