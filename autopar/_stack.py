@@ -32,7 +32,7 @@ def _padded(function: types.FunctionType) -> types.FunctionType:
         padded = code.replace(
             co_varnames=code.co_varnames + tuple(f"_slot{i}" for i in range(_PAD_SLOTS)),
             co_nlocals=code.co_nlocals + _PAD_SLOTS)
-    except (AttributeError, TypeError, ValueError):
+    except Exception:  # noqa: BLE001 (any interpreter that refuses it: run unpadded)
         return function
     return types.FunctionType(padded, function.__globals__, function.__name__)
 
