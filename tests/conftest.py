@@ -1,6 +1,9 @@
 """Test setup: 8 simulated CPU devices, strict jax config, and mesh fixtures."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -13,6 +16,16 @@ import pytest  # noqa: E402
 from autopar._compat import xla_cpu_dots_in_f32  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+#: Each test process keeps every program it compiles in a persistent compilation cache of its
+#: own, removed when the process ends: the suite compiles many programs more than once (a plan's
+#: compiled check and then its run, the one-device references), and compiling is most of its
+#: time. Not shared between processes: jax's cache locks its files only with `filelock`.
+_COMPILED = tempfile.mkdtemp(prefix="autopar-tests-compiled-")
+atexit.register(shutil.rmtree, _COMPILED, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _COMPILED)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 def _mesh(shape, names):
