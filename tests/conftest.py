@@ -22,7 +22,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 #: compiled check and then its run, the one-device references), and compiling is most of its
 #: time. Not shared between processes: jax's cache locks its files only with `filelock`.
 _COMPILED = tempfile.mkdtemp(prefix="autopar-tests-compiled-")
-atexit.register(shutil.rmtree, _COMPILED, ignore_errors=True)
+atexit.register(shutil.rmtree, _COMPILED, ignore_errors=True)  # where pytest_unconfigure is not run
 jax.config.update("jax_compilation_cache_dir", _COMPILED)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
@@ -69,3 +69,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in KNOWN_GAPS_ON_JAX_0_12:
             item.add_marker(mark)
+
+
+def pytest_unconfigure(config):
+    """Removes this process's compilation cache (an xdist worker may end without atexit)."""
+    shutil.rmtree(_COMPILED, ignore_errors=True)
