@@ -19,10 +19,11 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 #: Each test process keeps every program it compiles in a persistent compilation cache of its
 #: own, removed when the process ends: the suite compiles many programs more than once (a plan's
-#: compiled check and then its run, the one-device references), and compiling is most of its
-#: time. Not shared between processes: jax's cache locks its files only with `filelock`.
+#: compiled check and then its run, the one-device references), and compiling is a large part
+#: of its time. Not shared between processes: jax's cache locks its files only with `filelock`.
 _COMPILED = tempfile.mkdtemp(prefix="autopar-tests-compiled-")
-atexit.register(shutil.rmtree, _COMPILED, ignore_errors=True)  # where pytest_unconfigure is not run
+# pytest_unconfigure removes it; atexit too, for a process that does not run that hook.
+atexit.register(shutil.rmtree, _COMPILED, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", _COMPILED)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
