@@ -7,8 +7,11 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
+
+from tests.compile_cache import cache_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("mlp", "gpt2", "llama", "moe", "resnet", "bert")
@@ -23,8 +26,10 @@ def _run(*argv, timeout_s=300):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the script asks for its own simulated devices
     env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run([sys.executable, *argv], check=False, cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout_s)
+    with tempfile.TemporaryDirectory(prefix="autopar-example-compiled-") as compiled:
+        return subprocess.run([sys.executable, *argv], check=False, cwd=ROOT,
+                              env={**env, **cache_env(compiled)}, capture_output=True,
+                              text=True, timeout=timeout_s)
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

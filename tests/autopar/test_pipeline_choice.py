@@ -18,6 +18,7 @@ import pytest
 
 import autopar
 from benchmarks import pipeline as bench
+from tests.compile_cache import cache_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def two_node(tmp_path_factory):
     """The benchmark's two-node row, run as a user runs it."""
     out = tmp_path_factory.mktemp("pipeline")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **cache_env(out / "compiled")}
     env.pop("XLA_FLAGS", None)
     done = subprocess.run([sys.executable, "-m", "benchmarks.run", "--suite", "pipeline",
                            "--cases", "two-node", "--out", str(out)], cwd=ROOT, env=env,
