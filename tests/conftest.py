@@ -14,19 +14,19 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from autopar._compat import xla_cpu_dots_in_f32  # noqa: E402
+from tests.compile_cache import cache_settings  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 #: Each test process keeps every program it compiles in a persistent compilation cache of its
-#: own, removed when the process ends: the suite compiles many programs more than once (a plan's
+#: own (``tests.compile_cache``): the suite compiles many programs more than once (a plan's
 #: compiled check and then its run, the one-device references), and compiling is a large part
-#: of its time. Not shared between processes: jax's cache locks its files only with `filelock`.
+#: of its time. pytest_unconfigure removes it; atexit too, for a process that does not run that
+#: hook.
 _COMPILED = tempfile.mkdtemp(prefix="autopar-tests-compiled-")
-# pytest_unconfigure removes it; atexit too, for a process that does not run that hook.
 atexit.register(shutil.rmtree, _COMPILED, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", _COMPILED)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+for _name, _value in cache_settings(_COMPILED).items():
+    jax.config.update(_name, _value)
 
 
 def _mesh(shape, names):
