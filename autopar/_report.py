@@ -66,6 +66,7 @@ def render_text(plan, baselines: dict | None = None) -> str:
                      "per device as XLA compiled it (`memory_analysis()`)"
                      + (f", after {len(checks) - 1} plan(s) that compiled over the budget"
                         if len(checks) > 1 else ""))
+    lines += _exportable_peak_lines(plan.stats.get("exportable"))
     lines += _baseline_lines(plan, baselines)
     lines += _pipeline_search_lines(plan)
     lines += _exportable_lines(plan.stats.get("exportable"))
@@ -200,6 +201,16 @@ def _pipeline_search_lines(plan) -> list[str]:
     lines += [f"  {'*' if chosen else ' '} {label:<22}{predicted:>12}{compiled:>14}{peak:>12}"
               for label, predicted, compiled, peak, chosen in found]
     return lines
+
+
+def _exportable_peak_lines(exportable: dict | None) -> list[str]:
+    """The kept program's compiled peak, beside the estimate's: an exportable plan's estimate
+    propagates its argument and result shardings itself, and XLA may propagate others."""
+    if not exportable:
+        return []
+    return [f"  compiled     peak memory "
+            f"{_fmt_bytes(exportable['peak_bytes'][exportable['chosen']])} per device as XLA "
+            f"compiled it under plain jax.jit ({exportable['chosen']}'s shardings, kept)"]
 
 
 def _exportable_lines(exportable: dict | None) -> list[str]:
