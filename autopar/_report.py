@@ -66,7 +66,7 @@ def render_text(plan, baselines: dict | None = None) -> str:
                      "per device as XLA compiled it (`memory_analysis()`)"
                      + (f", after {len(checks) - 1} plan(s) that compiled over the budget"
                         if len(checks) > 1 else ""))
-    lines += _exportable_peak_lines(plan.stats.get("exportable"))
+    lines += _exportable_compiled_lines(plan.stats.get("exportable"))
     lines += _baseline_lines(plan, baselines)
     lines += _pipeline_search_lines(plan)
     lines += _exportable_lines(plan.stats.get("exportable"))
@@ -203,14 +203,17 @@ def _pipeline_search_lines(plan) -> list[str]:
     return lines
 
 
-def _exportable_peak_lines(exportable: dict | None) -> list[str]:
-    """The kept program's compiled peak, beside the estimate's: an exportable plan's estimate
-    propagates its argument and result shardings itself, and XLA may propagate others."""
+def _exportable_compiled_lines(exportable: dict | None) -> list[str]:
+    """The kept program's compiled peak and simulated step, beside the estimate's: an
+    exportable plan's estimate prices the plan as autopar would emit it, with the shardings it
+    propagates itself, and XLA may propagate others under plain ``jax.jit``."""
     if not exportable:
         return []
-    return [f"  compiled     peak memory "
-            f"{_fmt_bytes(exportable['peak_bytes'][exportable['chosen']])} per device as XLA "
-            f"compiled it under plain jax.jit ({exportable['chosen']}'s shardings, kept)"]
+    chosen = exportable["chosen"]
+    return [f"  compiled     peak memory {_fmt_bytes(exportable['peak_bytes'][chosen])} per device "
+            f"as XLA compiled it under plain jax.jit ({chosen}'s shardings, kept)",
+            f"  compiled     step time {_fmt_s(exportable['step_s'][chosen])}, that program "
+            f"simulated (the step time above prices the plan as autopar emits it)"]
 
 
 def _exportable_lines(exportable: dict | None) -> list[str]:

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 import autopar
 from autopar.errors import PlanFormatError
 from autopar._export import logical_rules, plain_jit_check
-from autopar._sizes import format_bytes
+from autopar._sizes import format_bytes, format_seconds
 from autopar.cost_model.hlo import analyze
 
 from .export_target import mlp_step
@@ -125,6 +125,8 @@ def test_an_exportable_tensor_parallel_plan_is_what_plain_jit_compiles(tmp_path)
     assert "Exportable (plain jax.jit" in report and "intermediate shardings pinned" in report
     kept_peak = format_bytes(judged["peak_bytes"][judged["chosen"]])
     assert f"compiled     peak memory {kept_peak} per device" in report
+    kept_step = format_seconds(judged["step_s"][judged["chosen"]])
+    assert f"compiled     step time {kept_step}, that program simulated" in report
 
 
 def test_an_exportable_plan_computes_the_single_device_step():
