@@ -18,6 +18,7 @@ from autopar._judge import abstract, main_dtype
 from autopar.baselines import baseline_kinds
 from autopar.baselines import baseline_kwargs as _baseline_kwargs
 from autopar._mesh import as_auto_mesh, mesh_text, with_mesh_when_asked
+from autopar._stack import with_roomy_stack
 from autopar.errors import ArgumentError, ShardingConflictWarning
 from autopar.cost_model.hardware import get_profile
 from autopar.cost_model.hlo import HloSummary, analyze
@@ -99,6 +100,7 @@ def predict_baselines(fn, args, mesh, *, hardware=None, kinds=("dp", "fsdp"), se
     return out
 
 
+@with_roomy_stack
 def compare(fn, args, mesh, *, hardware=None, kinds=None, plan=None, dtype=None,
             **plan_kwargs):
     """Measures of autopar's plan and of each baseline, all compiled from ``args``.

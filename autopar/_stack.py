@@ -1,7 +1,7 @@
-"""Planning on a roomy Python frame stack: :func:`with_roomy_stack` runs a function below a
-frame so large that CPython gives it a chunk of :data:`CHUNK_BYTES` of its frame stack, about
-half of it free for the frames below. Where the interpreter does not allow such a frame, the
-function runs as it is.
+"""Planning on a roomy Python frame stack: :func:`with_roomy_stack` (on ``plan``, ``compare``
+and ``validate``) runs a function below a frame so large that CPython gives it a chunk of
+:data:`CHUNK_BYTES` of its frame stack, about half of it free for the frames below. Where the
+interpreter does not allow such a frame, the function runs as it is.
 
 Why: CPython frees a 16 KiB chunk of frames as soon as its first frame returns, so jax's tracing,
 recursing back and forth across a chunk's end, mapped and unmapped one on each crossing, slower

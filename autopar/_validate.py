@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from autopar._sizes import format_bytes, format_flops
+from autopar._stack import with_roomy_stack
 from autopar.cost_model.hlo import CollectiveKind, analyze, permute_loops
 from autopar.passes.stages.schedules import Schedule, tick_loops
 
@@ -82,6 +83,7 @@ def count_note(kind: str, predicted: tuple, compiled: tuple) -> str:
             f"{format_bytes(p_bytes - nbytes)} fewer bytes")
 
 
+@with_roomy_stack
 def validate(plan) -> dict:
     """Compile the plan and return predicted and compiled measures side by side; the result
     is also kept as ``plan.stats["validation"]``, for the report and the plan's JSON.

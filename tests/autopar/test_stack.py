@@ -48,3 +48,27 @@ def test_the_plan_traces_below_the_roomy_frame():
 
     autopar.plan(step, jnp.ones((8, 4)), mesh={"data": 8})
     assert seen and seen[0] == 1
+
+
+def test_compare_traces_the_baselines_below_the_roomy_frame():
+    seen = []
+
+    def step(x):
+        seen.append(_frames_of(_stack._roomy_call.__code__))
+        return jnp.tanh(x) * 2.0
+
+    autopar.compare(step, (jnp.ones((8, 4)),), {"data": 8}, kinds=("dp",))
+    assert len(seen) >= 2 and min(seen) >= 1   # the plan's trace and the baseline's
+
+
+def test_validate_compiles_below_the_roomy_frame(monkeypatch):
+    plan = autopar.plan(lambda x: jnp.tanh(x) * 2.0, jnp.ones((8, 4)), mesh={"data": 8})
+    seen, compile_plan = [], type(plan).compile
+
+    def counted(self, *args, **kwargs):
+        seen.append(_frames_of(_stack._roomy_call.__code__))
+        return compile_plan(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(plan), "compile", counted)
+    plan.validate()
+    assert seen and seen[0] == 1
