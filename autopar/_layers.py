@@ -274,7 +274,7 @@ def _labels(graph, input_names) -> list[str]:
             reads = Counter(state(v) for v in node.ins if v is not None)
             reads.pop(None, None)
             got = {label[producer[v]] for v in node.ins if v in producer} - {None}
-            if len(reads) == 1 or reads and _region(node):   # a pipeline region: its stack
+            if len(reads) == 1 or reads and is_region(node):   # a pipeline region: its stack
                 label[node.id] = reads.most_common(1)[0][0]
             elif len(got) == 1 and optimizer[node.id]:
                 label[node.id] = got.pop()
@@ -288,7 +288,7 @@ def _labels(graph, input_names) -> list[str]:
     return [x or OTHER for x in label]
 
 
-def _region(node) -> bool:
+def is_region(node) -> bool:
     """A ``jax.shard_map`` region of the traced step (a pipeline's stages)."""
     return node.kind == NodeKind.OP and op_info(node).manual_region
 
@@ -297,7 +297,7 @@ def pipelined_layer(plan) -> str | None:
     """The layer whose stack the plan pipelines (its first region's), or None."""
     if not plan.pipeline or plan._details is None:
         return None
-    region = next((n for n in plan._details[0].nodes if _region(n)), None)
+    region = next((n for n in plan._details[0].nodes if is_region(n)), None)
     return None if region is None else node_layers(plan)[region.id]
 
 
@@ -359,7 +359,7 @@ def layer_rows(plan) -> list[LayerRow]:
     def row_of(label: str) -> LayerRow:
         return rows.get(label) or extra.get(label, extra[OTHER])
 
-    labels = node_layers(plan)
+    labels = list(node_layers(plan))
     for node in graph.nodes:
         taken = strats[node.id][choice[node.id]]
         row = row_of(labels[node.id])
@@ -370,9 +370,11 @@ def layer_rows(plan) -> list[LayerRow]:
         label = attention_label(node, taken)
         if label is not None:
             row.attention.append(label)
-    regions = [node for node in graph.nodes if _region(node)]
+    regions = [node for node in graph.nodes if is_region(node)]
     if plan.pipeline and regions:   # the pipelined stack, priced apart from the ILP's ops
         row_of(labels[regions[0].id]).compute_s += plan.pipeline["predicted_time_s"] or 0.0
+        for node in regions[1:]:    # a backward region's sums are the stack's too
+            labels[node.id] = labels[regions[0].id]
     for c in comms:
         if c.step.wire_bytes:
             row = row_of(labels[c.node])
@@ -420,7 +422,7 @@ def memory_over_program(plan) -> tuple[int, tuple[int, ...]]:
     held, live = plan_timeline(graph, strats, choice, sizes, on_cpu, donated)
     kept = _pipeline_kept(plan)
     if kept:   # a pipeline region holds its stages' activations while it runs
-        live = tuple(b + kept if _region(graph.nodes[i]) else b for i, b in enumerate(live))
+        live = tuple(b + kept if is_region(graph.nodes[i]) else b for i, b in enumerate(live))
     return held, live
 
 
@@ -468,7 +470,7 @@ def peak_buffers(plan, top: int = 8) -> tuple[int, list[LiveBuffer]]:
                         shape=graph.values[graph.nodes[n].outs[0]].shape)
              for n, p in zip(graph.input_nodes, plan.in_paths)]
     on_cpu = plan.mesh.devices.flat[0].platform == "cpu"
-    if _region(graph.nodes[at]) and _pipeline_kept(plan):
+    if is_region(graph.nodes[at]) and _pipeline_kept(plan):
         found.append(LiveBuffer(_pipeline_kept(plan), node=at,
                                 what="activations the pipeline's stages keep for the backward"))
     for b in temporaries(graph, on_cpu):

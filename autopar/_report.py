@@ -13,6 +13,7 @@ from autopar._layers import (
     OTHER,
     Phase,
     input_layers,
+    is_region,
     layer_rows,
     node_layers,
     node_phases,
@@ -334,6 +335,8 @@ def collective_groups(plan) -> dict[tuple[str, str], list[CollectiveGroup]]:
                "overlap": f"overlapped in {node.prim}"}.get(
                    c.reason, f"an operand of {node.prim} resharded")
         what = f"{place_words(node.where, labels[node.id], phases[node.id], star)}: {why}"
+        if is_region(node) and c.reason == "reduce":
+            what = "the pipelined stack's results and gradients summed over its stages"
         key = (",".join(c.step.axes), c.step.kind.value, what)
         g = groups.setdefault(key, CollectiveGroup(key[1], key[0], what))
         g.count += c.trips

@@ -349,7 +349,7 @@ def node_strategies(node: Node, graph: Graph, mesh: MeshContext,
     ctx = RuleContext(in_shapes, out_shapes)
     info = op_info(node)
     if info.manual_region:
-        return [_manual_region_strategy(node, graph)], False
+        return [_manual_region_strategy(node, graph, mesh)], False
     if node.kind is NodeKind.CONST:
         maps, fallback = [], False
     else:
@@ -389,19 +389,49 @@ def node_strategies(node: Node, graph: Graph, mesh: MeshContext,
     return out, fallback
 
 
-def _manual_region_strategy(node: Node, graph: Graph) -> Strategy:
+def _manual_region_strategy(node: Node, graph: Graph, mesh: MeshContext) -> Strategy:
     """The one strategy of a `jax.shard_map` region: operands and results in the specs its
     ``in_specs``/``out_specs`` give over its manual axes and, over the others, in the spec
     its body holds them in on entry or exit (a sharding constraint applied to the operand
     itself, or producing the result: what a pipeline stage's plan asks), else replicated.
-    Its compute is not priced here (a pipeline's is added to the estimate by its caller)."""
+    Its collectives are the sums its body ends with (:func:`_region_sums`); its compute and
+    the rest of its communication are not priced here (a pipeline's are added to the
+    estimate by its caller)."""
     entry, exit_ = _body_constraints(node.params["jaxpr"])
     ins = tuple(None if vid is None else _merged(pspec, entry.get(i), len(shape))
                 for i, (vid, pspec, (shape, _)) in enumerate(zip(node.ins, node.params["in_specs"],
                                                                 node.in_avals)))
     outs = tuple(_merged(pspec, exit_.get(i), graph.values[v].rank)
                  for i, (v, pspec) in enumerate(zip(node.outs, node.params["out_specs"])))
-    return Strategy(ins, outs, 0.0, 0.0, 0.0, ())
+    steps = _region_sums(node.params["jaxpr"], mesh)
+    return Strategy(ins, outs, 0.0, 0.0, sum(s.time_s(mesh.levels) for s in steps), steps)
+
+
+#: Primitives that sum over mesh axes inside a manual region.
+_SUMS = frozenset({"psum", "psum_invariant"})
+
+
+def _region_sums(body, mesh: MeshContext) -> tuple[CommStep, ...]:
+    """The all-reduces of the sums at the top level of a region's body, run once a call (a
+    pipeline's: the loss, the stack input's cotangent and the gradients of what the stages
+    share, summed over the stage axis). An operand counts at its size over the axes the body
+    does not hold manual (the region's view: replicated over them), split as a sharding
+    constraint on the sum's result, if any, splits it."""
+    jaxpr = getattr(body, "jaxpr", body)
+    constrained = {eqn.invars[0]: eqn.params["sharding"].spec for eqn in jaxpr.eqns
+                   if eqn.primitive.name == "sharding_constraint"
+                   and hasattr(eqn.params["sharding"], "spec")}
+    steps = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name not in _SUMS:
+            continue
+        axes = tuple(a for a in eqn.params["axes"] if a in mesh.axis_sizes)
+        for operand, result in zip(eqn.invars, eqn.outvars, strict=True):
+            shape = tuple(operand.aval.shape)
+            spec = Spec.from_partition_spec(constrained.get(result), len(shape))
+            nbytes = local_bytes(spec, shape, itemsize(operand.aval.dtype), mesh.axis_sizes)
+            steps.append(reduce_step(CollectiveKind.ALL_REDUCE, axes, nbytes, mesh.axis_sizes))
+    return tuple(steps)
 
 
 def _body_constraints(body) -> tuple[dict[int, object], dict[int, object]]:
