@@ -426,6 +426,8 @@ def _region_sums(body, mesh: MeshContext) -> tuple[CommStep, ...]:
         if eqn.primitive.name not in _SUMS:
             continue
         axes = tuple(a for a in eqn.params["axes"] if a in mesh.axis_sizes)
+        if not axes:   # over positional axes only (vmap's): no mesh axis, nothing moves
+            continue
         for operand, result in zip(eqn.invars, eqn.outvars, strict=True):
             shape = tuple(operand.aval.shape)
             spec = Spec.from_partition_spec(constrained.get(result), len(shape))
