@@ -57,15 +57,19 @@ LOOP_KERNELS = 3
 @dataclass(frozen=True)
 class Chunked:
     """The compute of a matmul cut into pieces: one piece's matmul, the kernel that puts its
-    result in place (a slice update, or an add into an accumulator), and how many pieces."""
+    result in place (a slice update, or an add into an accumulator), how many pieces, and the
+    piece's other kernels (the copy of the block it carries to the next step, the update of a
+    kept operand)."""
     matmul_s: float
     place_s: float
     pieces: int
+    other_s: tuple[float, ...] = ()
 
 
 def chunked_compute_s(work: Chunked, steps: int, launch_s: float) -> float:
     """All the pieces' kernels, at least a launch each, and the ring loop's own per step."""
-    per_piece_s = max(work.matmul_s, launch_s) + max(work.place_s, launch_s)
+    per_piece_s = (max(work.matmul_s, launch_s) + max(work.place_s, launch_s)
+                   + sum(max(t, launch_s) for t in work.other_s))
     return work.pieces * per_piece_s + steps * LOOP_KERNELS * launch_s
 
 

@@ -34,7 +34,8 @@ from autopar.passes.trace import CALLS, CUSTOM_CALLS, Traced, call_body
 _REGIONS = {P.scan_p: "emit_scan", P.while_p: "emit_while", P.cond_p: "emit_cond"}
 
 #: ``(emitter, eqn, operands moved to the strategy's in_specs, rewrite) -> results``: how a
-#: node whose strategy carries a :class:`Rewrite` of that kind is emitted.
+#: node whose strategy carries a :class:`Rewrite` of that kind is emitted; the equation's
+#: results, then the operands the rewrite keeps (``Rewrite.keeps``), in its order.
 RewriteEmitter = Callable[["Emitter", Any, list, Rewrite], list]
 REWRITES: dict[RewriteKind, RewriteEmitter] = {}
 
@@ -83,6 +84,10 @@ class Emitter:
         # scalar): moving one means building it again in the new spec, with no collective.
         self.rebuild: dict[int, Callable] = {}
         self.unpinned = values_pinned_by_their_converts(self.graph, value_specs, node_in_specs)
+        # (scope, value id, spec) -> the value in that spec, returned by a rewrite that moved
+        # it (Rewrite.keeps): later readers in the scope, or in one nested in it (they close
+        # over it), that want that spec take it
+        self.kept: dict[tuple, Any] = {}
 
     # ----- pinning and moving values
     def pin(self, x, spec: Spec | None):
@@ -113,7 +118,14 @@ class Emitter:
     def feed(self, xs, scope, atoms, node: int, positions):
         """Operands xs (atoms in scope) moved to what node's strategy wants at positions."""
         wanted = self.node_in_specs[node]
-        return [self.move(x, self.vid(scope, a), wanted[p]) for x, a, p in zip(xs, atoms, positions)]
+        out = []
+        for x, a, p in zip(xs, atoms, positions):
+            vid = self.vid(scope, a)
+            kept = next((self.kept[k] for k in ((scope[:n], vid, wanted[p])
+                                                 for n in range(len(scope), -1, -1))
+                         if k in self.kept), None)
+            out.append(self.move(x, vid, wanted[p]) if kept is None else kept)
+        return out
 
     def pin_results(self, scope, outvars, vals):
         out = []
@@ -159,7 +171,9 @@ class Emitter:
         if node in self.node_rewrites:
             rewrite = self.node_rewrites[node]
             outs = REWRITES[rewrite.kind](self, eqn, invals, rewrite)
-            return self.pin_results(scope, eqn.outvars, outs)
+            for (pos, spec), x in zip(rewrite.keeps, outs[len(eqn.outvars):]):
+                self.kept[scope, self.vid(scope, eqn.invars[pos]), spec] = self.pin(x, spec)
+            return self.pin_results(scope, eqn.outvars, outs[:len(eqn.outvars)])
 
         def bind():
             with eqn.ctx.manager, equation_context(eqn):

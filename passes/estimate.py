@@ -43,7 +43,8 @@ class ChosenComm:
 def plan_collectives(graph: Graph, strats, choice, mesh) -> list[ChosenComm]:
     """Every collective the plan runs. A value resharded to the same spec for several
     consumers moves once: XLA computes the identical resharding once and shares it (CSE), as
-    for a forward activation the backward pass needs in the same layout.
+    for a forward activation the backward pass needs in the same layout. A value a rewrite
+    returns moved (``Rewrite.keeps``) does not move again for its later readers.
 
     The last :data:`KEPT` plans' collectives are kept on the graph (:func:`_kept`): the plan
     taken is priced when it is compared with the propagated ones and again for its
@@ -74,6 +75,8 @@ def _collectives(graph: Graph, strats, choice, mesh) -> list[ChosenComm]:
             for step in mesh.reshard(src, s.in_specs[pos], v):
                 out.append(ChosenComm(step, node.edge_trip(pos), node.id, "reshard",
                                       step.time_s(mesh.levels), value=vid))
+        for pos, spec in s.rewrite.keeps if s.rewrite is not None else ():
+            moved.add((node.ins[pos], spec))  # the rewrite returns it moved
     return _with_combined_latency(out, mesh.levels, reduction_depths(graph))
 
 

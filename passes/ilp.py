@@ -38,7 +38,10 @@ optimal.
   ``m >= `` each reader's indicator of that pair carries its cost
   (:meth:`IlpBuilder._add_shared_value`); a reader with more than ``MAX_SHARED_VALUE_PAIRS``
   pairs is charged alone (an over-estimate), except that around a reference that served it by
-  another reader's move, a pair no dearer than the reference's is free.
+  another reader's move, a pair no dearer than the reference's is free. A reader's strategy
+  whose rewrite returns the value moved to a spec (``Rewrite.keeps``: a collective matmul
+  that keeps the operand it gathers) pays the move into that spec for the others: its
+  variables ``k`` enter as ``m >= indicator - k`` (:meth:`IlpBuilder._kept_credits`).
 * Preferences. Among plans the costs cannot tell apart, one whose nodes take the strategies
   the caller prefers (``preferences``: node -> a penalty per strategy, e.g. the batch on the
   mesh axis named ``data``): a cost of at most :data:`PREFERENCE` of the largest cost per
@@ -104,8 +107,9 @@ class IlpBuilder:
         self._pending: dict = {}
         self.transports: list[tuple] = []  # every e block: (first var, Q, groups, keys, classes)
         self.latencies: list[tuple[int, list[int]]] = []  # (y, the x it bounds): see below
-        # (m, the readers' indicators it bounds): a value's move paid once (_add_shared_value)
-        self.shared: list[tuple[int, list[dict[int, float]]]] = []
+        # (m, the readers' indicators it bounds, the variables that pay it instead): a value's
+        # move paid once (_add_shared_value)
+        self.shared: list[tuple[int, list[dict[int, float]], dict[int, float]]] = []
         self._indicator_blocks: dict = {}  # (gu, gw, src keys, dst keys) -> first e variable
         self._strategy_cache: dict[int, float] = self._memo.setdefault("strategies", {})
         self._step_cache: dict = self._memo.setdefault("steps", {})
@@ -381,20 +385,39 @@ class IlpBuilder:
             for pair, indicator in indicators.items():
                 pairs.setdefault(pair, []).append((indicator, trip, moved[0]))
         value = self.g.values[self.g.nodes[u].outs[k]]
+        credits = self._kept_credits(readers)
         for (a, b), uses in pairs.items():
             cost = max(0.0, self._cost_us(a, b, value, uses[0][1] * count)
                        - sum(h for _, _, h in uses) * _US)
             if cost == 0.0:
                 continue
-            if len(uses) == 1:
+            credit = credits.get(b, {})
+            if len(uses) == 1 and not credit:
                 for var, coef in uses[0][0].items():
                     self.cost[var] += cost * coef
                 continue
             m = self.new_vars(1, False)
             self.cost[m] = cost
-            self.shared.append((m, [indicator for indicator, _, _ in uses]))
-            self.rows += [({m: 1.0, **{var: -coef for var, coef in indicator.items()}},
-                           0.0, np.inf) for indicator, _, _ in uses]
+            self.shared.append((m, [indicator for indicator, _, _ in uses], credit))
+            for indicator, _, _ in uses:
+                row = {m: 1.0, **credit}
+                for var, coef in indicator.items():
+                    row[var] = row.get(var, 0.0) - coef
+                self.rows.append((row, 0.0, np.inf))
+
+    def _kept_credits(self, readers) -> dict:
+        """Target spec -> the variables (as a linear expression) of the readers' strategies
+        whose rewrite returns the value moved to that spec (``Rewrite.keeps``): taken, they
+        pay that move for the value's other readers."""
+        out: dict = {}
+        for w, pos in readers:
+            base = self.offset[self.groups.group_of[w]]
+            for i, j in enumerate(self.groups.index_map[w]):
+                rewrite = self.strats[w][j].rewrite
+                for p, spec in rewrite.keeps if rewrite is not None else ():
+                    if p == pos:
+                        out.setdefault(spec, {})[base + i] = 1.0
+        return out
 
     def _pair_indicators(self, u, k, w, pos) -> dict | None:
         """(u's out spec, w's in spec) -> a linear expression of the ILP's variables that is 1
@@ -498,8 +521,10 @@ class IlpBuilder:
             x[e0 + p * Q + q] = 1.0
         for y, xs in self.latencies:
             x[y] = x[xs].max()
-        for m, indicators in self.shared:
-            x[m] = max(sum(x[var] * coef for var, coef in ind.items()) for ind in indicators)
+        for m, indicators, credit in self.shared:
+            x[m] = max(0.0, max(sum(x[var] * coef for var, coef in ind.items())
+                                for ind in indicators)
+                       - sum(x[var] * coef for var, coef in credit.items()))
         return x
 
     def matrices(self, extra_rows=()):

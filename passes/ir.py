@@ -122,6 +122,13 @@ class Graph:
             self.analyses["consumers"] = uses
         return self.analyses["consumers"]
 
+    def scopes(self) -> dict[int, tuple]:
+        """OP node -> the equation path of the jaxpr it is in (``()``: the top level),
+        computed once."""
+        if "scopes" not in self.analyses:
+            self.analyses["scopes"] = {n: path[:-1] for path, n in self.eqn_nodes.items()}
+        return self.analyses["scopes"]
+
     def verify(self) -> None:
         """Internal invariants every pass may rely on."""
         for node in self.nodes:

@@ -116,10 +116,14 @@ class RewriteKind(enum.Enum):
 @dataclass(frozen=True)
 class Rewrite:
     """A strategy's emission as a ``jax.shard_map`` region instead of the primitive: its kind,
-    the mesh axes the region is manual over, and kind-specific settings."""
+    the mesh axes the region is manual over, kind-specific settings, and the operands it
+    returns moved."""
     kind: RewriteKind
     axes: tuple[str, ...]
     params: tuple[tuple[str, object], ...] = ()
+    #: (operand position, spec): operands the region also returns moved to that spec, so that
+    #: another reader of the value in that spec (in the same scope) takes it with no move
+    keeps: tuple[tuple[int, Spec], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,12 @@ each block's partial sum passed along the ring and added to while the next block
 Each has the specs of the pair it replaces at its boundary (the reshard and the dot, or the
 dot and its reduce-scatter), is priced by ``cost_model.overlap`` (only the communication its
 chunks do not hide is charged) and is emitted by ``passes.overlap.regions``.
+
+A gather whose operand other ops read later (in its jaxpr or one nested in it) also writes the blocks it
+receives into the gathered operand and returns it (``keep``, ``Rewrite.keeps``): a reader
+that wants it gathered, such as the backward pass's weight-gradient dot reading the forward
+activation, takes it with no all-gather of its own (Megatron's sequence parallelism keeps that
+input the same way). The ILP credits those readers' move when the dot takes the rewrite.
 """
 
 from __future__ import annotations
@@ -56,8 +62,9 @@ class Mode(enum.Enum):
 class CollectiveMatmul:
     """How one dot is decomposed over ``axis``. Gathers: ``operand`` arrives split on ``dim``;
     its blocks fill result dim ``out_dim`` (free) or meet the other operand's contracting dim
-    ``other_dim``. Scatter: the result is split on ``out_dim``, and ``slices`` names the
-    operand dims that make one result block. ``in_specs``/``out_spec``: the strategy's."""
+    ``other_dim``; with ``keep``, they are also written into the gathered operand, which the
+    region returns second. Scatter: the result is split on ``out_dim``, and ``slices`` names
+    the operand dims that make one result block. ``in_specs``/``out_spec``: the strategy's."""
     mode: Mode
     axis: str
     bidirectional: bool
@@ -68,6 +75,7 @@ class CollectiveMatmul:
     out_dim: int = -1
     other_dim: int = -1
     slices: tuple[tuple[int, int], ...] = ()
+    keep: bool = False  # a gather also returns the operand it gathered
 
     def as_params(self) -> tuple[tuple[str, object], ...]:
         return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
@@ -75,6 +83,12 @@ class CollectiveMatmul:
     @classmethod
     def from_rewrite(cls, rewrite: Rewrite) -> CollectiveMatmul:
         return cls(**dict(rewrite.params))
+
+    def gathered_spec(self) -> Spec:
+        """A gather's operand spec once gathered: ``in_specs[operand]`` whole on ``dim``."""
+        dims = list(self.in_specs[self.operand].dims)
+        dims[self.dim] = ()
+        return Spec(tuple(dims))
 
     @property
     def chunks(self) -> int:
@@ -101,6 +115,8 @@ def strategies(node: Node, graph: Graph, mesh: MeshContext, base: list[Strategy]
     out, seen = [], set()
     for s in base:
         for cm in _decompositions(node, graph, mesh, s):
+            if cm.mode is not Mode.SCATTER and _read_later(node, graph, cm.operand):
+                cm = dataclasses.replace(cm, keep=True)
             key = (cm.in_specs, cm.out_spec)
             if key in seen:
                 continue
@@ -110,6 +126,16 @@ def strategies(node: Node, graph: Graph, mesh: MeshContext, base: list[Strategy]
                 seen.add(key)
                 out.append(min(priced, key=lambda st: st.cost_s))
     return out
+
+
+def _read_later(node: Node, graph: Graph, pos: int) -> bool:
+    """Whether operand ``pos`` of ``node`` has other readers, all ops later in its jaxpr or in
+    jaxprs nested in it (where the region's second result can feed them)."""
+    scopes = graph.scopes()
+    mine = scopes[node.id]
+    others = [w for w, _ in graph.consumers()[node.ins[pos]] if w != node.id]
+    return bool(others) and all(
+        w > node.id and w in scopes and scopes[w][:len(mine)] == mine for w in others)
 
 
 def replace_bidi(cm: CollectiveMatmul, bidirectional: bool) -> CollectiveMatmul:
@@ -202,8 +228,9 @@ def _priced(node: Node, graph: Graph, mesh: MeshContext, s: Strategy, cm: Collec
         return None
     kind = (RewriteKind.MATMUL_REDUCE_SCATTER if cm.mode is Mode.SCATTER
             else RewriteKind.ALL_GATHER_MATMUL)
+    keeps = ((cm.operand, cm.gathered_spec()),) if cm.keep else ()
     return Strategy(cm.in_specs, s.out_specs, s.flops, priced.compute_s, priced.exposed_s,
-                    priced.steps, rewrite=Rewrite(kind, (cm.axis,), cm.as_params()))
+                    priced.steps, rewrite=Rewrite(kind, (cm.axis,), cm.as_params(), keeps))
 
 
 def _replaced_comm_s(node: Node, graph: Graph, mesh: MeshContext, s: Strategy,
@@ -222,7 +249,11 @@ def _chunked(node: Node, graph: Graph, mesh: MeshContext, s: Strategy, cm: Colle
     own dims (it reads the whole uncut operand again), and the kernels placing its result:
     a slice written (free gather), or an accumulator read and written (float32 for 16-bit
     floats: contracting gather), or the arrived partial sum added (scatter); and slicing
-    its operand piece where the piece is cut from a block held whole."""
+    its operand piece where the piece is cut from a block held whole; and each piece's copy
+    of the block it carries to the next step (the arrived operand piece, or the partial sum);
+    for a gathered piece that collectives move in a wider type (``MeshContext.wire_itemsize``),
+    its converts before it is sent and after it arrives (a partial sum is made and added in
+    the wider type); and, where the operand is kept, the update writing it there."""
     local = [sp.local_shape(shape, mesh.axis_sizes)
              for sp, (shape, _) in zip(s.in_specs, node.in_avals)]
     cut = [(cm.operand, cm.dim)] if cm.mode is not Mode.SCATTER else list(cm.slices)
@@ -248,7 +279,17 @@ def _chunked(node: Node, graph: Graph, mesh: MeshContext, s: Strategy, cm: Colle
     sliced = [(k, d) for k, d in cut
               if cm.mode is Mode.SCATTER or k != cm.operand or cm.chunks > 1]
     place_bytes += sum(2 * math.prod(local[k]) * itemsize(node.in_avals[k][1]) for k, _ in sliced)
-    return overlap.Chunked(matmul_s, place_bytes / mesh.profile.achieved_hbm_bytes_per_s, pieces)
+    carried_value = out if cm.mode is Mode.SCATTER else graph.values[node.ins[cm.operand]]
+    carried = (piece_bytes if cm.mode is Mode.SCATTER
+               else math.prod(local[cm.operand]) * carried_value.itemsize)
+    other = []
+    wire = mesh.wire_itemsize(carried_value)
+    if cm.mode is not Mode.SCATTER and wire != carried_value.itemsize:
+        other += [carried * (1 + wire / carried_value.itemsize)] * 2
+    if cm.keep:
+        other.append(2 * carried)
+    hbm = mesh.profile.achieved_hbm_bytes_per_s
+    return overlap.Chunked(matmul_s, place_bytes / hbm, pieces, tuple(b / hbm for b in other))
 
 
 def with_collective_matmuls(graph: Graph, strats: list[list[Strategy]], mesh: MeshContext

@@ -4,6 +4,10 @@ so its shardings over them hold inside), running a ``fori_loop`` of ring steps: 
 ``ppermute`` is issued before the step's partial matmul and used by the next step, so a
 latency-hiding scheduler overlaps them.
 
+A gather that keeps its operand (``CollectiveMatmul.keep``) also writes each arrived piece
+into the gathered operand and returns it second; the emitter hands it to the later readers
+that want the operand gathered (``Rewrite.keeps``).
+
 The region is differentiable: a custom VJP saves only its operands' blocks and
 differentiates the plain form (all-gather then dot, or dot then reduce-scatter), where
 autodiff of the loop would keep every arrived block. Importing this module registers the
@@ -42,10 +46,12 @@ def _ring(n: int, shift: int) -> list[tuple[int, int]]:
 
 
 class _Ring:
-    """One region's local view: the axis, its size, this device's index, and the dot."""
+    """One region's local view: the axis, its size, this device's index, the dot, and how
+    the result and the kept operand are pinned over the other axes."""
 
-    def __init__(self, cm: CollectiveMatmul, n: int, dot, pin, me):
-        self.cm, self.n, self.dot, self.pin, self.me = cm, n, dot, pin, me
+    def __init__(self, cm: CollectiveMatmul, n: int, dot, pin, pin_kept, me):
+        self.cm, self.n, self.dot, self.pin, self.pin_kept, self.me = (
+            cm, n, dot, pin, pin_kept, me)
 
     def send(self, x, shift: int):
         return lax.ppermute(x, self.cm.axis, _ring(self.n, shift))
@@ -61,7 +67,8 @@ def _halves(x, dim: int, parts: int) -> list:
 
 def _gather(ring: _Ring, a, b):
     """All-gather of the operand ``cm.operand`` (on ``cm.dim``) fused with the dot: each
-    arrived piece's product fills its result slice (free dim) or is added (contracting)."""
+    arrived piece's product fills its result slice (free dim) or is added (contracting).
+    The result, and with ``cm.keep`` the gathered operand too."""
     cm, n, me = ring.cm, ring.n, ring.me
     chunk, other = (a, b) if cm.operand == 0 else (b, a)
     parts = 2 if cm.bidirectional else 1
@@ -83,6 +90,9 @@ def _gather(ring: _Ring, a, b):
     else:
         acc_dtype = _accumulator(probe.dtype)
     out = ring.pin(jnp.zeros(shape, acc_dtype))
+    whole = list(chunk.shape)
+    whole[cm.dim] *= n
+    kept = ring.pin_kept(jnp.zeros(whole, chunk.dtype)) if cm.keep else None
 
     def add(out, piece, src, half):
         y = product(piece, src, half)
@@ -90,20 +100,26 @@ def _gather(ring: _Ring, a, b):
             return lax.dynamic_update_slice_in_dim(out, y, src * block + half * size, cm.out_dim)
         return out + y.astype(acc_dtype)
 
-    def visit(out, pieces, k):
+    def visit(out, kept, pieces, k):
         # piece 0 (one-directional: the whole block) came from me - k, piece 1 from me + k
         sources = ((me - k) % n, (me + k) % n)
         for half, piece in enumerate(pieces):
             out = add(out, piece, sources[half], half)
-        return ring.pin(out)
+            if cm.keep:
+                kept = ring.pin_kept(lax.dynamic_update_slice_in_dim(
+                    kept, piece, sources[half] * block + half * size, cm.dim))
+        return ring.pin(out), kept
 
     def step(k, carry):
-        out, pieces = carry
+        out, kept, pieces = carry
         sent = tuple(ring.send(p, +1 if half == 0 else -1) for half, p in enumerate(pieces))
-        return visit(out, pieces, k), sent
+        return (*visit(out, kept, pieces, k), sent)
 
-    out, pieces = lax.fori_loop(0, n - 1, step, (out, tuple(_halves(chunk, cm.dim, parts))))
-    return visit(out, pieces, n - 1).astype(probe.dtype)
+    out, kept, pieces = lax.fori_loop(0, n - 1, step,
+                                      (out, kept, tuple(_halves(chunk, cm.dim, parts))))
+    out, kept = visit(out, kept, pieces, n - 1)
+    out = out.astype(probe.dtype)
+    return (out, kept) if cm.keep else out
 
 
 def _scatter(ring: _Ring, a, b):
@@ -141,7 +157,7 @@ def _plain(cm: CollectiveMatmul, dot, a, b):
         return lax.psum_scatter(dot(a, b), cm.axis, scatter_dimension=cm.out_dim, tiled=True)
     ops = [a, b]
     ops[cm.operand] = lax.all_gather(ops[cm.operand], cm.axis, axis=cm.dim, tiled=True)
-    return dot(*ops)
+    return (dot(*ops), ops[cm.operand]) if cm.keep else dot(*ops)
 
 
 def _accumulator(dtype):
@@ -154,14 +170,19 @@ def _accumulator(dtype):
 def region(cm: CollectiveMatmul, dot, mesh, pin_spec: PartitionSpec | None):
     """The collective matmul ``cm`` as a function of the two (global) operands, for ``mesh``;
     ``dot`` is the dot_general of the local blocks, ``pin_spec`` the spec the result blocks
-    keep over the other axes inside (None: nothing to pin)."""
+    keep over the other axes inside (None: no other axis, nothing to pin). With ``cm.keep`` it returns
+    (the result, the gathered operand)."""
     n = dict(zip(mesh.axis_names, mesh.devices.shape))[cm.axis]
 
     def pin(x):
         return x if pin_spec is None else lax.with_sharding_constraint(x, pin_spec)
 
+    def pin_kept(x):
+        return x if pin_spec is None else lax.with_sharding_constraint(
+            x, _auto(cm.gathered_spec(), cm.axis))
+
     def fast(a, b, index):
-        ring = _Ring(cm, n, dot, pin, index[0])
+        ring = _Ring(cm, n, dot, pin, pin_kept, index[0])
         return _scatter(ring, a, b) if cm.mode is Mode.SCATTER else _gather(ring, a, b)
 
     def backward(res, ct):
@@ -176,12 +197,15 @@ def region(cm: CollectiveMatmul, dot, mesh, pin_spec: PartitionSpec | None):
     region_fn = jax.shard_map(
         body, mesh=mesh,
         in_specs=(*(_manual(sp, cm.axis) for sp in cm.in_specs), PartitionSpec(cm.axis)),
-        out_specs=_manual(cm.out_spec, cm.axis), axis_names={cm.axis}, check_vma=False)
+        out_specs=((_manual(cm.out_spec, cm.axis), _manual(cm.gathered_spec(), cm.axis))
+                   if cm.keep else _manual(cm.out_spec, cm.axis)),
+        axis_names={cm.axis}, check_vma=False)
     return lambda a, b: region_fn(a, b, jnp.arange(n, dtype=jnp.int32))
 
 
 def emit(emitter, eqn, invals, rewrite) -> list:
-    """The ``passes.emit.REWRITES`` emitter of both collective-matmul kinds."""
+    """The ``passes.emit.REWRITES`` emitter of both collective-matmul kinds: the result, then
+    the kept operand if any."""
     cm = CollectiveMatmul.from_rewrite(rewrite)
     params = eqn.primitive.get_bind_params(eqn.params)
 
@@ -191,7 +215,8 @@ def emit(emitter, eqn, invals, rewrite) -> list:
     others = [a for a, size in zip(emitter.mesh.axis_names, emitter.mesh.devices.shape)
               if a != cm.axis and size > 1]
     pin_spec = _auto(cm.out_spec, cm.axis) if others else None
-    return [region(cm, dot, emitter.mesh, pin_spec)(*invals)]
+    out = region(cm, dot, emitter.mesh, pin_spec)(*invals)
+    return list(out) if cm.keep else [out]
 
 
 REWRITES[RewriteKind.ALL_GATHER_MATMUL] = emit

@@ -134,6 +134,39 @@ def test_random_programs_with_rewrites_match_one_device():
     assert taken >= 3
 
 
+def _gather_then_cumsum(x, w):
+    """A dot whose split operand another op reads later, whole (its cumulative sum)."""
+    return jnp.tanh(x @ w), jnp.cumsum(x, axis=0)
+
+
+def test_a_gathered_operand_is_kept_for_its_later_reader():
+    """The all-gather matmul returns the operand it gathers, and the later reader that wants it
+    gathered takes it: the ILP credits that move, the estimate charges none, and XLA compiles
+    no all-gather. Realistic shapes plan it on their own; tiny ones (forced) match one
+    device."""
+    shardings = dict(in_shardings=(PartitionSpec("model", None), PartitionSpec(None, "model")),
+                     out_shardings=(PartitionSpec(None, "model"), PartitionSpec()))
+    big = [jax.ShapeDtypeStruct((8192, 8192), jnp.float32)] * 2
+    plan = autopar.plan(_gather_then_cumsum, *big, mesh={"model": 8}, hardware="h100",
+                        verbose=False, **shardings)
+    graph, strats, choice, comms = plan._details
+    dot = next(n for n in graph.nodes if n.primitive is lax.dot_general_p)
+    rewrite = strats[dot.id][choice[dot.id]].rewrite
+    assert rewrite is not None and rewrite.keeps == ((0, Spec((D, D))),)
+    x = dot.ins[0]
+    cumsum = next(w for w, _ in graph.consumers()[x] if w != dot.id)
+    assert strats[cumsum][choice[cumsum]].in_specs[0] == Spec((D, D))
+    assert not [c for c in comms if c.reason == "reshard" and c.value == x]
+    text = plan.compile().as_text()
+    assert "collective-permute" in text
+    assert not re.search(r"\ball-gather(-start)?\(", text)
+    small = tuple(jax.random.normal(k, (16, 16)) for k in jax.random.split(jax.random.key(3)))
+    plan = _matches_one_device(_gather_then_cumsum, small, {"model": 8}, **shardings)
+    graph, strats, choice, _ = plan._details
+    assert any(s.rewrite is not None and s.rewrite.keeps
+               for s in (strats[n][choice[n]] for n in range(len(graph.nodes))))
+
+
 def test_overlap_off_and_cpu_offer_no_rewrite():
     """``overlap=False`` turns every rewrite off, and the cpu profile (collectives in line)
     never offers one, even forced."""
