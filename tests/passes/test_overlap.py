@@ -5,6 +5,7 @@ compiled program of a realistic-width plan holds the ring loops."""
 
 import dataclasses
 import functools
+import itertools
 import json
 import re
 import warnings
@@ -23,11 +24,16 @@ from autopar.cost_model.spec import Spec
 from autopar.cost_model.timeline import simulate
 from autopar.errors import ShardingConflictWarning, SolverFallbackWarning
 from autopar.models import bert, mlp
-from autopar.passes.overlap import regions
+from autopar.passes import estimate
+from autopar.passes.cluster import cluster
+from autopar.passes.ilp import IlpBuilder
+from autopar.passes.overlap import regions, with_collective_matmuls
+from autopar.passes.solve import solve
 from autopar.passes.overlap.collective_matmul import CollectiveMatmul, Mode, forced
 from tests.autopar.test_random_programs import MESHES as RANDOM_MESHES
 from autopar.cost_model.hlo_async import as_async
 from tests.autopar.test_random_programs import make_case, random_hints
+from tests.passes.test_propagate import _setup
 
 M, R, D = ("model",), ("data",), ()
 MATMUL = (((1,), (0,)), ((), ()))            # (B, K) @ (K, F)
@@ -63,17 +69,20 @@ def _placed(mesh, spec: Spec, x):
 
 
 def test_regions_match_the_dot(mesh_2d):
-    """Every case, one- and bidirectional, in one program (one compile): forward, gradients
-    through the custom VJP, and no all-gather, reduce-scatter or all-reduce compiled."""
-    regs, dots, args, refs = [], [], [], []
-    keys = iter(jax.random.split(jax.random.key(0), 4 * len(CASES)))
+    """Every case, one- and bidirectional, gathers also keeping their operand, in one program
+    (one compile): forward, the kept operand, gradients through the custom VJP, and no
+    all-gather, reduce-scatter or all-reduce compiled."""
+    regs, dots, args, refs, cms = [], [], [], [], []
+    keys = iter(jax.random.split(jax.random.key(0), 8 * len(CASES)))
     for dn, lhs_shape, rhs_shape, fields in CASES.values():
         dot = functools.partial(lax.dot_general, dimension_numbers=dn,
                                 precision=lax.Precision.HIGHEST)
-        for bidirectional in (False, True):
-            cm = CollectiveMatmul(axis="model", bidirectional=bidirectional, **fields)
+        for bidirectional, keep in itertools.product(
+                (False, True), (False,) if fields["mode"] is Mode.SCATTER else (False, True)):
+            cm = CollectiveMatmul(axis="model", bidirectional=bidirectional, keep=keep, **fields)
             regs.append(regions.region(cm, dot, mesh_2d, regions._auto(cm.out_spec, "model")))
             dots.append(dot)
+            cms.append(cm)
             a, b = (jax.random.normal(next(keys), lhs_shape),
                     jax.random.normal(next(keys), rhs_shape))
             refs.append((a, b))
@@ -83,10 +92,15 @@ def test_regions_match_the_dot(mesh_2d):
         return [f(a, b) for f, (a, b) in zip(fs, args)]
 
     def loss(fs, args):
-        return sum(jnp.sum(jnp.sin(y)) * (i + 1) for i, y in enumerate(run(fs, args)))
+        return sum(jnp.sum(jnp.sin(y[0] if isinstance(y, tuple) else y)) * (i + 1)
+                   for i, y in enumerate(run(fs, args)))
 
     forward = jax.jit(functools.partial(run, regs)).lower(args).compile()
-    for got, dot, (a, b) in zip(forward(args), dots, refs):
+    for got, dot, (a, b), cm in zip(forward(args), dots, refs, cms):
+        if cm.keep:
+            got, kept = got
+            np.testing.assert_array_equal(kept, (a, b)[cm.operand])
+            assert kept.sharding.spec == cm.gathered_spec().to_partition_spec()
         np.testing.assert_allclose(got, dot(a, b), rtol=1e-5, atol=1e-5)
     text = forward.as_text()
     assert "collective-permute" in text
@@ -165,6 +179,26 @@ def test_a_gathered_operand_is_kept_for_its_later_reader():
     graph, strats, choice, _ = plan._details
     assert any(s.rewrite is not None and s.rewrite.keeps
                for s in (strats[n][choice[n]] for n in range(len(graph.nodes))))
+
+
+def test_the_ilp_credits_the_kept_operand():
+    """The ILP without a reference plan prices the plan with the kept gather at its serial
+    time: the later reader's move into the gathered spec is paid by the ring, not again."""
+    big = [jax.ShapeDtypeStruct((8192, 8192), jnp.float32)] * 2
+    _, graph, strats, mesh, _ = _setup(
+        _gather_then_cumsum, big, (PartitionSpec("model", None), PartitionSpec(None, "model")),
+        (PartitionSpec(None, "model"), PartitionSpec()), mesh={"model": 8})
+    strats = with_collective_matmuls(graph, strats, mesh)
+    groups = cluster(graph, strats, mesh)
+    choice = solve(graph, strats, groups, mesh).choice
+    assert any(strats[n][choice[n]].rewrite is not None and strats[n][choice[n]].rewrite.keeps
+               for n in range(len(graph.nodes)))
+    comms = estimate.plan_collectives(graph, strats, choice, mesh)
+    assert not [c for c in comms if c.reason == "reshard" and c.step.wire_bytes]
+    serial = sum(strats[n.id][choice[n.id]].compute_s * n.trip_count for n in graph.nodes) + sum(
+        c.time_s * c.trips for c in comms)
+    ilp = IlpBuilder(graph, strats, groups, mesh).build()
+    assert ilp.matrices()[0] @ ilp.point(choice) / 1e6 == pytest.approx(serial, rel=1e-6)
 
 
 def test_overlap_off_and_cpu_offer_no_rewrite():
