@@ -217,6 +217,8 @@ def record(context: PipelineContext | None, est: Estimate) -> dict | None:
             "activation_bytes": chosen.activation_bytes,
             "flops": chosen.flops, "comm_bytes": chosen.comm_bytes,
             "sends": chosen.sends, "send_bytes": chosen.send_bytes,
+            "layer_collectives": {kind: (count, nbytes)
+                                  for kind, count, nbytes in chosen.layer_collectives},
             "stage_peak_bytes": [est.peak_memory_bytes] * chosen.stages,
             "inner": None if chosen.inner is None else _inner_record(chosen.inner)}
 

@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from autopar.cost_model.hardware import axis_levels
+from autopar.passes.estimate import by_kind
 from autopar.passes.stages import split
 from autopar.passes.stages.prepare import Inner
 from autopar.passes.stages.search import LayerPlan
@@ -76,6 +77,14 @@ def _kept_bytes(layer: Callable, args: list) -> int:
     return max(total - own, 0)
 
 
+def _widening(dtype, mesh: Mesh) -> int:
+    """How much wider a collective moves ``dtype`` than it is: XLA:CPU carries 16-bit floats
+    as float32 (as ``MeshContext.upcast_16bit_collectives`` prices them)."""
+    dtype = np.dtype(dtype)
+    cpu = mesh.devices.flat[0].platform == "cpu"
+    return 2 if cpu and dtype.itemsize == 2 and jax.dtypes.issubdtype(dtype, np.floating) else 1
+
+
 def _per_device_bytes(struct, spec, sizes: dict[str, int]) -> int:
     shards = 1
     for entry in (spec or ()):
@@ -104,13 +113,17 @@ def layer_planner(mesh: Mesh, axis: str, profile, axis_level_overrides, plan: Ca
         inner = Inner(consts=tuple(specs[:n]), carry=specs[n],
                       xs=tuple(specs[n + 1:n + 1 + len(args[2])]))
         carry = _per_device_bytes(args[1], inner.carry, sizes)
+        sent = carry * _widening(args[1].dtype, mesh)
         # the kept activations split as the layer's work does: over every other device
         kept = max(_kept_bytes(layer, args) // inner_mesh.devices.size, carry)
         return LayerPlan(inner=inner if inner_mesh.devices.size > 1 else None,
                          time_s=planned.estimate.step_time_s, kept_bytes=int(kept),
                          carry_bytes=carry,
-                         hop_s=level.latency_s + carry / level.bandwidth_bytes_per_s,
+                         hop_s=level.latency_s + sent / level.bandwidth_bytes_per_s,
+                         send_bytes=sent,
                          devices=inner_mesh.devices.size, flops=planned.estimate.flops,
-                         comm_bytes=planned.estimate.comm_bytes)
+                         comm_bytes=planned.estimate.comm_bytes,
+                         comm_by_kind=tuple((kind, count, nbytes) for kind, (count, nbytes)
+                                            in by_kind(planned._details[3]).items()))
 
     return plan_layer

@@ -23,34 +23,31 @@ compiled peak.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from autopar._sizes import format_bytes, format_flops
 from autopar._stack import with_roomy_stack
 from autopar.cost_model.hlo import CollectiveKind, analyze, permute_loops
+from autopar.passes.estimate import by_kind
 from autopar.passes.stages.schedules import Schedule, tick_loops
 
 #: Compiled wire bytes of a kind over this multiple of the prediction are flagged.
 _EXCESS = 1.10
 
 
-def predicted_by_kind(comms) -> dict[str, tuple[int, float]]:
-    """Kind -> (executions per call, wire bytes per device) of the plan's collectives."""
-    totals = defaultdict(lambda: [0, 0.0])
-    for c in comms:
-        if c.step.kind is not None and c.step.wire_bytes:
-            totals[c.step.kind.value][0] += c.trips
-            totals[c.step.kind.value][1] += c.step.wire_bytes * c.trips
-    return {k: (n, b) for k, (n, b) in totals.items()}
-
-
-def _with_sends(predicted: dict, pipeline: dict | None) -> dict[str, tuple[int, float]]:
-    """``predicted`` with a pipelined stack's stage-to-stage sends as collective-permutes."""
-    if not pipeline or not pipeline.get("sends"):
+def _with_stages(predicted: dict, pipeline: dict | None) -> dict[str, tuple[int, float]]:
+    """``predicted`` with a pipelined stack's collectives: its layers' own, as its loops run
+    them, and its stage-to-stage sends as collective-permutes."""
+    if not pipeline:
         return predicted
-    kind = CollectiveKind.COLLECTIVE_PERMUTE.value
-    count, nbytes = predicted.get(kind, (0, 0.0))
-    return {**predicted, kind: (count + pipeline["sends"], nbytes + pipeline["send_bytes"])}
+    out = dict(predicted)
+    extra = dict(pipeline.get("layer_collectives") or {})
+    if pipeline.get("sends"):
+        count, nbytes = extra.get(CollectiveKind.COLLECTIVE_PERMUTE.value, (0, 0.0))
+        extra[CollectiveKind.COLLECTIVE_PERMUTE.value] = (count + pipeline["sends"],
+                                                          nbytes + pipeline["send_bytes"])
+    for kind, (count, nbytes) in extra.items():
+        have = out.get(kind, (0, 0.0))
+        out[kind] = (have[0] + count, have[1] + nbytes)
+    return out
 
 
 def flag_kinds(predicted: dict, compiled: dict) -> dict[str, str]:
@@ -79,6 +76,9 @@ def count_note(kind: str, predicted: tuple, compiled: tuple) -> str:
         return f"XLA compiled none of the {p_count} predicted"
     if p_bytes and abs(nbytes - p_bytes) <= (_EXCESS - 1) * p_bytes:
         return f"XLA's {kind} combiner merged {p_count} into {count}"
+    if nbytes > p_bytes:
+        return (f"{count} compiled, {p_count} predicted, "
+                f"{format_bytes(nbytes - p_bytes)} more bytes")
     return (f"XLA merged or removed some: {p_count} predicted, {count} compiled, "
             f"{format_bytes(p_bytes - nbytes)} fewer bytes")
 
@@ -95,12 +95,12 @@ def validate(plan) -> dict:
     """
     compiled_program = plan.compile()
     summary = analyze(compiled_program)
-    predicted = _with_sends(predicted_by_kind(plan._details[3]), plan.pipeline)
+    predicted = _with_stages(by_kind(plan._details[3]), plan.pipeline)
     compiled = {k.value: v for k, v in summary.by_kind().items()}
     flags = flag_kinds(predicted, compiled)
     if plan.pipeline is not None:
-        # The pipelined stack's layers' collectives are predicted as wire bytes, not by kind,
-        # and the reduction of its gradients over the other axes not at all: nothing to flag.
+        # The reduction of the pipelined stack's gradients over the other axes is not
+        # predicted: nothing to flag.
         flags = {}
     result = {
         "wire_bytes": (plan.estimate.comm_bytes, summary.wire_bytes),

@@ -58,7 +58,7 @@ LOOP_KERNELS = 3
 class Chunked:
     """The compute of a matmul cut into pieces: one piece's matmul, the kernel that puts its
     result in place (a slice update, or an add into an accumulator), how many pieces, and the
-    piece's other kernels (the copy of the block it carries to the next step, the update of a
+    piece's other kernels (the converts of a block carried wider on the wire, the update of a
     kept operand)."""
     matmul_s: float
     place_s: float

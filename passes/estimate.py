@@ -80,6 +80,17 @@ def _collectives(graph: Graph, strats, choice, mesh) -> list[ChosenComm]:
     return _with_combined_latency(out, mesh.levels, reduction_depths(graph))
 
 
+def by_kind(comms) -> dict[str, tuple[int, float]]:
+    """Kind -> (executions per call, wire bytes per device) of ``comms``."""
+    totals: dict[str, list] = {}
+    for c in comms:
+        if c.step.kind is not None and c.step.wire_bytes:
+            total = totals.setdefault(c.step.kind.value, [0, 0.0])
+            total[0] += c.trips
+            total[1] += c.step.wire_bytes * c.trips
+    return {k: (n, b) for k, (n, b) in totals.items()}
+
+
 def combiner_key(step: CommStep, trips: int, depth: int) -> tuple:
     """Reductions of partial results with equal keys are merged by XLA's combiner into one
     collective, which pays the latency once: one kind over the same devices, run as often, and

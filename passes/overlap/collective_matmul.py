@@ -10,11 +10,12 @@ Each has the specs of the pair it replaces at its boundary (the reshard and the 
 dot and its reduce-scatter), is priced by ``cost_model.overlap`` (only the communication its
 chunks do not hide is charged) and is emitted by ``passes.overlap.regions``.
 
-A gather whose operand other ops read later (in its jaxpr or one nested in it) also writes the blocks it
-receives into the gathered operand and returns it (``keep``, ``Rewrite.keeps``): a reader
-that wants it gathered, such as the backward pass's weight-gradient dot reading the forward
-activation, takes it with no all-gather of its own (Megatron's sequence parallelism keeps that
-input the same way). The ILP credits those readers' move when the dot takes the rewrite.
+A gather whose operand other ops read later (in its jaxpr or one nested in it) also writes
+the blocks it receives into the gathered operand and returns it (``keep``,
+``Rewrite.keeps``): a reader that wants it gathered, such as the backward pass's
+weight-gradient dot reading the forward activation, takes it with no all-gather of its own
+(Megatron's sequence parallelism keeps that input the same way). The ILP credits those
+readers' move when the dot takes the rewrite.
 """
 
 from __future__ import annotations
@@ -249,11 +250,11 @@ def _chunked(node: Node, graph: Graph, mesh: MeshContext, s: Strategy, cm: Colle
     own dims (it reads the whole uncut operand again), and the kernels placing its result:
     a slice written (free gather), or an accumulator read and written (float32 for 16-bit
     floats: contracting gather), or the arrived partial sum added (scatter); and slicing
-    its operand piece where the piece is cut from a block held whole; and each piece's copy
-    of the block it carries to the next step (the arrived operand piece, or the partial sum);
-    for a gathered piece that collectives move in a wider type (``MeshContext.wire_itemsize``),
-    its converts before it is sent and after it arrives (a partial sum is made and added in
-    the wider type); and, where the operand is kept, the update writing it there."""
+    its operand piece where the piece is cut from a block held whole; for a gathered piece
+    that collectives move in a wider type (``MeshContext.wire_itemsize``: XLA:CPU carries
+    bf16 as float32), its converts before it is sent and after it arrives (a scatter's
+    partial sum is made and added in the wider type); and, where the operand is kept, the
+    update writing each piece there."""
     local = [sp.local_shape(shape, mesh.axis_sizes)
              for sp, (shape, _) in zip(s.in_specs, node.in_avals)]
     cut = [(cm.operand, cm.dim)] if cm.mode is not Mode.SCATTER else list(cm.slices)
@@ -279,15 +280,15 @@ def _chunked(node: Node, graph: Graph, mesh: MeshContext, s: Strategy, cm: Colle
     sliced = [(k, d) for k, d in cut
               if cm.mode is Mode.SCATTER or k != cm.operand or cm.chunks > 1]
     place_bytes += sum(2 * math.prod(local[k]) * itemsize(node.in_avals[k][1]) for k, _ in sliced)
-    carried_value = out if cm.mode is Mode.SCATTER else graph.values[node.ins[cm.operand]]
-    carried = (piece_bytes if cm.mode is Mode.SCATTER
-               else math.prod(local[cm.operand]) * carried_value.itemsize)
     other = []
-    wire = mesh.wire_itemsize(carried_value)
-    if cm.mode is not Mode.SCATTER and wire != carried_value.itemsize:
-        other += [carried * (1 + wire / carried_value.itemsize)] * 2
-    if cm.keep:
-        other.append(2 * carried)
+    if cm.mode is not Mode.SCATTER:
+        value = graph.values[node.ins[cm.operand]]
+        piece = math.prod(local[cm.operand]) * value.itemsize
+        widened = mesh.wire_itemsize(value) / value.itemsize
+        if widened != 1:
+            other += [piece * (1 + widened)] * 2
+        if cm.keep:
+            other.append(2 * piece)
     hbm = mesh.profile.achieved_hbm_bytes_per_s
     return overlap.Chunked(matmul_s, place_bytes / hbm, pieces, tuple(b / hbm for b in other))
 

@@ -65,6 +65,8 @@ class StageChoice:
     comm_bytes: float = 0.0                    # of the pipelined stack, per device
     sends: int = 0                             # its stage-to-stage collective-permutes
     send_bytes: float = 0.0                    # and their bytes, per device
+    # its layers' collectives: ((kind, executions, wire bytes per device), ...)
+    layer_collectives: tuple[tuple[str, int, float], ...] = ()
     inner: Inner | None = None
 
 
@@ -106,6 +108,7 @@ class Prepared:
             comm_bytes=0.0 if priced is None else priced.comm_bytes,
             sends=0 if priced is None else priced.sends,
             send_bytes=0.0 if priced is None else priced.send_bytes,
+            layer_collectives=() if priced is None else priced.layer_collectives,
             inner=self.inner)
 
 

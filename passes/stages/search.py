@@ -57,6 +57,16 @@ class LayerPlan:
     devices: int = 1         # the devices of one stage (the other mesh axes)
     flops: float = 0.0       # forward and backward, per device
     comm_bytes: float = 0.0  # forward and backward, the layer's own collectives per device
+    # the same by kind: ((kind, executions, wire bytes per device), ...)
+    comm_by_kind: tuple[tuple[str, int, float], ...] = ()
+    # carry_bytes as the stage-to-stage permute moves it (XLA:CPU carries 16-bit floats as
+    # float32); None: carry_bytes
+    send_bytes: int | None = None
+
+    @property
+    def sent_bytes(self) -> int:
+        """The carried activation's bytes on the wire, per device."""
+        return self.carry_bytes if self.send_bytes is None else self.send_bytes
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,9 @@ class Priced:
     comm_bytes: float = 0.0
     sends: int = 0           # those stage-to-stage sends (collective-permutes) a device runs
     send_bytes: float = 0.0  # and their bytes, per device (part of comm_bytes)
+    # the layers' collectives by kind, as the emitted loops run them (bubbles included):
+    # ((kind, executions, wire bytes per device), ...)
+    layer_collectives: tuple[tuple[str, int, float], ...] = ()
 
 
 def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: int,
@@ -107,8 +120,10 @@ def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: 
         layers = n * layers_per_stage * FORWARD_SHARE
     return Priced(schedule=schedule, microbatches=microbatches, layer=layer, time_s=time_s,
                   activation_bytes=int(held), flops=layers * layer.flops,
-                  comm_bytes=layers * layer.comm_bytes + sends * layer.carry_bytes,
-                  sends=sends, send_bytes=sends * layer.carry_bytes)
+                  comm_bytes=layers * layer.comm_bytes + sends * layer.sent_bytes,
+                  sends=sends, send_bytes=sends * layer.sent_bytes,
+                  layer_collectives=tuple((kind, round(layers * count), layers * nbytes)
+                                          for kind, count, nbytes in layer.comm_by_kind))
 
 
 def best(options: list[Priced], budget_bytes: float | None) -> Priced:

@@ -2,11 +2,11 @@
 
 Over two nodes (``{"node": 2, "gpu": 8}``, ``node`` on InfiniBand, 16 simulated devices, run
 as a user runs the benchmark: ``python -m benchmarks.run --suite pipeline``), the program
-``pipeline="auto"`` chooses beats every hand-written plan that does not pipeline and fits in
-memory, priced from the compiled HLO on the h100 profile's link levels, and it pipelines over
-``node``: the pipelined program is faster, compiled, than autopar's best plan without one,
-with the collectives moved at the program's dtypes as a GPU moves them and as XLA:CPU widened
-them. Inside one node it does not pipeline."""
+``pipeline="auto"`` chooses beats every hand-written plan that fits in memory, priced from
+the compiled HLO on the h100 profile's link levels, with the collectives moved at the
+program's dtypes as a GPU moves them and as XLA:CPU widened them; of its two candidates,
+pipelined over ``node`` and not pipelined, it keeps the one whose compiled program is faster.
+Inside one node it does not pipeline."""
 
 import json
 import os
@@ -38,16 +38,21 @@ def two_node(tmp_path_factory):
     return row
 
 
+def _other_candidate(row) -> str:
+    """The program of the candidate ``auto`` did not keep."""
+    return ("autopar (no pipeline)" if row["pipeline"] is not None
+            else "autopar (pipelined over node)")
+
+
 def test_auto_beats_every_hand_written_plan_that_fits(two_node):
     row = two_node
-    chosen = row["pipeline"]
     assert {"none", "node"} <= set(row["pipeline_search"]), row["pipeline_search"]
-    assert chosen is not None and chosen["axis"] == "node", row["pipeline_search_compiled"]
-    assert chosen["bubble_fraction"] == row["bubble_formula"]
+    if row["pipeline"] is not None:
+        assert row["pipeline"]["bubble_fraction"] == row["bubble_formula"]
     programs = dict(row["programs"])
     mine = programs.pop("autopar")
     assert mine["fits"]
-    assert set(programs) >= {"autopar (no pipeline)", "dp(node)+fsdp(gpu)",
+    assert set(programs) >= {_other_candidate(row), "dp(node)+fsdp(gpu)",
                              "dp(node)+megatron(gpu)", "fsdp(all)"}
     for name, other in programs.items():
         if other["fits"]:
@@ -56,13 +61,20 @@ def test_auto_beats_every_hand_written_plan_that_fits(two_node):
 
 
 def test_auto_takes_the_faster_of_pipelining_over_the_slow_axis_or_not(two_node):
-    programs = two_node["programs"]
-    flat = programs["autopar (no pipeline)"]
-    assert flat["fits"]
-    compiled = two_node["pipeline_search_compiled"]
-    assert compiled["node"] < compiled["none"], compiled
-    assert programs["autopar"]["step_program_dtypes_s"] == pytest.approx(compiled["node"])
-    assert programs["autopar"]["step_program_dtypes_s"] < flat["step_program_dtypes_s"]
+    """The candidate whose compiled program simulates faster (collectives at bf16) is kept:
+    since the all-gather matmul's price counts XLA:CPU's converts (2026-11-28) that is the
+    plan without a pipeline (717 ms against 774 ms); before, it was the pipeline over
+    ``node`` (774 ms against 810 ms)."""
+    row = two_node
+    compiled = row["pipeline_search_compiled"]
+    faster = min(compiled, key=compiled.get)
+    assert (None if row["pipeline"] is None else row["pipeline"]["axis"]) == (
+        None if faster == "none" else faster), compiled
+    programs = row["programs"]
+    assert programs["autopar"]["step_program_dtypes_s"] == pytest.approx(compiled[faster])
+    other = programs[_other_candidate(row)]
+    assert other["fits"]
+    assert programs["autopar"]["step_program_dtypes_s"] < other["step_program_dtypes_s"]
 
 
 def test_inside_one_node_auto_does_not_pipeline():

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import autopar
-from autopar._validate import count_note, flag_kinds, validate, validation_table
+from autopar._validate import _with_stages, count_note, flag_kinds, validate, validation_table
 from autopar.cost_model.hlo import analyze
 from autopar.models import gpt, mlp
 
@@ -63,11 +63,23 @@ def test_validation_goes_into_the_report_json_and_html(gpt_plan):
     ((4, 100.0), (0, 0.0), "XLA compiled none of the 4 predicted"),
     ((4, 2048.0), (2, 1024.0), "XLA merged or removed some: 4 predicted, 2 compiled, "
                                "1.0 KiB fewer bytes"),
+    ((4, 1024.0), (2, 2048.0), "2 compiled, 4 predicted, 1.0 KiB more bytes"),
     ((2, 643.0), (13, 643.0), "13 compiled, 2 predicted, the same bytes: run in more steps "
                               "(a region's loop)"),
 ])
 def test_count_notes(predicted, compiled, note):
     assert count_note("all-reduce", predicted, compiled) == note
+
+
+def test_a_pipelined_stack_s_collectives_count_by_kind():
+    """Its layers' own collectives and its stage-to-stage sends join the plan's by kind."""
+    predicted = {"all-reduce": (2, 100.0), "all-gather": (1, 10.0)}
+    pipeline = {"sends": 6, "send_bytes": 60.0,
+                "layer_collectives": {"all-reduce": (40, 4000.0),
+                                      "collective-permute": (2, 8.0)}}
+    assert _with_stages(predicted, pipeline) == {
+        "all-reduce": (42, 4100.0), "all-gather": (1, 10.0), "collective-permute": (8, 68.0)}
+    assert _with_stages(predicted, None) == predicted
 
 
 def _without_kind(plan, kind: str):

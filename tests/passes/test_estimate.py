@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import pytest
 
 import autopar
-from autopar._validate import flag_kinds, predicted_by_kind
+from autopar._validate import flag_kinds
+from autopar.passes.estimate import by_kind
 from autopar.passes.estimate import plan_peak_memory_bytes, value_specs
 from autopar.cost_model.hlo import analyze
 from autopar.passes.liveness import argument_and_result_bytes, memory_timeline
@@ -75,7 +76,7 @@ def test_argument_and_result_bytes_are_exact(case):
 
 def test_xla_adds_no_collective_the_plan_did_not_predict(case):
     compiled = {k.value: v for k, v in case.truth.by_kind().items()}
-    assert flag_kinds(predicted_by_kind(case.plan._details[3]), compiled) == {}
+    assert flag_kinds(by_kind(case.plan._details[3]), compiled) == {}
 
 
 def test_donated_state_is_counted_once_as_xla_aliases_it():

@@ -1,6 +1,8 @@
 """The pipeline-stage pass: schedule figures, the layer-stack split, and the batch-axis
 analysis that proves microbatching exact (or names the op that breaks it)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -211,6 +213,20 @@ def test_search_prices_each_schedule_by_its_emitted_loop(schedule, s, m, l, time
         tab = table(schedule, s, m)
         held = l * (tab.held * 100 + tab.pending_w * 10) + (tab.waiting_f + tab.waiting_b) * 10
     assert priced.activation_bytes == held
+
+
+@pytest.mark.parametrize("schedule", [G, F, Z])
+def test_search_counts_the_layers_collectives_and_sends_as_the_loops_run_them(schedule):
+    """A layer's own collectives by kind and its carry as sent (wider than held, as XLA:CPU
+    carries bf16) scale with the layer passes the emitted loops run, as its wire bytes do."""
+    layer = dataclasses.replace(LAYER, comm_bytes=96.0, send_bytes=20,
+                                comm_by_kind=(("all-reduce", 3, 64.0), ("all-gather", 1, 32.0)))
+    priced = search.price(schedule, 4, 8, 2, layer)
+    passes = (priced.comm_bytes - priced.sends * 20) / 96.0
+    assert priced.send_bytes == priced.sends * 20
+    assert dict((k, (n, b)) for k, n, b in priced.layer_collectives) == {
+        "all-reduce": (round(3 * passes), pytest.approx(64.0 * passes)),
+        "all-gather": (round(passes), pytest.approx(32.0 * passes))}
 
 
 def test_search_keeps_the_fastest_that_fits_else_the_smallest():
