@@ -121,11 +121,17 @@ class Emitter:
         out = []
         for x, a, p in zip(xs, atoms, positions):
             vid = self.vid(scope, a)
-            kept = next((self.kept[k] for k in ((scope[:n], vid, wanted[p])
-                                                 for n in range(len(scope), -1, -1))
-                         if k in self.kept), None)
+            kept = self._kept(scope, vid, wanted[p]) if self.kept else None
             out.append(self.move(x, vid, wanted[p]) if kept is None else kept)
         return out
+
+    def _kept(self, scope, vid, spec):
+        """The value ``vid`` in ``spec`` as a rewrite in ``scope`` or one enclosing it returned
+        it (:attr:`kept`), or None."""
+        for n in range(len(scope), -1, -1):
+            if (scope[:n], vid, spec) in self.kept:
+                return self.kept[scope[:n], vid, spec]
+        return None
 
     def pin_results(self, scope, outvars, vals):
         out = []

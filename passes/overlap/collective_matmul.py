@@ -133,9 +133,9 @@ def _read_later(node: Node, graph: Graph, pos: int) -> bool:
     """Whether operand ``pos`` of ``node`` has other readers, all ops later in its jaxpr or in
     jaxprs nested in it (where the region's second result can feed them)."""
     scopes = graph.scopes()
-    mine = scopes[node.id]
+    mine = scopes.get(node.id)
     others = [w for w, _ in graph.consumers()[node.ins[pos]] if w != node.id]
-    return bool(others) and all(
+    return mine is not None and bool(others) and all(
         w > node.id and w in scopes and scopes[w][:len(mine)] == mine for w in others)
 
 
