@@ -26,6 +26,7 @@ from autopar.passes.estimate import by_kind
 from autopar.passes.stages import split
 from autopar.passes.stages.prepare import Inner
 from autopar.passes.stages.search import LayerPlan
+from autopar.passes.strategies import wire_itemsize
 
 #: The ILP time limit of one layer's plan (the layer is small; it rarely needs it).
 LAYER_TIME_LIMIT_S = 20.0
@@ -77,14 +78,6 @@ def _kept_bytes(layer: Callable, args: list) -> int:
     return max(total - own, 0)
 
 
-def _widening(dtype, mesh: Mesh) -> int:
-    """How much wider a collective moves ``dtype`` than it is: XLA:CPU carries 16-bit floats
-    as float32 (as ``MeshContext.upcast_16bit_collectives`` prices them)."""
-    dtype = np.dtype(dtype)
-    cpu = mesh.devices.flat[0].platform == "cpu"
-    return 2 if cpu and dtype.itemsize == 2 and jax.dtypes.issubdtype(dtype, np.floating) else 1
-
-
 def _per_device_bytes(struct, spec, sizes: dict[str, int]) -> int:
     shards = 1
     for entry in (spec or ()):
@@ -113,7 +106,9 @@ def layer_planner(mesh: Mesh, axis: str, profile, axis_level_overrides, plan: Ca
         inner = Inner(consts=tuple(specs[:n]), carry=specs[n],
                       xs=tuple(specs[n + 1:n + 1 + len(args[2])]))
         carry = _per_device_bytes(args[1], inner.carry, sizes)
-        sent = carry * _widening(args[1].dtype, mesh)
+        # as the permute moves it: XLA:CPU carries 16-bit floats as float32
+        on_cpu = mesh.devices.flat[0].platform == "cpu"
+        sent = carry * wire_itemsize(args[1].dtype, on_cpu) // np.dtype(args[1].dtype).itemsize
         # the kept activations split as the layer's work does: over every other device
         kept = max(_kept_bytes(layer, args) // inner_mesh.devices.size, carry)
         return LayerPlan(inner=inner if inner_mesh.devices.size > 1 else None,

@@ -411,13 +411,25 @@ class IlpBuilder:
         pay that move for the value's other readers."""
         out: dict = {}
         for w, pos in readers:
+            keeps = self._keeps(w)
+            if not keeps:
+                continue
             base = self.offset[self.groups.group_of[w]]
             for i, j in enumerate(self.groups.index_map[w]):
-                rewrite = self.strats[w][j].rewrite
-                for p, spec in rewrite.keeps if rewrite is not None else ():
+                for p, spec in keeps.get(int(j), ()):
                     if p == pos:
                         out.setdefault(spec, {})[base + i] = 1.0
         return out
+
+    def _keeps(self, w) -> dict[int, tuple]:
+        """Strategy index -> its rewrite's ``keeps``, for node ``w``'s strategies that keep
+        something; memoized by strategy list (the copies of a layer share one)."""
+        memo = self._memo.setdefault("keeps", {})
+        own = self.strats[w]
+        if id(own) not in memo:
+            memo[id(own)] = {j: s.rewrite.keeps for j, s in enumerate(own)
+                             if s.rewrite is not None and s.rewrite.keeps}
+        return memo[id(own)]
 
     def _pair_indicators(self, u, k, w, pos) -> dict | None:
         """(u's out spec, w's in spec) -> a linear expression of the ILP's variables that is 1

@@ -35,6 +35,15 @@ from autopar.cost_model.spec import Spec, local_bytes, spec_fits
 from autopar.errors import UnsupportedPrimitiveWarning
 
 
+def wire_itemsize(dtype, upcast_16bit: bool) -> int:
+    """Bytes per element of a ``dtype`` array as collectives move it; ``upcast_16bit``:
+    16-bit floats move as float32 (XLA:CPU)."""
+    size = itemsize(dtype)
+    if upcast_16bit and size == 2 and jax.dtypes.issubdtype(dtype, np.floating):
+        return 4
+    return size
+
+
 @dataclass(frozen=True)
 class MeshContext:
     """The mesh as the planner sees it: axes in order, their sizes and interconnect levels,
@@ -61,11 +70,7 @@ class MeshContext:
 
     def dtype_wire_itemsize(self, dtype) -> int:
         """Bytes per element of a ``dtype`` array as collectives move it."""
-        size = itemsize(dtype)
-        if (self.upcast_16bit_collectives and size == 2
-                and jax.dtypes.issubdtype(dtype, np.floating)):
-            return 4
-        return size
+        return wire_itemsize(dtype, self.upcast_16bit_collectives)
 
     def reshard(self, src: Spec, dst: Spec, value: Value) -> tuple[CommStep, ...]:
         if value.recomputable or src == dst:
@@ -122,7 +127,8 @@ class Rewrite:
     axes: tuple[str, ...]
     params: tuple[tuple[str, object], ...] = ()
     #: (operand position, spec): operands the region also returns moved to that spec, so that
-    #: another reader of the value in that spec (in the same scope) takes it with no move
+    #: a later reader of the value in that spec (in the region's jaxpr or one nested in it)
+    #: takes it with no move
     keeps: tuple[tuple[int, Spec], ...] = ()
 
 

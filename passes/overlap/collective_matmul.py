@@ -114,9 +114,10 @@ def strategies(node: Node, graph: Graph, mesh: MeshContext, base: list[Strategy]
     if node.primitive is not lax.dot_general_p or any(v is None for v in node.ins):
         return []
     out, seen = [], set()
+    later = [_read_later(node, graph, k) for k in (0, 1)]
     for s in base:
         for cm in _decompositions(node, graph, mesh, s):
-            if cm.mode is not Mode.SCATTER and _read_later(node, graph, cm.operand):
+            if cm.mode is not Mode.SCATTER and later[cm.operand]:
                 cm = dataclasses.replace(cm, keep=True)
             key = (cm.in_specs, cm.out_spec)
             if key in seen:

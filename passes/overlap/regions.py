@@ -170,8 +170,8 @@ def _accumulator(dtype):
 def region(cm: CollectiveMatmul, dot, mesh, pin_spec: PartitionSpec | None):
     """The collective matmul ``cm`` as a function of the two (global) operands, for ``mesh``;
     ``dot`` is the dot_general of the local blocks, ``pin_spec`` the spec the result blocks
-    keep over the other axes inside (None: no other axis, nothing to pin). With ``cm.keep`` it returns
-    (the result, the gathered operand)."""
+    keep over the other axes inside (None: no other axis, nothing to pin). With ``cm.keep``
+    it returns (the result, the gathered operand)."""
     n = dict(zip(mesh.axis_names, mesh.devices.shape))[cm.axis]
 
     def pin(x):
