@@ -43,6 +43,7 @@ class Solution:
     source: Source = Source.ILP
     candidate: str = ""        # a propagated plan's name (passes.candidates.candidate_starts)
     overlap_solves: int = 0    # solves that priced overlap (passes.solve._with_overlap)
+    state_at_rest: int = 0     # state arrays kept in their update's sharding (passes.at_rest)
 
     @property
     def name(self) -> str:

@@ -4,7 +4,9 @@ The ILP (its formulation: ``passes.ilp``) is solved by HiGHS (``passes.highs``),
 the best of the propagated plans it is given (a warm start); a plan over the memory budget is
 refitted under it (``passes.memory_fit``). Then it is built again around its plan, with the
 communication that plan's timeline hides taken off, so that the objective prices the makespan,
-and solved again where that plan is not proven optimal (:func:`_with_overlap`). With no
+and solved again where that plan is not proven optimal (:func:`_with_overlap`); before that,
+state the plan gathers at the step's end is kept in its update's sharding where that shortens
+the makespan (``passes.at_rest``). With no
 solution in the time limit a greedy plan is used, and a warning says so.
 """
 
@@ -18,6 +20,7 @@ import scipy.optimize
 
 from autopar._sizes import format_bytes
 from autopar.errors import InfeasiblePlanError, SolverFallbackWarning
+from autopar.passes.at_rest import rest_in_update_sharding
 from autopar.passes.background import Deferred
 from autopar.passes.dedup import Groups
 from autopar.passes.estimate import hidden_comm, plan_makespan
@@ -115,6 +118,9 @@ def _with_overlap(builder: IlpBuilder, budget: BudgetRows | None, solution: Solu
     def makespan(choice):
         return plan_makespan(graph, strats, choice, mesh)[0]
 
+    if solution.fits_budget:
+        solution = _state_at_rest(builder, budget, solution, makespan)
+
     while True:
         overlap = IlpBuilder(graph, strats, groups, mesh, builder.preferences,
                              hidden_comm(graph, strats, solution.choice, mesh),
@@ -145,6 +151,23 @@ def _with_overlap(builder: IlpBuilder, budget: BudgetRows | None, solution: Solu
         if choice is None:
             return dataclasses.replace(solution, solve_time_s=took_s, overlap_solves=solved)
         solution = dataclasses.replace(solution, choice=choice, status=res.ending)
+
+
+def _state_at_rest(builder: IlpBuilder, budget: BudgetRows | None, solution: Solution,
+                   makespan) -> Solution:
+    """``solution`` with the state it gathers at the step's end kept between steps in its
+    update's sharding where that shortens the makespan and fits the memory budget
+    (``passes.at_rest``)."""
+    graph, strats, groups, mesh = builder.g, builder.strats, builder.groups, builder.mesh
+
+    def priced(choice):
+        if (budget is not None and choice is not solution.choice
+                and plan_peak(graph, strats, choice, mesh)[0] > budget.budget_bytes):
+            return float("inf")
+        return makespan(choice)
+
+    choice, moved = rest_in_update_sharding(graph, strats, groups, solution.choice, priced)
+    return dataclasses.replace(solution, choice=choice, state_at_rest=moved) if moved else solution
 
 
 def _keep_warm_start(res, start: tuple[np.ndarray, float], time_limit_s: float):
