@@ -6,8 +6,8 @@ refitted under it (``passes.memory_fit``). Then it is built again around its pla
 communication that plan's timeline hides taken off, so that the objective prices the makespan,
 and solved again where that plan is not proven optimal (:func:`_with_overlap`); before that,
 state the plan gathers at the step's end is kept in its update's sharding where that shortens
-the makespan (``passes.at_rest``). With no
-solution in the time limit a greedy plan is used, and a warning says so.
+the makespan (``passes.at_rest``). With no solution in the time limit a greedy plan is used,
+and a warning says so.
 """
 
 from __future__ import annotations
@@ -111,7 +111,9 @@ def _with_overlap(builder: IlpBuilder, budget: BudgetRows | None, solution: Solu
     becomes the reference only if its makespan is shorter by :data:`OVERLAP_MIN_GAIN` and it
     fits the memory budget; the loop ends when none does, after ``solves`` solves, or when
     less than :data:`OVERLAP_TIME_SHARE` of ``time_limit_s`` is left. A plan the ILP cannot
-    take as a point (none of a group's members has its strategy) keeps the serial objective."""
+    take as a point (none of a group's members has its strategy) keeps the serial objective.
+    A plan that fits the budget first keeps state in its update's sharding where that pays
+    (:func:`_state_at_rest`): the first reference is that plan."""
     graph, strats, groups, mesh = builder.g, builder.strats, builder.groups, builder.mesh
     took_s, solved = solution.solve_time_s, 0
 
