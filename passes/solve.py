@@ -20,7 +20,7 @@ import scipy.optimize
 
 from autopar._sizes import format_bytes
 from autopar.errors import InfeasiblePlanError, SolverFallbackWarning
-from autopar.passes.at_rest import rest_in_update_sharding
+from autopar.passes.at_rest import MAX_NODES as REST_MAX_NODES, rest_in_update_sharding
 from autopar.passes.background import Deferred
 from autopar.passes.dedup import Groups
 from autopar.passes.estimate import hidden_comm, plan_makespan
@@ -158,18 +158,19 @@ def _with_overlap(builder: IlpBuilder, budget: BudgetRows | None, solution: Solu
 def _state_at_rest(builder: IlpBuilder, budget: BudgetRows | None, solution: Solution,
                    makespan) -> Solution:
     """``solution`` with the state it gathers at the step's end kept between steps in its
-    update's sharding where that shortens the makespan and fits the memory budget
-    (``passes.at_rest``)."""
+    update's sharding where that shortens the makespan (``passes.at_rest``), if the plan
+    still fits the memory budget. Only where collectives run beside compute
+    (``HardwareProfile.async_collectives``): in line, a gather costs the same wherever it is;
+    and on graphs of at most ``passes.at_rest.MAX_NODES`` nodes."""
     graph, strats, groups, mesh = builder.g, builder.strats, builder.groups, builder.mesh
-
-    def priced(choice):
-        if (budget is not None and choice is not solution.choice
-                and plan_peak(graph, strats, choice, mesh)[0] > budget.budget_bytes):
-            return float("inf")
-        return makespan(choice)
-
-    choice, moved = rest_in_update_sharding(graph, strats, groups, solution.choice, priced)
-    return dataclasses.replace(solution, choice=choice, state_at_rest=moved) if moved else solution
+    if not mesh.profile.async_collectives or len(graph.nodes) > REST_MAX_NODES:
+        return solution
+    choice, moved = rest_in_update_sharding(graph, strats, groups, solution.choice, makespan,
+                                            hidden_comm(graph, strats, solution.choice, mesh))
+    if not moved or (budget is not None
+                     and plan_peak(graph, strats, choice, mesh)[0] > budget.budget_bytes):
+        return solution
+    return dataclasses.replace(solution, choice=choice, state_at_rest=moved)
 
 
 def _keep_warm_start(res, start: tuple[np.ndarray, float], time_limit_s: float):

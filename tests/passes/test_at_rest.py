@@ -45,14 +45,16 @@ def test_state_gathered_at_the_end_is_kept_in_its_update_sharding(monkeypatch):
 
 
 def test_a_plan_with_state_moved_matches_one_device(monkeypatch):
-    """Every candidate move taken (a makespan that prefers them), on a small GPT that runs:
-    the step's loss and new parameters and optimizer state are one device's."""
+    """Every candidate move taken (a makespan that prefers them, and every move counted as
+    exposed), on a small GPT that runs: the step's loss and new parameters and optimizer state
+    are one device's."""
     original = autopar.passes.solve.rest_in_update_sharding
 
-    def every_move(graph, strats, groups, choice, makespan):
+    def every_move(graph, strats, groups, choice, makespan, hidden):
         before = list(choice)
         return original(graph, strats, groups, choice,
-                        lambda c: -sum(a != b for a, b in zip(c, before)))
+                        lambda c: -sum(a != b for a, b in zip(c, before)),
+                        dataclasses.replace(hidden, reshards={}))
 
     monkeypatch.setattr(autopar.passes.solve, "rest_in_update_sharding", every_move)
     cfg = dataclasses.replace(gpt.TINY, hidden=256, seq=64, vocab=512)
