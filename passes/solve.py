@@ -158,19 +158,26 @@ def _with_overlap(builder: IlpBuilder, budget: BudgetRows | None, solution: Solu
 def _state_at_rest(builder: IlpBuilder, budget: BudgetRows | None, solution: Solution,
                    makespan) -> Solution:
     """``solution`` with the state it gathers at the step's end kept between steps in its
-    update's sharding where that shortens the makespan (``passes.at_rest``), if the plan
-    still fits the memory budget. Only where collectives run beside compute
-    (``HardwareProfile.async_collectives``): in line, a gather costs the same wherever it is;
-    and on graphs of at most ``passes.at_rest.MAX_NODES`` nodes."""
-    graph, strats, groups, mesh = builder.g, builder.strats, builder.groups, builder.mesh
-    if not mesh.profile.async_collectives or len(graph.nodes) > REST_MAX_NODES:
-        return solution
-    choice, moved = rest_in_update_sharding(graph, strats, groups, solution.choice, makespan,
-                                            hidden_comm(graph, strats, solution.choice, mesh))
+    update's sharding where that shortens the makespan (:func:`_rest_moves`), if the plan
+    still fits the memory budget."""
+    graph, strats, mesh = builder.g, builder.strats, builder.mesh
+    choice, moved = _rest_moves(builder, solution.choice, makespan)
     if not moved or (budget is not None
                      and plan_peak(graph, strats, choice, mesh)[0] > budget.budget_bytes):
         return solution
     return dataclasses.replace(solution, choice=choice, state_at_rest=moved)
+
+
+def _rest_moves(builder: IlpBuilder, choice: list[int], makespan) -> tuple[list[int], int]:
+    """(``choice`` with state kept in its update's sharding where that shortens ``makespan``,
+    the arrays moved: ``passes.at_rest``). Only where collectives run beside compute
+    (``HardwareProfile.async_collectives``): in line, a gather costs the same wherever it is;
+    and on graphs of at most ``passes.at_rest.MAX_NODES`` nodes."""
+    graph, strats, groups, mesh = builder.g, builder.strats, builder.groups, builder.mesh
+    if not mesh.profile.async_collectives or len(graph.nodes) > REST_MAX_NODES:
+        return choice, 0
+    return rest_in_update_sharding(graph, strats, groups, choice, makespan,
+                                   hidden_comm(graph, strats, choice, mesh))
 
 
 def _keep_warm_start(res, start: tuple[np.ndarray, float], time_limit_s: float):
@@ -217,15 +224,24 @@ def _solution(res, builder: IlpBuilder, took: float) -> Solution:
 
 def _fit(builder: IlpBuilder, budget: BudgetRows, solution: Solution, time_limit_s: float,
          progress) -> Solution:
-    """``solution``, or when it is over the budget, the plan the memory fit finds under it
-    (``passes.memory_fit.fit_budget``), else it marked as not fitting."""
+    """``solution``, or when it is over the budget, it with its state kept in its update's
+    sharding (:func:`_rest_moves`, which holds less between steps) when that fits, else the plan
+    the memory fit finds under it (``passes.memory_fit.fit_budget``; its ILP does not know
+    that move, which :func:`_with_overlap` then tries on the plan it finds), else it marked as
+    not fitting."""
     graph, strats, groups, mesh = builder.g, builder.strats, builder.groups, builder.mesh
     peak, t, copies = plan_peak(graph, strats, solution.choice, mesh)
     if peak <= budget.budget_bytes:
         return solution
+
+    choice, moved = _rest_moves(builder, solution.choice,
+                                lambda c: plan_makespan(graph, strats, c, mesh)[0])
+    if moved and plan_peak(graph, strats, choice, mesh)[0] <= budget.budget_bytes:
+        return dataclasses.replace(solution, choice=choice, state_at_rest=moved)
     progress(f"memory: the plan peaks at {format_bytes(peak)} at node {t}, over the budget "
              f"of {format_bytes(budget.budget_bytes)}")
     budget.cuts.append((t, copies))
+
     (least, least_choice), fitted = fit_budget(builder, budget, time_limit_s, solution.choice,
                                                solution.solve_time_s, solution.objective_us,
                                                progress)

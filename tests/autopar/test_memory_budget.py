@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import autopar
+import autopar.passes.at_rest
 from jax.sharding import PartitionSpec as P
 from autopar import baselines
 from autopar._mesh import as_auto_mesh
@@ -202,14 +203,20 @@ def test_remat_makes_a_budget_fit_that_no_sharding_does():
 
 
 @pytest.mark.parametrize("fraction,slower", [(0.98, 0.05), (0.95, 0.05), (0.9, 0.1)])
-def test_budget_just_under_the_fastest_peak_costs_little_time(fraction, slower):
+def test_budget_just_under_the_fastest_peak_costs_little_time(fraction, slower, monkeypatch):
     """A budget 2%, 5% or 10% under the fastest plan's predicted peak, without remat: the
     memory refit finds a plan that fits and is predicted at most 5% (10%) slower, rather than
     jumping to a much slower low-memory sharding. At 98% it took FSDP, 47% slower, when its
     penalty started at the sum of every cost; at 95% it took the same FSDP plan when the
     least-peak search, which prices no resharding, found no plan under the budget and the
     penalties were skipped; at 90% it took a plan 16% slower and 23% under the budget, the
-    penalties' first that fits, before the memory rows were solved as constraints."""
+    penalties' first that fits, before the memory rows were solved as constraints.
+
+    State at rest (``passes.at_rest``) is off: after the ILP, it keeps this plan's weights
+    split over ``data`` (8% less peak, 0.8% faster), a move the refit's ILP does not know, so
+    with it the fastest plan is not the ILP's (``tests/passes/test_at_rest.py`` checks the move
+    under a budget)."""
+    monkeypatch.setattr(autopar.passes.at_rest, "MAX_TRIED", 0)
     fn, args = gpt.make_train_step(dataclasses.replace(gpt.REALISTIC, layers=2), abstract=True)
     free = autopar.plan(fn, *args, mesh=MESH, hardware="h100")
     budget = fraction * free.estimate.peak_memory_bytes
