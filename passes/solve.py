@@ -233,7 +233,6 @@ def _fit(builder: IlpBuilder, budget: BudgetRows, solution: Solution, time_limit
     peak, t, copies = plan_peak(graph, strats, solution.choice, mesh)
     if peak <= budget.budget_bytes:
         return solution
-
     choice, moved = _rest_moves(builder, solution.choice,
                                 lambda c: plan_makespan(graph, strats, c, mesh)[0])
     if moved and plan_peak(graph, strats, choice, mesh)[0] <= budget.budget_bytes:
@@ -241,7 +240,6 @@ def _fit(builder: IlpBuilder, budget: BudgetRows, solution: Solution, time_limit
     progress(f"memory: the plan peaks at {format_bytes(peak)} at node {t}, over the budget "
              f"of {format_bytes(budget.budget_bytes)}")
     budget.cuts.append((t, copies))
-
     (least, least_choice), fitted = fit_budget(builder, budget, time_limit_s, solution.choice,
                                                solution.solve_time_s, solution.objective_us,
                                                progress)
