@@ -113,14 +113,15 @@ def _with_overlap(builder: IlpBuilder, budget: BudgetRows | None, solution: Solu
     less than :data:`OVERLAP_TIME_SHARE` of ``time_limit_s`` is left. A plan the ILP cannot
     take as a point (none of a group's members has its strategy) keeps the serial objective.
     A plan that fits the budget first keeps state in its update's sharding where that pays
-    (:func:`_state_at_rest`): the first reference is that plan."""
+    (:func:`_state_at_rest`, unless :func:`_fit` already did): the first reference is that
+    plan."""
     graph, strats, groups, mesh = builder.g, builder.strats, builder.groups, builder.mesh
     took_s, solved = solution.solve_time_s, 0
 
     def makespan(choice):
         return plan_makespan(graph, strats, choice, mesh)[0]
 
-    if solution.fits_budget:
+    if solution.fits_budget and not solution.state_at_rest:
         solution = _state_at_rest(builder, budget, solution, makespan)
 
     while True:
