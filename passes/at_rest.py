@@ -90,8 +90,7 @@ def rest_in_update_sharding(graph: Graph, strats, groups: Groups, choice: list[i
 
 #: State groups tried at most (each costs a simulation of the plan's timeline).
 MAX_TRIED = 32
-#: Graphs of more nodes are not tried: each try simulates the whole plan (0.9-1.1 s on the
-#: 96-layer GPT's 67,424 nodes, on a loaded 2-core machine), and there a weight gathered where
-#: the next step reads it queues with every other layer's at the step's start: none of its 4
-#: groups paid.
+#: Graphs of more nodes are not tried: each try simulates the whole plan, which takes seconds
+#: on a deep unrolled model, where a weight gathered where the next step reads it queues with
+#: every other layer's at the step's start and does not pay (docs/design.md, "State at rest").
 MAX_NODES = 20_000
