@@ -13,12 +13,16 @@ move one stage on and cotangents one stage back (``ppermute``) into buffers size
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core as jcore
+from jax.interpreters import partial_eval as pe
 
 from autopar.passes.stages import manual, split
 from autopar.passes.stages.prepare import Prepared
@@ -46,25 +50,33 @@ def tabled_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
 
 class _Residuals:
     """One layer's vjp residuals less the operands it reads as they are (the consts and its
-    weights, held anyway): what F stores per layer and microbatch, and how B and W rebuild the
-    layer's pullback from them. The recipe and tree are taken in the first trace of the
+    weights, held anyway) and those made from them alone (a weight cast to the compute type,
+    made again by B and W): what F stores per layer and microbatch, and how B and W rebuild
+    the layer's pullback from them. The recipe and tree are taken in the first trace of the
     layer's vjp and reused by later traces of the same layer."""
 
     def __init__(self, layer: Callable):
         self.layer = layer
         self.tree = None
-        self.recipe: list[tuple[bool, int]] = []   # (stored?, index) per pullback leaf
+        self.recipe: list[tuple[_Leaf, int]] = []   # (where from, index) per pullback leaf
+        self.again: _Again | None = None
 
     def forward(self, consts, x, x_l):
         """(y, stored residual leaves)."""
         y, pull = jax.vjp(self.layer, consts, x, x_l)
         leaves, tree = jax.tree.flatten(pull)
         ins = jax.tree.leaves((consts, x_l))
+        if self.again is None:
+            self.again = _Again.of(self.layer, consts, x, x_l, leaves, ins)
         recipe, stored = [], []
-        for leaf in leaves:
+        for n, leaf in enumerate(leaves):
             j = next((k for k, a in enumerate(ins) if leaf is a), None)
-            recipe.append((j is None, len(stored) if j is None else j))
-            if j is None:
+            if j is not None:
+                recipe.append((_Leaf.OPERAND, j))
+            elif n in self.again.leaves:
+                recipe.append((_Leaf.AGAIN, self.again.leaves.index(n)))
+            else:
+                recipe.append((_Leaf.STORED, len(stored)))
                 stored.append(leaf)
         if self.tree is None:
             self.tree, self.recipe = tree, recipe
@@ -73,8 +85,56 @@ class _Residuals:
 
     def pullback(self, consts, x_l, stored) -> Callable:
         ins = jax.tree.leaves((consts, x_l))
-        return jax.tree.unflatten(self.tree, [stored[j] if kept else ins[j]
-                                              for kept, j in self.recipe])
+        source = {_Leaf.OPERAND: ins, _Leaf.STORED: stored, _Leaf.AGAIN: self.again.make(ins)}
+        return jax.tree.unflatten(self.tree, [source[kind][j] for kind, j in self.recipe])
+
+
+class _Leaf(enum.Enum):
+    OPERAND = "an operand of the layer"
+    STORED = "stored by F"
+    AGAIN = "made again from the weights"
+
+
+@dataclass(frozen=True)
+class _Again:
+    """The residual leaves a layer makes from its consts and weights alone, not from its
+    activation (a weight cast to the compute type): B and W make them again rather than F
+    storing them per microbatch."""
+
+    jaxpr: jcore.ClosedJaxpr  # (the operands it reads) -> those leaves
+    reads: tuple[int, ...]    # the operands it reads: positions among the (consts, x_l) leaves
+    leaves: tuple[int, ...]   # the leaves it makes: positions among the pullback's
+
+    @staticmethod
+    def of(layer: Callable, consts, x, x_l, leaves, ins) -> _Again:
+        """Found in ``layer``'s vjp at (consts, x, x_l), whose pullback has ``leaves``; the
+        leaves that are operands (``ins``, the (consts, x_l) leaves) as they are are not
+        made again."""
+        def residuals(consts, x, x_l):
+            return jax.tree.leaves(jax.vjp(layer, consts, x, x_l)[1])
+
+        closed = jax.make_jaxpr(residuals)(consts, x, x_l)
+        if any(isinstance(c, jax.core.Tracer) for c in closed.consts):
+            return _Again(closed, (), ())   # it closes over traced values: store everything
+        jaxpr = closed.jaxpr
+        n_consts = len(jax.tree.leaves(consts))
+        assert len(jax.tree.leaves(x)) == 1, "a layer's activation is one array"
+        from_x = {jaxpr.invars[n_consts]}
+        for eqn in jaxpr.eqns:
+            if any(v in from_x for v in eqn.invars if isinstance(v, jcore.Var)):
+                from_x.update(eqn.outvars)
+        made = tuple(n for n, (v, leaf) in enumerate(zip(jaxpr.outvars, leaves, strict=True))
+                     if isinstance(v, jcore.Var) and v not in from_x
+                     and v not in jaxpr.invars and not any(leaf is a for a in ins))
+        again, used = pe.dce_jaxpr(jaxpr, [n in made for n in range(len(jaxpr.outvars))])
+        reads = tuple(k if k < n_consts else k - 1 for k, u in enumerate(used) if u)
+        return _Again(jcore.ClosedJaxpr(again, closed.consts), reads, made)
+
+    def make(self, ins: list) -> list:
+        """The leaves, from the (consts, x_l) leaves ``ins``."""
+        if not self.leaves:
+            return []
+        return jcore.jaxpr_as_fun(self.jaxpr)(*(ins[k] for k in self.reads))
 
 
 def _run_table(prep: Prepared, tab, kinds, rows: int, fixed) -> dict:

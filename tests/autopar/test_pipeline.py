@@ -396,10 +396,11 @@ def test_plain_jax_stack_with_a_shared_weight(schedule):
     _close(compiled(params, batch), expected)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_bfloat16_compute_pipelines(schedule):
     """bf16 activations cross the region's all-reduces (summed in float32: a bf16 all-reduce
-    in a partly manual shard_map crashes XLA:CPU); results agree to bf16 accuracy."""
+    in a partly manual shard_map crashes XLA:CPU); results agree to bf16 accuracy. (Under
+    zb-h1, B and W make the layers' bf16 weight casts again.)"""
     config = gpt.Config(scan_layers=True, layers=4, dtype=jnp.bfloat16)
     _, (params, _, batch) = gpt.make_train_step(config)
     loss_fn = gpt._loss_fn(config)

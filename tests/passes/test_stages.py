@@ -283,3 +283,32 @@ def test_a_padded_stack_passes_its_carry_through_the_pads():
     assert jnp.allclose(out, jnp.tanh(jnp.tanh(jnp.tanh(x * w[0]) * w[1]) * w[2]))
     assert split.padded(split.find_stack(jax.make_jaxpr(loss)(w, x), [True, False]), 3) \
         .positions is None
+
+
+def test_zb_h1_makes_weight_casts_again_rather_than_storing_them():
+    """F stores what a layer's pullback reads that depends on its activation; a weight cast to
+    the compute type (bf16 compute, float32 weights) is made again by B and W, and the rebuilt
+    pullback gives the layer's own cotangents."""
+    from autopar.passes.stages.tabled import _Leaf, _Residuals
+
+    def layer(consts, x, x_l):
+        (scale,) = consts
+        h = jnp.tanh(x @ x_l["w1"].astype(jnp.bfloat16))
+        return (h @ x_l["w2"].astype(jnp.bfloat16)) * scale.astype(jnp.bfloat16)
+
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    consts = [jnp.float32(0.5)]
+    x = jax.random.normal(k1, (4, 8), jnp.bfloat16)
+    x_l = {"w1": jax.random.normal(k2, (8, 16)), "w2": jax.random.normal(k3, (16, 8))}
+    res = _Residuals(layer)
+    y, stored = res.forward(consts, x, x_l)
+    kinds = [kind for kind, _ in res.recipe]
+    # the two bf16 weights (and the bf16 scale) are made again; the activation-dependent
+    # values are stored; none of the stored is weight-shaped
+    assert kinds.count(_Leaf.AGAIN) >= 2 and _Leaf.STORED in kinds, kinds
+    assert not any(s.shape in ((8, 16), (16, 8)) for s in stored), [s.shape for s in stored]
+    dy = jax.random.normal(jax.random.key(1), y.shape, y.dtype)
+    got = res.pullback(consts, x_l, stored)(dy)
+    want = jax.vjp(layer, consts, x, x_l)[1](dy)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype and jnp.array_equal(a, b)
