@@ -18,7 +18,7 @@ interleaved     (v M + S - 1) (l t / v + 2 h)   M l a n
 1f1b            (S - 1) (l t f + h)             (2S - 1) c + l a
                 + M (l t (1 + f) + 2 h)
                 + (S - 1) (l t + h)
-zb-h1           T (l t f + 2 h)                 R l a + P l c + (Q_f + Q_b) c
+zb-h1           sum_slots l t w + 2 T h         R l a + P l c + (Q_f + Q_b) c
 ==============  ==============================  ============================================
 
 with l stacked positions per stage, t one layer's forward and backward on a microbatch, h one hop, a
@@ -26,7 +26,9 @@ its kept activations, c one microbatch's activation entering a layer, n the devi
 stage, and f = 1/3 a forward's share of t (a matmul's backward is two matmuls of the
 forward's size). 1F1B's warmup ticks run forwards only, its cooldown ticks backwards only,
 and a backward re-runs the stage's forward from the stashed input. ZB-H1 runs the T slots of
-its table (:func:`.schedules.table`), each one F, B or W, and holds R microbatches'
+its table (:func:`.schedules.table`), each one F, B or W on every stage, a slot as long as
+the longest op in it: w is f for F and B, and 1 - f for W, which runs the layer's whole
+pullback and keeps the weight cotangents (:data:`SHARES`). It holds R microbatches'
 residuals, P microbatches' per-layer cotangents between B and W, and Q_f, Q_b received
 activations and cotangents (the table's buffer sizes). GPipe's backward is jax's
 autodiff through the region, whose residuals leave it replicated over the other mesh axes
@@ -38,11 +40,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.passes.stages.schedules import TABLED, Schedule, phases, stash_slots, table, ticks
+from autopar.passes.stages.schedules import (TABLED, Op, Schedule, phases, stash_slots, table,
+                                              ticks)
 
-#: The share of a layer's forward-and-backward time its forward takes, and each of ZB-H1's B
-#: and W (a matmul's backward is two matmuls of the forward's size).
+#: The share of a layer's forward-and-backward time its forward takes (a matmul's backward is
+#: two matmuls of the forward's size).
 FORWARD_SHARE = 1 / 3
+#: The share of it each op of a ZB-H1 slot takes: B computes the input cotangent alone; W
+#: runs the whole pullback and keeps the weight cotangents (the emitted loop hands W no
+#: cotangent from B: docs/pipeline.md, "What is left").
+SHARES = {Op.IDLE: 0.0, Op.F: FORWARD_SHARE, Op.B: FORWARD_SHARE, Op.W: 1 - FORWARD_SHARE}
 
 
 @dataclass(frozen=True)
@@ -113,11 +120,12 @@ def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: 
     else:
         assert schedule in TABLED, schedule
         tab = table(schedule, stages, microbatches)
-        time_s = n * (stage_s * FORWARD_SHARE + 2 * layer.hop_s)
+        longest = sum(max(SHARES[ops[t]] for ops in tab.ops) for t in range(tab.slots))
+        time_s = longest * stage_s + n * 2 * layer.hop_s
         held = (layers_per_stage * (tab.held * layer.kept_bytes
                                     + tab.pending_w * layer.carry_bytes)
                 + (tab.waiting_f + tab.waiting_b) * layer.carry_bytes)
-        layers = n * layers_per_stage * FORWARD_SHARE
+        layers = microbatches * layers_per_stage * sum(SHARES[op] for op in (Op.F, Op.B, Op.W))
     return Priced(schedule=schedule, microbatches=microbatches, layer=layer, time_s=time_s,
                   activation_bytes=int(held), flops=layers * layer.flops,
                   comm_bytes=layers * layer.comm_bytes + sends * layer.sent_bytes,
