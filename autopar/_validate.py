@@ -27,7 +27,7 @@ from autopar._sizes import format_bytes, format_flops
 from autopar._stack import with_roomy_stack
 from autopar.cost_model.hlo import CollectiveKind, analyze, permute_loops
 from autopar.passes.estimate import by_kind
-from autopar.passes.stages.schedules import Schedule, tick_loops
+from autopar.passes.stages.schedules import TABLED, Schedule, tick_loops
 
 #: Compiled wire bytes of a kind over this multiple of the prediction are flagged.
 _EXCESS = 1.10
@@ -114,6 +114,7 @@ def validate(plan) -> dict:
         "unexpected_kinds": sorted(flags),
         "pipeline": _pipeline(plan.pipeline, compiled_program.as_text(),
                               summary.peak_memory_bytes),
+        "measure_notes": _measure_notes(plan.pipeline),
     }
     plan.stats = {**plan.stats, "validation": result}   # this plan's own: copies share stats
     return result
@@ -132,6 +133,16 @@ def _pipeline(pipeline: dict | None, hlo_text: str, peak_bytes: int) -> dict | N
             "stage_peak_bytes": (max(pipeline["stage_peak_bytes"]), peak_bytes)}
 
 
+def _measure_notes(pipeline: dict | None) -> dict[str, str]:
+    """Why a measure of a tabled pipeline (ZB-H1) reads apart from its prediction."""
+    if pipeline is None or Schedule(pipeline["schedule"]) not in TABLED:
+        return {}
+    return {"flops": "compiled: each slot at its costliest branch (the last stage's F with "
+                     "the loss); a device runs one",
+            "peak_memory_bytes": "compiled: the slot's switch copies what it passes through "
+                                 "(docs/pipeline.md)"}
+
+
 def _ratio(predicted: float, compiled: float) -> str:
     return f"{predicted / compiled:.3f}" if compiled else "-"
 
@@ -146,7 +157,8 @@ def validation_rows(v: dict) -> list[tuple[str, str, str, str, str]]:
     rows = []
     for name, fmt in _UNITS.items():
         p, c = v[name]
-        rows.append((_NAMES[name], fmt(p), fmt(c), _ratio(p, c), ""))
+        rows.append((_NAMES[name], fmt(p), fmt(c), _ratio(p, c),
+                     (v.get("measure_notes") or {}).get(name, "")))
     for kind, ((pn, pb), (cn, cb)) in v["by_kind"].items():
         note = v["flags"].get(kind) or (v.get("notes") or {}).get(kind, "")
         if kind in v["flags"]:

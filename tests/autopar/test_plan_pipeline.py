@@ -94,6 +94,24 @@ def test_a_plan_balances_stages_its_layers_do_not_divide():
     assert checked["ticks"][0] == checked["ticks"][1]
 
 
+def test_a_zb_h1_plan_says_why_its_measures_read_apart(case):
+    """A tabled loop's compiled flops count each slot at its costliest branch, though a device
+    runs one branch a slot; validate() says so beside the ratio, and only for tabled loops."""
+    step, args, expected = case
+    plan = autopar.plan(step, *args, mesh={"stage": 4, "data": 2}, hardware="h100",
+                        pipeline=autopar.Pipeline(axis="stage", schedule="zb-h1"),
+                        verbose=False)
+    got = plan.jit()(*args)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y),
+                                                         rtol=2e-3, atol=2e-5), got, expected)
+    validated = plan.validate()
+    notes = {name: note for name, _, _, _, note in autopar._validate.validation_rows(validated)}
+    assert "costliest branch" in notes["flops"] and "copies" in notes["peak memory"]
+    assert "costliest branch" in plan.report()
+    assert autopar._validate._measure_notes({"schedule": "1f1b"}) == {}
+    assert autopar._validate._measure_notes(None) == {}
+
+
 def test_interleaved_plan_computes_the_single_device_step(case):
     step, args, expected = case
     plan = autopar.plan(step, *args, mesh={"stage": 2, "data": 2, "model": 2}, hardware="h100",
