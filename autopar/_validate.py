@@ -137,8 +137,8 @@ def _measure_notes(pipeline: dict | None) -> dict[str, str]:
     """Why a measure of a tabled pipeline (ZB-H1) reads apart from its prediction."""
     if pipeline is None or Schedule(pipeline["schedule"]) not in TABLED:
         return {}
-    return {"flops": "compiled: each slot at its costliest branch (the last stage's F with "
-                     "the loss); a device runs one",
+    return {"flops": "compiled: each slot at its costliest branch (W, or the last stage's F "
+                     "with the loss); a device runs one",
             "peak_memory_bytes": "compiled: the slot's switch copies what it passes through "
                                  "(docs/pipeline.md)"}
 
