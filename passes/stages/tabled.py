@@ -107,8 +107,8 @@ class _Again:
 
     @staticmethod
     def of(layer: Callable, consts, x, x_l, leaves, ins) -> _Again:
-        """Found in ``layer``'s vjp at (consts, x, x_l), whose pullback has ``leaves``; the
-        leaves that are operands (``ins``, the (consts, x_l) leaves) as they are are not
+        """Found in ``layer``'s vjp at (consts, x, x_l), whose pullback has ``leaves``;
+        leaves that are operands themselves (among ``ins``, the (consts, x_l) leaves) are not
         made again."""
         def residuals(consts, x, x_l):
             return jax.tree.leaves(jax.vjp(layer, consts, x, x_l)[1])
