@@ -12,6 +12,7 @@ from autopar.passes.stages import batch_axes, search, split
 from autopar.passes.stages.batch_axes import BatchSum, Mode
 from autopar.passes.stages.schedules import (TABLED, Op, Schedule, bubble_fraction, in_flight,
                                              slots, stash_slots, table, table_bubble, ticks)
+from autopar.passes.stages.tabled import _Leaf, _Residuals
 
 G, F, I, Z = Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZB_H1
 
@@ -293,8 +294,6 @@ def test_zb_h1_makes_weight_casts_again_rather_than_storing_them():
     """F stores what a layer's pullback reads that depends on its activation; a weight cast to
     the compute type (bf16 compute, float32 weights) is made again by B and W, and the rebuilt
     pullback gives the layer's own cotangents."""
-    from autopar.passes.stages.tabled import _Leaf, _Residuals
-
     def layer(consts, x, x_l):
         (scale,) = consts
         h = jnp.tanh(x @ x_l["w1"].astype(jnp.bfloat16))
