@@ -492,10 +492,14 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
                              else default_memory_budget_bytes(profile)),
         strict_budget=memory_budget is not None, remat=remat is True, progress=progress,
         overlap=overlap, pin_intermediates=pin_intermediates)
-    plan_layer = None if stages in (None, _pipeline.MARK) else _stage_plan.layer_planner(
-        jax_mesh, stages.axis, profile, axis_level_overrides, plan)
+    plan_layer = plan_post = None
+    if stages not in (None, _pipeline.MARK):
+        planner = (jax_mesh, stages.axis, profile, axis_level_overrides, plan)
+        plan_layer = _stage_plan.layer_planner(*planner)
+        plan_post = _stage_plan.post_planner(*planner)
     with _pipeline.planning(stages, jax_mesh, plan_layer,
-                            _activation_budget(example_args, jax_mesh, options)) as context:
+                            _activation_budget(example_args, jax_mesh, options),
+                            plan_post) as context:
         result = run_pipeline(traced_fn, example_args, options)
     graph, strats, choice = result.graph, result.strats, result.solution.choice
     comms = plan_collectives(graph, strats, choice, mesh_ctx)

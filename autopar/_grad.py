@@ -94,7 +94,7 @@ def _pipelined(fun: Callable, args: tuple, argnums, has_aux: bool, context) -> C
         return out_leaves
 
     prep = prepare.prepare(flat_fun, flat, is_param, context.request(), context.mesh, has_aux,
-                           context.plan_layer)
+                           context.plan_layer, context.plan_post)
     context.chosen.append(prep.choice())
     run = emit.pipelined(prep, context.mesh)
 

@@ -83,6 +83,7 @@ class PipelineContext:
     settings: Pipeline | None                 # None: only count the marked calls
     mesh: jax.sharding.Mesh
     plan_layer: Callable | None = None         # the stage search's layer planner
+    plan_post: Callable | None = None          # and its planner of the head and loss
     activation_budget_bytes: float | None = None
     calls: int = 0
     chosen: list[StageChoice] = field(default_factory=list)
@@ -106,17 +107,20 @@ _TRACE_KEY = trace_context_state(
 
 @contextlib.contextmanager
 def pipelining(settings: Pipeline, mesh: jax.sharding.Mesh, plan_layer: Callable | None = None,
-               activation_budget_bytes: float | None = None) -> Iterator[PipelineContext]:
+               activation_budget_bytes: float | None = None,
+               plan_post: Callable | None = None) -> Iterator[PipelineContext]:
     """Within this block, ``autopar.value_and_grad`` and ``autopar.grad`` pipeline their loss
     over ``mesh`` as ``settings`` ask. Yields the :class:`PipelineContext` (read ``calls``).
     ``plan_layer`` (``autopar._stage_plan.layer_planner``): plan and price each stage over the
     other mesh axes and let the stage search choose what ``settings`` leave open; without
-    it, stages run replicated over the other axes."""
+    it, stages run replicated over the other axes. ``plan_post``
+    (``autopar._stage_plan.post_planner``): plan and price the head and loss that 1F1B and
+    ZB-H1 run inside the region; without it, propagation splits them."""
     if not isinstance(settings, Pipeline) and settings is not MARK:
         raise ArgumentError(f"`pipelining(settings=...)` takes an `autopar.Pipeline`, not "
                             f"{type(settings).__name__}.")
     context = PipelineContext(settings=None if settings is MARK else settings, mesh=mesh,
-                              plan_layer=plan_layer,
+                              plan_layer=plan_layer, plan_post=plan_post,
                               activation_budget_bytes=activation_budget_bytes)
     token = _ACTIVE.set(context)
     try:
@@ -155,11 +159,11 @@ def requested(pipeline, mesh: jax.sharding.Mesh):
 
 
 def planning(settings: Pipeline | None, mesh: jax.sharding.Mesh, plan_layer=None,
-             activation_budget_bytes=None):
+             activation_budget_bytes=None, plan_post=None):
     """The context ``plan()`` traces the step in: :func:`pipelining`, or nothing."""
     if settings is None:
         return contextlib.nullcontext()
-    return pipelining(settings, mesh, plan_layer, activation_budget_bytes)
+    return pipelining(settings, mesh, plan_layer, activation_budget_bytes, plan_post)
 
 
 def marked(context: PipelineContext | None) -> bool:
@@ -220,11 +224,21 @@ def record(context: PipelineContext | None, est: Estimate) -> dict | None:
             "layer_collectives": {kind: (count, nbytes)
                                   for kind, count, nbytes in chosen.layer_collectives},
             "stage_peak_bytes": [est.peak_memory_bytes] * chosen.stages,
-            "inner": None if chosen.inner is None else _inner_record(chosen.inner)}
+            "inner": None if chosen.inner is None else _inner_record(chosen.inner),
+            "post": None if chosen.post is None else _post_record(chosen.post)}
+
+
+def _text(spec) -> str | None:
+    return None if spec is None else str(tuple(spec))
 
 
 def _inner_record(inner) -> dict:
-    def text(spec):
-        return None if spec is None else str(tuple(spec))
-    return {"consts": [text(s) for s in inner.consts], "carry": text(inner.carry),
-            "layer": [text(s) for s in inner.xs]}
+    return {"consts": [_text(s) for s in inner.consts], "carry": _text(inner.carry),
+            "layer": [_text(s) for s in inner.xs]}
+
+
+def _post_record(post) -> dict:
+    """The head and loss's plan: the spec of each flat input of the step's loss (None: not
+    read, or left to propagation) and of the stack's output, and its time per microbatch."""
+    return {"inputs": [_text(s) for s in post.ins], "output": _text(post.y),
+            "time_s": post.time_s}

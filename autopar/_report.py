@@ -173,6 +173,12 @@ def _pipeline_lines(pipeline: dict | None) -> list[str]:
         lines.append(f"  each stage splits {len(split)} of its {len(inner['layer'])} layer "
                      f"parameters over the other axes; a microbatch's activation is "
                      f"{inner['carry'] if inner['carry'] not in (None, '()') else 'replicated'}")
+    post = pipeline.get("post")
+    if post is not None:
+        split = [s for s in post["inputs"] if s not in (None, "()")]
+        lines.append(f"  the head and loss run in the region, {_fmt_s(post['time_s'])} a "
+                     f"microbatch; they split {len(split)} of their inputs over the other "
+                     f"axes")
     return lines
 
 

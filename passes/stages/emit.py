@@ -219,7 +219,7 @@ def _one_f_one_b_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
             if stop > first:  # one loop per phase: its ticks run no branch
                 one = functools.partial(tick, fixed, forward=forward, backward=backward)
                 end = _tick_loop(one, end, first, stop)
-        return manual.region_results(prep, end, held, end["d_mbs"])
+        return manual.region_results(prep, end, held, end["d_mbs"], kinds)
 
     return manual.run_region(body, prep, mesh, flat, kinds, consts, carry, xs)
 
@@ -239,17 +239,8 @@ def _one_f_one_b_tick(prep: Prepared, kinds, rows: int) -> Callable:
     axis, n_stages, n_micro = prep.axis, prep.stages, prep.microbatches
     n_slots = stash_slots(n_stages)
     stage = manual.stage(prep)
-    post = split.post_fn(prep.micro)
-    n_ys = len(prep.micro.eqn.outvars) - 1
     fwd_pairs = [(j, j + 1) for j in range(n_stages - 1)]
     bwd_pairs = [(j + 1, j) for j in range(n_stages - 1)]
-
-    def micro_loss(y, float_ins, other_ins, i):
-        its = {"float": iter(float_ins), "other": iter(other_ins), None: iter(())}
-        ins = [next(its[k], None) for k in kinds]
-        ins = [lax.dynamic_slice_in_dim(a, i * rows, rows, 0) if p and a is not None else a
-               for a, p in zip(ins, prep.per_example, strict=True)]
-        return post(ins, [y] + [None] * n_ys)[0].astype(jnp.float32)
 
     def masked_add(acc, new, keep):
         return jax.tree.map(lambda a, b: a + jnp.where(keep, b, jnp.zeros_like(b)), acc, new)
@@ -273,8 +264,9 @@ def _one_f_one_b_tick(prep: Prepared, kinds, rows: int) -> Callable:
             out["fwd"] = lax.ppermute(y, axis, fwd_pairs)
         ct = c["bwd"]
         if forward and backward:  # the last stage's loss: only in the steady phase
+            micro_loss = manual.micro_loss(prep, kinds, rows, other_ins)
             loss, (dy, d_post) = jax.value_and_grad(micro_loss, argnums=(0, 1))(
-                y, float_ins, other_ins, j_f)
+                y, float_ins, j_f)
             take = ok_f & last
             out["d_post"] = masked_add(c["d_post"], d_post, take)
             out["loss"] = c["loss"] + jnp.where(take, loss, 0.0)

@@ -1,5 +1,6 @@
 """Helpers for code inside a pipeline's ``jax.shard_map`` (manual over the stage axis only):
-varying values, float32 reductions, and the stage plan's specs over the other mesh axes."""
+varying values, float32 reductions, the stage plan's specs over the other mesh axes, and the
+head and loss a per-microbatch schedule runs there, in their own plan's specs."""
 
 from __future__ import annotations
 
@@ -87,13 +88,54 @@ def layer(prep: Prepared) -> Callable:
     return lambda consts, x, x_l: constrain(layer(consts, [constrain(x, carry)], x_l)[0], carry)
 
 
-def region_results(prep: Prepared, end: dict, held: Callable, d_mbs):
+def _post_specs(prep: Prepared, kinds) -> tuple[list, list]:
+    """The head and loss plan's specs of the flat inputs the region takes whole (not per
+    example), as ``(float_ins, other_ins)`` lists (None: left to propagation)."""
+    specs = [None] * len(kinds) if prep.post is None else prep.post.ins
+    whole = [None if p else sp for sp, p in zip(specs, prep.per_example, strict=True)]
+    return ([sp for sp, k in zip(whole, kinds, strict=True) if k == "float"],
+            [sp for sp, k in zip(whole, kinds, strict=True) if k == "other"])
+
+
+def post_held(prep: Prepared, kinds) -> Callable:
+    """``(float_ins, other_ins) -> same``, held in the head and loss plan's specs (a
+    per-example input is held at each microbatch's slice instead: :func:`micro_loss`)."""
+    floats, others = _post_specs(prep, kinds)
+    return lambda float_ins, other_ins: (
+        [constrain(a, sp) for a, sp in zip(float_ins, floats, strict=True)],
+        [constrain(a, sp) for a, sp in zip(other_ins, others, strict=True)])
+
+
+def micro_loss(prep: Prepared, kinds, rows: int, other_ins) -> Callable:
+    """``loss(y, float_ins, i)``: the code after the stack on microbatch ``i`` (``rows``
+    examples) as a float32 scalar, its inputs and ``y`` held in the head and loss plan's
+    specs. ``kinds``: per flat input, "float" or "other" (passed in ``float_ins`` or
+    ``other_ins``) or None (not read)."""
+    post = split.post_fn(prep.micro)
+    n_ys = len(prep.micro.eqn.outvars) - 1
+    specs = [None] * len(kinds) if prep.post is None else prep.post.ins
+    y_spec = None if prep.post is None else prep.post.y
+
+    def loss(y, float_ins, i):
+        its = {"float": iter(float_ins), "other": iter(other_ins), None: iter(())}
+        ins = [next(its[k], None) for k in kinds]
+        ins = [constrain(lax.dynamic_slice_in_dim(a, i * rows, rows, 0), sp)
+               if p and a is not None else a
+               for a, p, sp in zip(ins, prep.per_example, specs, strict=True)]
+        return post(ins, [constrain(y, y_spec)] + [None] * n_ys)[0].astype(jnp.float32)
+
+    return loss
+
+
+def region_results(prep: Prepared, end: dict, held: Callable, d_mbs, kinds):
     """A backward loop's results inside the region, summed over the stage axis and scaled by
-    the loss weight: (loss, d_post, d_consts, d_mbs, d_xs)."""
+    the loss weight, each held as the stage's or the head's plan holds it: (loss, d_post,
+    d_consts, d_mbs, d_xs)."""
     w, axis = prep.loss_weight, prep.axis
     d_consts, d_mbs, d_xs = held(psum(end["d_consts"], axis), psum(d_mbs, axis), end["d_xs"])
-    return (psum(end["loss"], axis) * w, jax.tree.map(lambda a: a * w, psum(end["d_post"], axis)),
-            d_consts, d_mbs, d_xs)
+    d_post = psum(jax.tree.map(lambda a: a * w, end["d_post"]), axis)
+    d_post = [constrain(d, sp) for d, sp in zip(d_post, _post_specs(prep, kinds)[0], strict=True)]
+    return psum(end["loss"], axis) * w, d_post, d_consts, d_mbs, d_xs
 
 
 def run_region(body: Callable, prep: Prepared, mesh, flat, kinds, consts, carry, xs):
@@ -103,8 +145,13 @@ def run_region(body: Callable, prep: Prepared, mesh, flat, kinds, consts, carry,
     float_ins = [a for a, k in zip(flat, kinds, strict=True) if k == "float"]
     other_ins = [a for a, k in zip(flat, kinds, strict=True) if k == "other"]
     mbs = carry.reshape(n_micro, carry.shape[0] // n_micro, *carry.shape[1:])
+    hold = post_held(prep, kinds)
+
+    def held_body(consts, mbs, xs, float_ins, other_ins):
+        return body(consts, mbs, xs, *hold(float_ins, other_ins))
+
     value, d_post, d_consts, d_mbs, d_xs = jax.shard_map(
-        body, mesh=mesh, in_specs=(P(), P(), P(axis), P(), P()),
+        held_body, mesh=mesh, in_specs=(P(), P(), P(axis), P(), P()),
         out_specs=(P(), P(), P(), P(), P(axis)), axis_names={axis},
     )(consts, mbs, xs, float_ins, other_ins)
     return value, d_post, d_consts, d_mbs.reshape(carry.shape), d_xs

@@ -48,6 +48,22 @@ class Inner:
 
 
 @dataclass(frozen=True)
+class Post:
+    """How the code after the layer stack (the head and the loss) runs on one microbatch
+    inside a schedule that computes the loss per microbatch (1F1B, ZB-H1), planned over the
+    mesh axes other than the stage axis: a ``PartitionSpec`` (over those axes only; None: not
+    read, or left to propagation) for each flat input, a per-example one at one microbatch's
+    rows, and one for the stack's output; with its forward and backward's time, flops and
+    wire bytes per device."""
+
+    ins: tuple
+    y: object
+    time_s: float = 0.0
+    flops: float = 0.0
+    comm_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
 class StageChoice:
     """What a pipelined loss runs: for the plan's record and reports."""
 
@@ -68,6 +84,7 @@ class StageChoice:
     # its layers' collectives: ((kind, executions, wire bytes per device), ...)
     layer_collectives: tuple[tuple[str, int, float], ...] = ()
     inner: Inner | None = None
+    post: Post | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +101,7 @@ class Prepared:
     loss_weight: float           # loss = weight * sum of the microbatch traces' losses
     virtual_stages: int = 1      # layer chunks per stage (interleaved)
     priced: search.Priced | None = None  # None: chosen without pricing (no layer planner)
+    post: Post | None = None     # the head and loss's plan (per-microbatch schedules only)
 
     @property
     def inner(self) -> Inner | None:
@@ -109,16 +127,20 @@ class Prepared:
             sends=0 if priced is None else priced.sends,
             send_bytes=0.0 if priced is None else priced.send_bytes,
             layer_collectives=() if priced is None else priced.layer_collectives,
-            inner=self.inner)
+            inner=self.inner, post=self.post)
 
 
 def prepare(fun: Callable, flat_args, is_param: list[bool], request: StageRequest, mesh,
             has_aux: bool,
-            plan_layer: Callable[[split.Stack], search.LayerPlan] | None = None) -> Prepared:
+            plan_layer: Callable[[split.Stack], search.LayerPlan] | None = None,
+            plan_post: Callable[[split.Stack, tuple[bool, ...]], Post] | None = None
+            ) -> Prepared:
     """Check ``fun`` (a function of ``flat_args``) and the request against ``mesh``, and
     settle what the request left open: with ``plan_layer`` (one layer traced on one
     microbatch -> its plan over the other mesh axes), by the stage search (:mod:`.search`);
-    without, the default microbatch count and 1f1b where it is exact."""
+    without, the default microbatch count and 1f1b where it is exact. ``plan_post`` (the
+    code after the stack traced on one microbatch -> its plan over the other mesh axes) plans
+    the head and loss that 1F1B and ZB-H1 run inside their region, and prices them."""
     if request.axis not in mesh.shape:
         raise PipelineError(
             f"`Pipeline(axis={request.axis!r})` names an axis the mesh lacks (its axes: "
@@ -160,16 +182,19 @@ def prepare(fun: Callable, flat_args, is_param: list[bool], request: StageReques
                             axis=request.axis, stages=stages, microbatches=micro_n,
                             schedule=schedule, loss_weight=weight, virtual_stages=virtual)
         layer = plan_layer(micro)
+        post = (plan_post(micro, per_example) if plan_post is not None
+                and any(s in search.PER_MICROBATCH for s, _ in feasible) else None)
         for schedule, weight in feasible:
-            priced = search.price(schedule, stages, micro_n, per_stage, layer, virtual)
-            options.append((priced, micro, weight))
+            own = post if schedule in search.PER_MICROBATCH else None
+            priced = search.price(schedule, stages, micro_n, per_stage, layer, virtual, own)
+            options.append((priced, micro, weight, own))
     chosen = search.best([o[0] for o in options], request.activation_budget_bytes)
-    _, micro, weight = next(o for o in options if o[0] is chosen)
+    _, micro, weight, post = next(o for o in options if o[0] is chosen)
     return Prepared(full=split.padded(full, stages * virtual),
                     micro=split.padded(micro, stages * virtual), per_example=per_example,
                     axis=request.axis, stages=stages, microbatches=chosen.microbatches,
                     schedule=chosen.schedule, loss_weight=weight, virtual_stages=virtual,
-                    priced=chosen)
+                    priced=chosen, post=post)
 
 
 def _batch_size(stack: split.Stack) -> int:

@@ -21,6 +21,11 @@ interleaved     (v M + S - 1) (l t / v + 2 h)   M l a n
 zb-h1           sum_slots l t w + 2 T h         R l a + P l c + (Q_f + Q_b) c
 ==============  ==============================  ============================================
 
+1F1B and ZB-H1 also run the head and the loss (the code after the stack) inside the region,
+on the last stage, once per microbatch: p, its forward and backward on one microbatch as
+planned over the other mesh axes. It lengthens each of 1F1B's M steady ticks (every stage
+waits for the last one's sends) and each ZB-H1 slot in which the last stage runs an F.
+
 with l stacked positions per stage, t one layer's forward and backward on a microbatch, h one hop, a
 its kept activations, c one microbatch's activation entering a layer, n the devices of a
 stage, and f = 1/3 a forward's share of t (a matmul's backward is two matmuls of the
@@ -50,6 +55,8 @@ FORWARD_SHARE = 1 / 3
 #: runs the whole pullback and keeps the weight cotangents (the emitted loop hands W no
 #: cotangent from B: docs/pipeline.md, "What is left").
 SHARES = {Op.IDLE: 0.0, Op.F: FORWARD_SHARE, Op.B: FORWARD_SHARE, Op.W: 1 - FORWARD_SHARE}
+#: The schedules that compute the loss per microbatch, inside their region.
+PER_MICROBATCH = frozenset({Schedule.ONE_F_ONE_B, *TABLED})
 
 
 @dataclass(frozen=True)
@@ -97,9 +104,12 @@ class Priced:
 
 
 def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: int,
-          layer: LayerPlan, virtual: int = 1) -> Priced:
+          layer: LayerPlan, virtual: int = 1, post=None) -> Priced:
     """``schedule`` with ``stages`` stages of ``layers_per_stage`` layers (in ``virtual``
-    chunks each, interleaved), priced."""
+    chunks each, interleaved), priced; ``post`` (a ``prepare.Post``, for the schedules of
+    :data:`PER_MICROBATCH`): the head and loss on one microbatch, which the region runs once
+    per microbatch on the last stage."""
+    post_s = 0.0 if post is None else post.time_s
     n = ticks(schedule, stages, microbatches, virtual)
     sends = 2 * n  # an activation on and a cotangent back per tick; 1F1B's ramps send one
     stage_s = layers_per_stage * layer.time_s / virtual
@@ -111,7 +121,7 @@ def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: 
         layers = n * layers_per_stage / virtual
     elif schedule is Schedule.ONE_F_ONE_B:
         forward_s, backward_s = stage_s * FORWARD_SHARE + layer.hop_s, stage_s + layer.hop_s
-        time_s = sum((stop - first) * (forward_s * f + backward_s * b)
+        time_s = sum((stop - first) * (forward_s * f + backward_s * b + post_s * f * b)
                      for first, stop, f, b in phases(stages, microbatches))
         held = stash_slots(stages) * layer.carry_bytes + layers_per_stage * layer.kept_bytes
         layers = layers_per_stage * sum((stop - first) * (FORWARD_SHARE * f + b)
@@ -120,15 +130,23 @@ def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: 
     else:
         assert schedule in TABLED, schedule
         tab = table(schedule, stages, microbatches)
-        longest = sum(max(SHARES[ops[t]] for ops in tab.ops) for t in range(tab.slots))
-        time_s = longest * stage_s + n * 2 * layer.hop_s
+        last = len(tab.ops) - 1
+
+        def op_s(s: int, op: Op) -> float:   # the last stage's F also runs the head
+            return SHARES[op] * stage_s + (post_s if s == last and op == Op.F else 0.0)
+
+        time_s = (sum(max(op_s(s, ops[t]) for s, ops in enumerate(tab.ops))
+                      for t in range(tab.slots)) + n * 2 * layer.hop_s)
         held = (layers_per_stage * (tab.held * layer.kept_bytes
                                     + tab.pending_w * layer.carry_bytes)
                 + (tab.waiting_f + tab.waiting_b) * layer.carry_bytes)
         layers = microbatches * layers_per_stage * sum(SHARES[op] for op in (Op.F, Op.B, Op.W))
+    head_flops = head_bytes = 0.0
+    if post is not None:   # the head and loss run once per microbatch
+        head_flops, head_bytes = microbatches * post.flops, microbatches * post.comm_bytes
     return Priced(schedule=schedule, microbatches=microbatches, layer=layer, time_s=time_s,
-                  activation_bytes=int(held), flops=layers * layer.flops,
-                  comm_bytes=layers * layer.comm_bytes + sends * layer.sent_bytes,
+                  activation_bytes=int(held), flops=layers * layer.flops + head_flops,
+                  comm_bytes=layers * layer.comm_bytes + sends * layer.sent_bytes + head_bytes,
                   sends=sends, send_bytes=sends * layer.sent_bytes,
                   layer_collectives=tuple((kind, round(layers * count), layers * nbytes)
                                           for kind, count, nbytes in layer.comm_by_kind))

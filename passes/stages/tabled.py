@@ -24,7 +24,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.interpreters import partial_eval as pe
 
-from autopar.passes.stages import manual, split
+from autopar.passes.stages import manual
 from autopar.passes.stages.prepare import Prepared
 from autopar.passes.stages.schedules import Op, table
 
@@ -43,7 +43,7 @@ def tabled_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
         end = _run_table(prep, tab, kinds, rows, (consts, mbs, xs, float_ins, other_ins))
         first = lax.axis_index(axis) == 0
         d_mbs = jnp.where(first, end["d_mbs"], jnp.zeros_like(end["d_mbs"]))
-        return manual.region_results(prep, end, held, d_mbs)
+        return manual.region_results(prep, end, held, d_mbs, kinds)
 
     return manual.run_region(body, prep, mesh, flat, kinds, consts, carry, xs)
 
@@ -146,8 +146,7 @@ def _run_table(prep: Prepared, tab, kinds, rows: int, fixed) -> dict:
     consts, mbs, xs, float_ins, other_ins = fixed
     s = lax.axis_index(axis)
     res = _Residuals(manual.layer(prep))
-    post = split.post_fn(prep.micro)
-    n_ys = len(prep.micro.eqn.outvars) - 1
+    micro_loss = manual.micro_loss(prep, kinds, rows, other_ins)
     ops = jnp.asarray(np.array(tab.ops, np.int32))
     micro = jnp.asarray(np.array(tab.micro, np.int32))
     # what arrives at stage s after slot t: stage s-1's F output, stage s+1's B output
@@ -162,13 +161,6 @@ def _run_table(prep: Prepared, tab, kinds, rows: int, fixed) -> dict:
         def one(h, x_l):
             return res.forward(consts, h, x_l)
         return lax.scan(one, x, xs)
-
-    def micro_loss(y, float_ins, i):
-        its = {"float": iter(float_ins), "other": iter(other_ins), None: iter(())}
-        ins = [next(its[k], None) for k in kinds]
-        ins = [lax.dynamic_slice_in_dim(a, i * rows, rows, 0) if p and a is not None else a
-               for a, p in zip(ins, prep.per_example, strict=True)]
-        return post(ins, [y] + [None] * n_ys)[0].astype(jnp.float32)
 
     def put(buf, value, i):
         return lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), i % buf.shape[0], 0)

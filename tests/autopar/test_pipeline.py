@@ -5,6 +5,7 @@ single-device step computes, runs the schedule's tick count, and 1F1B holds less
 import dataclasses
 import functools
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import autopar
 from autopar._pipeline import pipelining
+from autopar._stage_plan import post_planner
 from autopar.errors import ArgumentError, PipelineError
 from autopar.models import common, gpt, llama_nnx
 from autopar.passes.stages import search
@@ -212,6 +214,57 @@ def test_stages_split_over_the_other_axes_as_their_layer_plan_says(gpt_case, sch
     local = [m.groups() for m in re.finditer(r"= \w+\[(\d+),(\d+)\]\{[^}]*\} dot\(",
                                              compiled.as_text())]
     assert (str(rows // 2), str(3 * hidden // 2)) in local   # the qkv matmul
+
+
+def _head_plan(calls: list):
+    """``autopar.plan`` as ``autopar._stage_plan.post_planner`` calls it, choosing the tied
+    embedding split over ``model`` on its vocabulary and, unless pinned, the rows (the stack's
+    output and the targets) over ``data``: the plan XLA's partitioner aborts on inside the
+    region, which the planner must plan again with the rows whole."""
+    def plan(step, *args, mesh, in_shardings=None, **_):
+        calls.append(in_shardings)
+        leaves = jax.tree.leaves(args)
+        pins = (jax.tree.leaves(in_shardings, is_leaf=lambda x: x is None)
+                if in_shardings is not None else [None] * len(leaves))
+        specs = [pin if pin is not None
+                 else P("model") if tuple(a.shape) == (CONFIG.vocab, CONFIG.hidden)
+                 else P("data") if a.shape and a.shape[0] == CONFIG.batch // 4 else P()
+                 for a, pin in zip(leaves, pins, strict=True)]
+        return types.SimpleNamespace(
+            in_shardings=[jax.sharding.NamedSharding(mesh, s) for s in specs],
+            estimate=types.SimpleNamespace(step_time_s=1.0, flops=0.0, comm_bytes=0.0))
+    return plan
+
+
+def _whole_layer(micro):
+    """A stage plan that leaves the layers to propagation and holds the activation whole."""
+    n = micro.num_consts
+    inner = Inner(consts=(None,) * n, carry=P(), xs=(None,) * (len(micro.eqn.invars) - n - 1))
+    return search.LayerPlan(inner=inner, time_s=1.0, kept_bytes=1, carry_bytes=1, hop_s=0.0)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_the_head_splits_over_the_other_axes_as_its_plan_says(gpt_case, schedule):
+    """1F1B and ZB-H1 run the head and loss inside the region, held in their plan's specs:
+    the embedding split on its vocabulary, the rows whole (planned again: split with them,
+    XLA's partitioner aborts). No matmul there reads the whole vocabulary, and the step is
+    the single device's. (With the activation split over ``data`` by the stage's plan, XLA
+    splits the head's rows instead, and gathers the embedding.)"""
+    loss_fn, tx, args, expected = gpt_case
+    step = _step(autopar.value_and_grad, loss_fn, tx)
+    mesh = _mesh({"stage": 2, "data": 2, "model": 2})
+    calls = []
+    plan_post = post_planner(mesh, "stage", "h100", None, _head_plan(calls))
+    settings = autopar.Pipeline(schedule=schedule, microbatches=4)
+    with pipelining(settings, mesh, plan_layer=_whole_layer, plan_post=plan_post) as context:
+        compiled = jax.jit(step).lower(*args).compile()
+    post = context.chosen[0].post
+    assert len(calls) == 2 and calls[1] is not None        # planned again, the rows pinned
+    assert post.y == P() and sum(s == P("model") for s in post.ins) == 1
+    assert P("data") not in post.ins
+    _close(compiled(*args), expected)
+    dots = re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} dot\(", compiled.as_text())
+    assert dots and not [d for d in dots if str(CONFIG.vocab) in d.split(",")]
 
 
 # ----------------------------------------------------------------------------- compiled

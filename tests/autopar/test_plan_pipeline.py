@@ -73,6 +73,27 @@ def test_pipelined_plan_computes_the_single_device_step(case, mesh, schedule):
     assert rows[OTHER].compute_s + rows[OTHER].comm_s < 0.05 * plan.estimate.step_time_s
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_the_head_splits_over_the_other_axes_at_realistic_width(schedule):
+    """The scanned GPT at hidden 2048 with a 32768-word vocabulary on {stage: 4, data: 2},
+    compiled from abstract arguments: the region's head and loss are planned over ``data``,
+    and no matmul of the compiled program reads the whole vocabulary (each device computed
+    the whole microbatch's logits before: f32[2048,32768] dots)."""
+    config = gpt.Config(vocab=32768, seq=1024, hidden=2048, heads=16, layers=4, batch=16,
+                        dtype=jax.numpy.bfloat16, scan_layers=True)
+    tx = common.make_optimizer()
+    _, args = gpt.make_train_step(config, abstract=True, tx=tx)
+    step = _step(autopar.value_and_grad, gpt._loss_fn(config), tx)
+    plan = autopar.plan(step, *args, mesh={"stage": 4, "data": 2}, hardware="h100",
+                        pipeline=autopar.Pipeline(schedule=schedule, microbatches=8))
+    post = plan.pipeline["post"]
+    assert [s for s in post["inputs"] if s not in (None, "()")] == ["('data',)"]
+    assert "the head and loss run in the region" in plan.report()
+    dots = re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} dot\(", plan.compile().as_text())
+    assert dots and not [d for d in dots if "32768" in d.split(",")]
+    assert [d for d in dots if "16384" in d.split(",")]     # the head, split in two
+
+
 def test_a_plan_balances_stages_its_layers_do_not_divide():
     """6 layers on 4 stages, the schedule and microbatches left to the stage search: the
     stages hold 2, 2, 1 and 1 layers, priced and stacked as 2 each. (The parameters' layer

@@ -10,6 +10,7 @@ import pytest
 from autopar.errors import PipelineError
 from autopar.passes.stages import batch_axes, search, split
 from autopar.passes.stages.batch_axes import BatchSum, Mode
+from autopar.passes.stages.prepare import Post
 from autopar.passes.stages.schedules import (TABLED, Op, Schedule, bubble_fraction, in_flight,
                                              slots, stash_slots, table, table_bubble, ticks)
 from autopar.passes.stages.tabled import _Leaf, _Residuals
@@ -232,6 +233,22 @@ def test_search_counts_the_layers_collectives_and_sends_as_the_loops_run_them(sc
     assert dict((k, (n, b)) for k, n, b in priced.layer_collectives) == {
         "all-reduce": (round(3 * passes), pytest.approx(64.0 * passes)),
         "all-gather": (round(passes), pytest.approx(32.0 * passes))}
+
+
+@pytest.mark.parametrize("schedule", [F, Z])
+def test_search_prices_the_head_on_the_last_stage_once_a_microbatch(schedule):
+    """1F1B and ZB-H1 run the head and loss in the region: each of 1F1B's M steady ticks, and
+    each ZB-H1 slot whose last stage runs an F (one a microbatch), lasts the head longer
+    (a head that dwarfs the layers, in the slots); its flops and bytes count M times."""
+    def head(time_s):
+        return Post(ins=(), y=None, time_s=time_s, flops=7.0, comm_bytes=3.0)
+    base = search.price(schedule, 4, 8, 2, LAYER)
+    long, longer = (search.price(schedule, 4, 8, 2, LAYER, post=head(t)) for t in (10.0, 20.0))
+    assert longer.time_s - long.time_s == pytest.approx(8 * 10.0)
+    if schedule is F:
+        assert long.time_s == pytest.approx(base.time_s + 8 * 10.0)
+    assert (long.flops, long.comm_bytes) == pytest.approx(
+        (base.flops + 8 * 7.0, base.comm_bytes + 8 * 3.0))
 
 
 def test_search_keeps_the_fastest_that_fits_else_the_smallest():
