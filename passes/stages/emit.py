@@ -264,8 +264,7 @@ def _one_f_one_b_tick(prep: Prepared, kinds, rows: int) -> Callable:
             out["fwd"] = lax.ppermute(y, axis, fwd_pairs)
         ct = c["bwd"]
         if forward and backward:  # the last stage's loss: only in the steady phase
-            micro_loss = manual.micro_loss(prep, kinds, rows, other_ins)
-            loss, (dy, d_post) = jax.value_and_grad(micro_loss, argnums=(0, 1))(
+            loss, (dy, d_post) = manual.micro_loss(prep, kinds, rows, other_ins)(
                 y, float_ins, j_f)
             take = ok_f & last
             out["d_post"] = masked_add(c["d_post"], d_post, take)

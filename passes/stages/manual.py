@@ -107,14 +107,16 @@ def post_held(prep: Prepared, kinds) -> Callable:
 
 
 def micro_loss(prep: Prepared, kinds, rows: int, other_ins) -> Callable:
-    """``loss(y, float_ins, i)``: the code after the stack on microbatch ``i`` (``rows``
-    examples) as a float32 scalar, its inputs and ``y`` held in the head and loss plan's
-    specs. ``kinds``: per flat input, "float" or "other" (passed in ``float_ins`` or
-    ``other_ins``) or None (not read)."""
+    """``loss_and_grads(y, float_ins, i) -> (loss, (dy, d_float_ins))``: the code after the
+    stack on microbatch ``i`` (``rows`` examples) as a float32 scalar, and its gradient, each
+    input and its cotangent held in the head and loss plan's specs. ``kinds``: per flat
+    input, "float" or "other" (passed in ``float_ins`` or ``other_ins``) or None (not
+    read)."""
     post = split.post_fn(prep.micro)
     n_ys = len(prep.micro.eqn.outvars) - 1
     specs = [None] * len(kinds) if prep.post is None else prep.post.ins
     y_spec = None if prep.post is None else prep.post.y
+    floats = _post_specs(prep, kinds)[0]
 
     def loss(y, float_ins, i):
         its = {"float": iter(float_ins), "other": iter(other_ins), None: iter(())}
@@ -124,7 +126,12 @@ def micro_loss(prep: Prepared, kinds, rows: int, other_ins) -> Callable:
                for a, p, sp in zip(ins, prep.per_example, specs, strict=True)]
         return post(ins, [constrain(y, y_spec)] + [None] * n_ys)[0].astype(jnp.float32)
 
-    return loss
+    def loss_and_grads(y, float_ins, i):
+        value, (dy, d_floats) = jax.value_and_grad(loss, argnums=(0, 1))(y, float_ins, i)
+        return value, (constrain(dy, y_spec),
+                       [constrain(d, sp) for d, sp in zip(d_floats, floats, strict=True)])
+
+    return loss_and_grads
 
 
 def region_results(prep: Prepared, end: dict, held: Callable, d_mbs, kinds):

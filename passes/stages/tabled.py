@@ -205,7 +205,7 @@ def _run_table(prep: Prepared, tab, kinds, rows: int, fixed) -> dict:
 
     def b_forward_last(i, x, ct, stored, dys, sums):   # also the loss and its cotangent
         y, stored = forward(x, i)
-        loss, (dy, d_post) = jax.value_and_grad(micro_loss, argnums=(0, 1))(y, float_ins, i)
+        loss, (dy, d_post) = micro_loss(y, float_ins, i)
         acc, post_acc, loss_acc = sums
         return (y.astype(x.dtype), (dy * prep.loss_weight).astype(ct.dtype), stored, dys,
                 (acc, add(post_acc, d_post), loss_acc + loss))

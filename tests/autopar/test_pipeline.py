@@ -216,6 +216,10 @@ def test_stages_split_over_the_other_axes_as_their_layer_plan_says(gpt_case, sch
     assert (str(rows // 2), str(3 * hidden // 2)) in local   # the qkv matmul
 
 
+#: The GPT with a vocabulary no other dim matches, whole (160) or split in two (80).
+HEAD_CONFIG = dataclasses.replace(CONFIG, vocab=160)
+
+
 def _head_plan(calls: list):
     """``autopar.plan`` as ``autopar._stage_plan.post_planner`` calls it, choosing the tied
     embedding split over ``model`` on its vocabulary and, unless pinned, the rows (the stack's
@@ -227,8 +231,8 @@ def _head_plan(calls: list):
         pins = (jax.tree.leaves(in_shardings, is_leaf=lambda x: x is None)
                 if in_shardings is not None else [None] * len(leaves))
         specs = [pin if pin is not None
-                 else P("model") if tuple(a.shape) == (CONFIG.vocab, CONFIG.hidden)
-                 else P("data") if a.shape and a.shape[0] == CONFIG.batch // 4 else P()
+                 else P("model") if tuple(a.shape) == (HEAD_CONFIG.vocab, HEAD_CONFIG.hidden)
+                 else P("data") if a.shape and a.shape[0] == HEAD_CONFIG.batch // 4 else P()
                  for a, pin in zip(leaves, pins, strict=True)]
         return types.SimpleNamespace(
             in_shardings=[jax.sharding.NamedSharding(mesh, s) for s in specs],
@@ -236,35 +240,36 @@ def _head_plan(calls: list):
     return plan
 
 
-def _whole_layer(micro):
-    """A stage plan that leaves the layers to propagation and holds the activation whole."""
-    n = micro.num_consts
-    inner = Inner(consts=(None,) * n, carry=P(), xs=(None,) * (len(micro.eqn.invars) - n - 1))
-    return search.LayerPlan(inner=inner, time_s=1.0, kept_bytes=1, carry_bytes=1, hop_s=0.0)
+@pytest.fixture(scope="module")
+def head_case():
+    tx = common.make_optimizer()
+    _, args = gpt.make_train_step(HEAD_CONFIG, tx=tx)
+    loss_fn = gpt._loss_fn(HEAD_CONFIG)
+    expected = jax.jit(_step(jax.value_and_grad, loss_fn, tx))(*args)
+    return _step(autopar.value_and_grad, loss_fn, tx), args, expected
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_the_head_splits_over_the_other_axes_as_its_plan_says(gpt_case, schedule):
+def test_the_head_splits_over_the_other_axes_as_its_plan_says(head_case, schedule):
     """1F1B and ZB-H1 run the head and loss inside the region, held in their plan's specs:
     the embedding split on its vocabulary, the rows whole (planned again: split with them,
-    XLA's partitioner aborts). No matmul there reads the whole vocabulary, and the step is
-    the single device's. (With the activation split over ``data`` by the stage's plan, XLA
-    splits the head's rows instead, and gathers the embedding.)"""
-    loss_fn, tx, args, expected = gpt_case
-    step = _step(autopar.value_and_grad, loss_fn, tx)
+    XLA's partitioner aborts), beside a stage plan that splits the activation's rows. The
+    head's matmuls read half the vocabulary, and the step is the single device's."""
+    step, args, expected = head_case
     mesh = _mesh({"stage": 2, "data": 2, "model": 2})
     calls = []
     plan_post = post_planner(mesh, "stage", "h100", None, _head_plan(calls))
     settings = autopar.Pipeline(schedule=schedule, microbatches=4)
-    with pipelining(settings, mesh, plan_layer=_whole_layer, plan_post=plan_post) as context:
+    with pipelining(settings, mesh, plan_layer=_sharded_layer, plan_post=plan_post) as context:
         compiled = jax.jit(step).lower(*args).compile()
     post = context.chosen[0].post
     assert len(calls) == 2 and calls[1] is not None        # planned again, the rows pinned
     assert post.y == P() and sum(s == P("model") for s in post.ins) == 1
     assert P("data") not in post.ins
     _close(compiled(*args), expected)
-    dots = re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} dot\(", compiled.as_text())
-    assert dots and not [d for d in dots if str(CONFIG.vocab) in d.split(",")]
+    dims = [d.split(",") for d in re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} dot\(",
+                                             compiled.as_text())]
+    assert [d for d in dims if "80" in d] and not [d for d in dims if "160" in d]
 
 
 # ----------------------------------------------------------------------------- compiled
