@@ -63,7 +63,7 @@ def _gpipe(prep: Prepared, mesh, flat, stack):
 
 def _gpipe_stack(prep: Prepared, mesh, consts, carry, xs):
     axis, n_stages, n_micro = prep.axis, prep.stages, prep.microbatches
-    stage = manual.stage(prep)
+    stage = manual.stage(prep, recompute=True)
     shift = [(j, j + 1) for j in range(n_stages - 1)]
 
     dtypes = ([c.dtype for c in consts], carry.dtype)
@@ -98,7 +98,7 @@ def _circular_stack(prep: Prepared, mesh, consts, carry, xs):
     (stage S-1 wraps to 0), waiting at stage 0 in a buffer of M slots between rounds. Needs
     M >= S. The backward is autodiff through the tick loop, as for GPipe."""
     axis, n_stages, n_micro, v = prep.axis, prep.stages, prep.microbatches, prep.virtual_stages
-    stage = manual.stage(prep)
+    stage = manual.stage(prep, recompute=True)
     ring = [(j, (j + 1) % n_stages) for j in range(n_stages)]
     dtypes = ([c.dtype for c in consts], carry.dtype)
     held = manual.inner(prep, layer_axes=3)

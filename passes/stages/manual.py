@@ -53,29 +53,49 @@ def lead(spec, n: int = 1):
     return None if spec is None else P(*[None] * n, *spec)
 
 
-def inner(prep: Prepared, layer_axes: int = 1):
-    """``(consts, mbs, xs) -> same``, held in the stage plan's specs (identity without one);
-    ``layer_axes``: the leading axes of a stage's block of each stacked operand."""
+def _operands(prep: Prepared, layer_axes: int) -> Callable:
+    """``(consts, xs) -> same``, held in the stage plan's specs (identity without one)."""
     inner = prep.inner
     if inner is None:
-        return lambda consts, mbs, xs: (consts, mbs, xs)
+        return lambda consts, xs: (consts, xs)
     padded = prep.full.positions is not None
     xs_specs = inner.xs + ((None,) if padded else ())   # a padded stack's flags: left as are
-    return lambda consts, mbs, xs: (
+    return lambda consts, xs: (
         [constrain(c, sp) for c, sp in zip(consts, inner.consts, strict=True)],
-        constrain(mbs, lead(inner.carry)),
         [constrain(x, lead(sp, layer_axes)) for x, sp in zip(xs, xs_specs, strict=True)])
 
 
-def stage(prep: Prepared) -> Callable:
-    """``stage(consts, x, xs) -> y``: a stage's layers, its activation held in the stage plan's
-    spec."""
+def inner(prep: Prepared, layer_axes: int = 1):
+    """``(consts, mbs, xs) -> same``, held in the stage plan's specs (identity without one);
+    ``layer_axes``: the leading axes of a stage's block of each stacked operand."""
+    operands = _operands(prep, layer_axes)
+    carry = None if prep.inner is None else lead(prep.inner.carry)
+
+    def held(consts, mbs, xs):
+        consts, xs = operands(consts, xs)
+        return consts, constrain(mbs, carry), xs
+
+    return held
+
+
+def stage(prep: Prepared, recompute: bool = False) -> Callable:
+    """``stage(consts, x, xs) -> y``: a stage's layers, its activation and operands held in
+    the stage plan's specs, so under autodiff their cotangents are held in them too (a
+    stage's weight gradients accumulate split, not whole). ``recompute``: under autodiff keep
+    only the inputs and run the layers again in the backward (``jax.checkpoint``)."""
     stage = split.stage_fn(prep.micro)
     carry = None if prep.inner is None else prep.inner.carry
+    operands = _operands(prep, 1)
+
+    def layers(consts, x, xs):
+        return constrain(stage(consts, [x], xs)[0], carry)
+
+    if recompute:
+        layers = jax.checkpoint(layers)
 
     def run(consts, x, xs):
-        y = stage(consts, [constrain(x, carry)], xs)[0]
-        return constrain(y, carry)
+        consts, xs = operands(consts, xs)
+        return layers(consts, constrain(x, carry), xs)
 
     return run
 

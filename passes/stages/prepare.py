@@ -300,8 +300,8 @@ def _body_states(stack: split.Stack) -> list:
 
 
 def _feasible(asked, full, micro, per_example, has_aux) -> list[tuple[Schedule, float]]:
-    """The schedules that can run this loss exactly (the one asked, else gpipe and, where
-    exact, the tabled ones), each with the loss weight it runs under."""
+    """The schedules that can run this loss exactly (the one asked, else 1F1B where it is
+    exact and GPipe where it is not), each with the loss weight it runs under."""
     if asked in (Schedule.GPIPE, Schedule.INTERLEAVED):   # the loss runs on the whole batch
         return [(asked, 1.0)]
     try:
@@ -323,8 +323,10 @@ def _feasible(asked, full, micro, per_example, has_aux) -> list[tuple[Schedule, 
         raise
     if asked is not None:
         return [(asked, weight)]
-    # ZB-H1 only when asked: its compiled memory at realistic sizes is not predicted yet
-    return [(Schedule.GPIPE, 1.0), (Schedule.ONE_F_ONE_B, weight)]
+    # ZB-H1 only when asked: it is slower than 1F1B as compiled (docs/pipeline.md). GPipe,
+    # which recomputes as 1F1B does, holds more, and its backward region reads the stage's
+    # weights as the outer plan gives them (whole over the other axes on the 26B two-node case)
+    return [(Schedule.ONE_F_ONE_B, weight)]
 
 
 def _loss_weight(full, micro, per_example) -> float:

@@ -13,32 +13,33 @@ the emitted loops (:mod:`.emit`):
 ==============  ==============================  ============================================
 schedule        time                            activations held, per device
 ==============  ==============================  ============================================
-gpipe           (M + S - 1) (l t + 2 h)         M l a n
-interleaved     (v M + S - 1) (l t / v + 2 h)   M l a n
+gpipe           (M + S - 1) (l t (1 + f) + 2 h) (M + S - 1) c + l a
+interleaved     (v M + S - 1)                   (v M + S - 1) c + l a / v
+                  (l t (1 + f) / v + 2 h)
 1f1b            (S - 1) (l t f + h)             (2S - 1) c + l a
                 + M (l t (1 + f) + 2 h)
                 + (S - 1) (l t + h)
 zb-h1           sum_slots l t w + 2 T h         R l a + P l c + (Q_f + Q_b) c
 ==============  ==============================  ============================================
 
+with l stacked positions per stage, t one layer's forward and backward on a microbatch, h one
+hop, a its kept activations, c one microbatch's activation entering a layer, and f = 1/3 a
+forward's share of t (a matmul's backward is two matmuls of the forward's size). 1F1B's
+warmup ticks run forwards only, its cooldown ticks backwards only, and a backward re-runs the
+stage's forward from the stashed input. ZB-H1 runs the T slots of its table (:func:`.schedules.table`), each one F, B or W on every stage, a slot as long as
+the longest op in it: w is f for F and B, and 1 - f for W, which runs the layer's whole
+pullback and keeps the weight cotangents (:data:`SHARES`). It holds R microbatches'
+residuals, P microbatches' per-layer cotangents between B and W, and Q_f, Q_b received
+activations and cotangents (the table's buffer sizes). GPipe's and the interleaved
+schedule's backward is jax's autodiff through the region's tick loop, each stage's layers
+checkpointed: a tick keeps only its input, and the backward runs the stage's forward again
+(their residuals otherwise left the region replicated over the other mesh axes: 310 GiB per
+device compiled on the pipeline benchmark's 26B GPT at M = 4).
+
 1F1B and ZB-H1 also run the head and the loss (the code after the stack) inside the region,
 on the last stage, once per microbatch: p, its forward and backward on one microbatch as
 planned over the other mesh axes. It lengthens each of 1F1B's M steady ticks (every stage
 waits for the last one's sends) and each ZB-H1 slot in which the last stage runs an F.
-
-with l stacked positions per stage, t one layer's forward and backward on a microbatch, h one hop, a
-its kept activations, c one microbatch's activation entering a layer, n the devices of a
-stage, and f = 1/3 a forward's share of t (a matmul's backward is two matmuls of the
-forward's size). 1F1B's warmup ticks run forwards only, its cooldown ticks backwards only,
-and a backward re-runs the stage's forward from the stashed input. ZB-H1 runs the T slots of
-its table (:func:`.schedules.table`), each one F, B or W on every stage, a slot as long as
-the longest op in it: w is f for F and B, and 1 - f for W, which runs the layer's whole
-pullback and keeps the weight cotangents (:data:`SHARES`). It holds R microbatches'
-residuals, P microbatches' per-layer cotangents between B and W, and Q_f, Q_b received
-activations and cotangents (the table's buffer sizes). GPipe's backward is jax's
-autodiff through the region, whose residuals leave it replicated over the other mesh axes
-(the compiled 26B GPT of the pipeline benchmark holds 275 GiB of them per device at M = 4),
-so GPipe fits only where activations are small.
 """
 
 from __future__ import annotations
@@ -116,9 +117,9 @@ def price(schedule: Schedule, stages: int, microbatches: int, layers_per_stage: 
     # layers: the layer forward-and-backward passes a device runs (bubbles included, as the
     # emitted loops compute them masked), in units of one layer's
     if schedule in (Schedule.GPIPE, Schedule.INTERLEAVED):
-        time_s = n * (stage_s + 2 * layer.hop_s)
-        held = microbatches * layers_per_stage * layer.kept_bytes * layer.devices
-        layers = n * layers_per_stage / virtual
+        time_s = n * (stage_s * (1 + FORWARD_SHARE) + 2 * layer.hop_s)
+        held = n * layer.carry_bytes + layers_per_stage // virtual * layer.kept_bytes
+        layers = n * layers_per_stage / virtual * (1 + FORWARD_SHARE)
     elif schedule is Schedule.ONE_F_ONE_B:
         forward_s, backward_s = stage_s * FORWARD_SHARE + layer.hop_s, stage_s + layer.hop_s
         time_s = sum((stop - first) * (forward_s * f + backward_s * b + post_s * f * b)

@@ -360,14 +360,14 @@ def test_interleaved_loop_runs_v_m_plus_s_minus_1_ticks():
     assert sorted(_loops_with_permutes(hlo)) == [19, 19]   # 2 * 8 + 4 - 1
 
 
-def test_1f1b_and_zb_h1_hold_less_than_gpipe_at_eight_microbatches():
-    """GPipe's autodiff keeps every tick's residuals (M + S - 1 = 11 microbatch-layers per
-    stage); ZB-H1 stores S = 4 microbatches' residuals; 1F1B stashes 2S - 1 stage inputs and
-    recomputes."""
+def test_gpipe_keeps_its_ticks_inputs_and_zb_h1_its_residuals_at_eight_microbatches():
+    """GPipe's autodiff keeps each tick's stage input (M + S - 1 = 11) and runs the stage
+    again in the backward (it kept every tick's residuals, over twice 1F1B's memory); 1F1B
+    stashes 2S - 1 stage inputs and recomputes; ZB-H1 stores S = 4 microbatches' residuals."""
     temp = {s: _compiled(s).memory_analysis().temp_size_in_bytes
             for s in ("gpipe", "1f1b", "zb-h1")}
-    assert temp["1f1b"] < temp["gpipe"] / 2, temp
-    assert temp["zb-h1"] < 0.75 * temp["gpipe"], temp
+    assert temp["1f1b"] < temp["gpipe"] < 1.5 * temp["1f1b"], temp
+    assert temp["zb-h1"] > 2 * temp["gpipe"], temp
 
 
 # ----------------------------------------------------------------------------- bad input

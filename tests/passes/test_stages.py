@@ -199,8 +199,9 @@ LAYER = search.LayerPlan(inner=None, time_s=1.0, kept_bytes=100, carry_bytes=10,
 
 
 @pytest.mark.parametrize("schedule, s, m, l, time_s, held", [
-    # gpipe: (M + S - 1) ticks of (l t + 2 h); M l a n held
-    (G, 4, 8, 2, 11 * (2 + 1), 8 * 2 * 100 * 2),
+    # gpipe: (M + S - 1) ticks of (l t (1 + 1/3) + 2 h), the backward running the forward
+    # again; (M + S - 1) c + l a held (each tick's input, one stage's recompute)
+    (G, 4, 8, 2, 11 * (2 * 4 / 3 + 1), 11 * 10 + 2 * 100),
     # 1f1b: S-1 warmup ticks of (l t / 3 + h), M steady ticks of (l t (1 + 1/3) + 2 h), S-1
     # cooldown ticks of (l t + h); (2S - 1) c + l a held
     (F, 4, 8, 2, 3 * (2 / 3 + 0.5) + 8 * (2 * 4 / 3 + 1) + 3 * (2 + 0.5), 7 * 10 + 2 * 100),
@@ -252,10 +253,13 @@ def test_search_prices_the_head_on_the_last_stage_once_a_microbatch(schedule):
 
 
 def test_search_keeps_the_fastest_that_fits_else_the_smallest():
-    options = [search.price(G, 4, 8, 2, LAYER), search.price(F, 4, 8, 2, LAYER)]
-    assert search.best(options, None).schedule is G           # gpipe is faster
-    assert search.best(options, 1000).schedule is F           # only 1f1b fits
-    assert search.best(options, 10).schedule is F             # none fits: the smallest
+    small = search.price(F, 4, 8, 2, LAYER)
+    fast = dataclasses.replace(search.price(G, 4, 8, 2, LAYER), time_s=small.time_s / 2,
+                               activation_bytes=5000)
+    options = [fast, small]
+    assert search.best(options, None) is fast
+    assert search.best(options, 1000) is small                # only it fits
+    assert search.best(options, 10) is small                  # none fits: the smallest
 
 
 @pytest.mark.parametrize("schedule, s, m, v", [(G, 4, 8, 1), (F, 4, 8, 1), (F, 2, 3, 1),
