@@ -169,17 +169,21 @@ def _pipeline_lines(pipeline: dict | None) -> list[str]:
                      f"the step; per-stage peak {peaks}")
     inner = pipeline.get("inner")
     if inner is not None:
-        split = [s for s in inner["layer"] if s not in (None, "()")]
-        lines.append(f"  each stage splits {len(split)} of its {len(inner['layer'])} layer "
-                     f"parameters over the other axes; a microbatch's activation is "
+        lines.append(f"  each stage splits {_split(inner['layer'])} of its "
+                     f"{len(inner['layer'])} layer parameters over the other axes; a "
+                     f"microbatch's activation is "
                      f"{inner['carry'] if inner['carry'] not in (None, '()') else 'replicated'}")
     post = pipeline.get("post")
     if post is not None:
-        split = [s for s in post["inputs"] if s not in (None, "()")]
         lines.append(f"  the head and loss run in the region, {_fmt_s(post['time_s'])} a "
-                     f"microbatch; they split {len(split)} of their inputs over the other "
-                     f"axes")
+                     f"microbatch; they split {_split(post['inputs'])} of their inputs over "
+                     f"the other axes")
     return lines
+
+
+def _split(specs: list) -> int:
+    """How many of a pipeline record's specs (as text) split their value."""
+    return sum(s not in (None, "()") for s in specs)
 
 
 def pipeline_search(plan) -> list[tuple[str, str, str, str, bool]]:

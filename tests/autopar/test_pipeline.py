@@ -56,13 +56,18 @@ def _pipelined(step, settings, mesh, schedule=None):
     return run
 
 
-@pytest.fixture(scope="module")
-def gpt_case():
+def _gpt_case(config):
+    """(loss_fn, tx, args, the single-device step's results) of the GPT of ``config``."""
     tx = common.make_optimizer()
-    _, args = gpt.make_train_step(CONFIG, tx=tx)
-    loss_fn = gpt._loss_fn(CONFIG)
+    _, args = gpt.make_train_step(config, tx=tx)
+    loss_fn = gpt._loss_fn(config)
     expected = jax.jit(_step(jax.value_and_grad, loss_fn, tx))(*args)
     return loss_fn, tx, args, expected
+
+
+@pytest.fixture(scope="module")
+def gpt_case():
+    return _gpt_case(CONFIG)
 
 
 # ----------------------------------------------------------------------------- outside
@@ -242,10 +247,7 @@ def _head_plan(calls: list):
 
 @pytest.fixture(scope="module")
 def head_case():
-    tx = common.make_optimizer()
-    _, args = gpt.make_train_step(HEAD_CONFIG, tx=tx)
-    loss_fn = gpt._loss_fn(HEAD_CONFIG)
-    expected = jax.jit(_step(jax.value_and_grad, loss_fn, tx))(*args)
+    loss_fn, tx, args, expected = _gpt_case(HEAD_CONFIG)
     return _step(autopar.value_and_grad, loss_fn, tx), args, expected
 
 
