@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from autopar._compat import scan_counts
 from autopar.errors import ShardingHintError
 from autopar.cost_model.collectives import CommStep, plan_redistribute, reduce_step, ring_steps
 from autopar.cost_model.compute import memory_bound_s, roofline_s
@@ -448,7 +449,10 @@ def _region_sums(body, mesh: MeshContext) -> tuple[CommStep, ...]:
 
 def _body_constraints(body) -> tuple[dict[int, object], dict[int, object]]:
     """(operand index -> the PartitionSpec a sharding constraint on it gives, result index ->
-    the one of the constraint producing it) in a region's body."""
+    the one of the constraint producing it) in a region's body. An operand constrained
+    nowhere at the top of the body takes the first constraint on it inside a loop or call it
+    enters whole (a loop's constant, a call's argument: the backward region of an autodiffed
+    pipeline reads a stage's weights so, held where each tick runs the stage)."""
     jaxpr = getattr(body, "jaxpr", body)
     ins = {v: i for i, v in enumerate(jaxpr.invars)}
     outs = {v: i for i, v in enumerate(jaxpr.outvars) if not isinstance(v, jcore.Literal)}
@@ -461,7 +465,55 @@ def _body_constraints(body) -> tuple[dict[int, object], dict[int, object]]:
             entry.setdefault(ins[eqn.invars[0]], spec)
         if eqn.outvars[0] in outs:
             exit_[outs[eqn.outvars[0]]] = spec
+    for var, i in ins.items():
+        if i not in entry:
+            spec = _first_constraint(jaxpr, var)
+            if spec is not None:
+                entry[i] = spec
     return entry, exit_
+
+
+#: How deep :func:`_first_constraint` follows an operand into nested loops and calls.
+_MAX_NESTING = 4
+
+
+def _first_constraint(jaxpr, var, depth: int = 0):
+    """The spec of the first sharding constraint on ``var`` in ``jaxpr``, following it into
+    the loops and calls it enters whole (:func:`_entered`); None if there is none."""
+    for eqn in jaxpr.eqns:
+        for position, v in enumerate(eqn.invars):
+            if v is not var:
+                continue
+            if eqn.primitive.name == "sharding_constraint":
+                return getattr(eqn.params["sharding"], "spec", None)
+            inner = _entered(eqn, position) if depth < _MAX_NESTING else None
+            if inner is not None:
+                spec = _first_constraint(inner[0], inner[0].invars[inner[1]], depth + 1)
+                if spec is not None:
+                    return spec
+    return None
+
+
+def _entered(eqn, position: int):
+    """(sub-jaxpr, its operand index) where ``eqn``'s operand ``position`` enters whole: a
+    ``scan``'s or ``while``'s loop constant, or a call's argument (jit, checkpoint,
+    ``closed_call``); None otherwise (a scanned slice, a carry, a branch, a nested region)."""
+    name, params = eqn.primitive.name, eqn.params
+    if name == "scan":
+        found = (params["jaxpr"], position) if position < scan_counts(params)[0] else None
+    elif name == "while":
+        first = params["cond_nconsts"]
+        found = ((params["body_jaxpr"], position - first)
+                 if first <= position < first + params["body_nconsts"] else None)
+    elif name in ("pjit", "jit", "checkpoint", "remat2", "closed_call", "core_call"):
+        sub = params.get("jaxpr", params.get("call_jaxpr"))
+        found = None if sub is None else (sub, position)
+    else:
+        found = None
+    if found is None:
+        return None
+    sub = getattr(found[0], "jaxpr", found[0])
+    return (sub, found[1]) if len(sub.invars) > found[1] else None
 
 
 def _merged(manual, auto, rank: int) -> Spec:

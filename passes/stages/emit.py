@@ -98,7 +98,7 @@ def _circular_stack(prep: Prepared, mesh, consts, carry, xs):
     (stage S-1 wraps to 0), waiting at stage 0 in a buffer of M slots between rounds. Needs
     M >= S. The backward is autodiff through the tick loop, as for GPipe."""
     axis, n_stages, n_micro, v = prep.axis, prep.stages, prep.microbatches, prep.virtual_stages
-    stage = manual.stage(prep, recompute=True)
+    stage = manual.stage(prep, recompute=True, chunked=True)
     ring = [(j, (j + 1) % n_stages) for j in range(n_stages)]
     dtypes = ([c.dtype for c in consts], carry.dtype)
     held = manual.inner(prep, layer_axes=3)
@@ -107,15 +107,13 @@ def _circular_stack(prep: Prepared, mesh, consts, carry, xs):
         s = lax.axis_index(axis)
         consts, mbs, xs = held(consts, mbs, xs)
         consts, mbs = manual.varying_as((consts, mbs), dtypes, axis)
-        chunks = [a[:, 0] for a in xs]                    # (v, layers per chunk, ...)
 
         def tick(c, t):
             state, circ, outs = c
             k = t - s                                     # this stage's work item
             i, r = k % n_micro, jnp.clip(k // n_micro, 0, v - 1)
             x = jnp.where(s == 0, jnp.where(r == 0, mbs[i], circ[i]), state)
-            y = stage(consts, x, [lax.dynamic_index_in_dim(a, r, 0, keepdims=False)
-                                  for a in chunks])
+            y = stage(consts, x, xs, r)
             done = (k >= 0) & (k < n_micro * v) & (s == n_stages - 1) & (r == v - 1)
             outs = lax.dynamic_update_index_in_dim(outs, jnp.where(done, y, outs[i]), i, 0)
             y_next = lax.ppermute(y, axis, ring)

@@ -78,26 +78,28 @@ def inner(prep: Prepared, layer_axes: int = 1):
     return held
 
 
-def stage(prep: Prepared, recompute: bool = False) -> Callable:
+def stage(prep: Prepared, recompute: bool = False, chunked: bool = False) -> Callable:
     """``stage(consts, x, xs) -> y``: a stage's layers, its activation and operands held in
     the stage plan's specs, so under autodiff their cotangents are held in them too (a
     stage's weight gradients accumulate split, not whole). ``recompute``: under autodiff keep
-    only the inputs and run the layers again in the backward (``jax.checkpoint``)."""
+    only the inputs and run the layers again in the backward (``jax.checkpoint``).
+    ``chunked`` (the interleaved schedule): ``stage(consts, x, xs, r)`` runs chunk ``r`` of
+    the stage's block of each stacked operand, laid out (v, 1, layers per chunk, ...)."""
     stage = split.stage_fn(prep.micro)
     carry = None if prep.inner is None else prep.inner.carry
-    operands = _operands(prep, 1)
+    operands = _operands(prep, 3 if chunked else 1)
 
-    def layers(consts, x, xs):
+    def layers(consts, x, xs, *chunk):
+        # held inside the checkpoint, whole: its recompute in the backward (an autodiffed
+        # region's backward region) holds them too, where the outer plan reads them
+        consts, xs = operands(consts, xs)
+        if chunked:
+            xs = [lax.dynamic_index_in_dim(a[:, 0], chunk[0], 0, keepdims=False) for a in xs]
         return constrain(stage(consts, [x], xs)[0], carry)
 
     if recompute:
         layers = jax.checkpoint(layers)
-
-    def run(consts, x, xs):
-        consts, xs = operands(consts, xs)
-        return layers(consts, constrain(x, carry), xs)
-
-    return run
+    return lambda consts, x, xs, *chunk: layers(consts, constrain(x, carry), xs, *chunk)
 
 
 def layer(prep: Prepared) -> Callable:

@@ -323,9 +323,8 @@ def _feasible(asked, full, micro, per_example, has_aux) -> list[tuple[Schedule, 
         raise
     if asked is not None:
         return [(asked, weight)]
-    # ZB-H1 only when asked: it is slower than 1F1B as compiled (docs/pipeline.md). GPipe,
-    # which recomputes as 1F1B does, holds more, and its backward region reads the stage's
-    # weights as the outer plan gives them (whole over the other axes on the 26B two-node case)
+    # ZB-H1 only when asked: it is slower than 1F1B as compiled (docs/pipeline.md). GPipe
+    # recomputes as 1F1B does, so its ticks cost the same, and it holds more
     return [(Schedule.ONE_F_ONE_B, weight)]
 
 

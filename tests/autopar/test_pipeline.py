@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import autopar
 from autopar._pipeline import pipelining
 from autopar._stage_plan import post_planner
+from autopar.passes.strategies import _body_constraints
 from autopar.errors import ArgumentError, PipelineError
 from autopar.models import common, gpt, llama_nnx
 from autopar.passes.stages import search
@@ -219,6 +220,45 @@ def test_stages_split_over_the_other_axes_as_their_layer_plan_says(gpt_case, sch
     local = [m.groups() for m in re.finditer(r"= \w+\[(\d+),(\d+)\]\{[^}]*\} dot\(",
                                              compiled.as_text())]
     assert (str(rows // 2), str(3 * hidden // 2)) in local   # the qkv matmul
+
+
+def _regions(jaxpr) -> list:
+    """The ``shard_map`` equations in ``jaxpr``, nested ones included, in order."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            found.append(eqn)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found += _regions(sub)
+    return found
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
+def test_an_autodiffed_region_s_backward_reads_the_stage_weights_as_the_stage_plan_splits_them(
+        gpt_case, schedule):
+    """GPipe's and the interleaved backward is jax's transpose of the forward region: a second
+    region that reads the stage's weights again, holding them in the stage plan's specs only
+    inside each tick's recompute. The outer plan reads a region's operand specs from its body
+    (``strategies._body_constraints``), so it must find them there, or it feeds the backward
+    the weights whole (on the 26B two-node GPT: an all-gather of 16 GiB at the boundary)."""
+    loss_fn, tx, args, _ = gpt_case
+    step = _step(autopar.value_and_grad, loss_fn, tx)
+    settings = autopar.Pipeline(schedule=schedule, microbatches=4,
+                                virtual_stages=2 if schedule == "interleaved" else None)
+    with pipelining(settings, _mesh({"stage": 2, "data": 2, "model": 2}),
+                    plan_layer=_sharded_layer):
+        closed = jax.make_jaxpr(step)(*args)
+    forward, backward = _regions(closed.jaxpr)
+
+    def split_over_model(region):   # the layer matrices _sharded_layer splits: 4
+        entry, _ = _body_constraints(region.params["jaxpr"])
+        return sorted(i for i, spec in entry.items()
+                      if spec is not None and tuple(spec)[-1:] == ("model",))
+
+    assert len(split_over_model(forward)) == len(split_over_model(backward)) == 4
 
 
 #: The GPT with a vocabulary no other dim matches, whole (160) or split in two (80).
