@@ -262,7 +262,7 @@ def _one_f_one_b_tick(prep: Prepared, kinds, rows: int) -> Callable:
             out["fwd"] = lax.ppermute(y, axis, fwd_pairs)
         ct = c["bwd"]
         if forward and backward:  # the last stage's loss: only in the steady phase
-            loss, (dy, d_post) = manual.micro_loss(prep, kinds, rows, other_ins)(
+            loss, (dy, d_post) = manual.micro_loss_and_grads(prep, kinds, rows, other_ins)(
                 y, float_ins, j_f)
             take = ok_f & last
             out["d_post"] = masked_add(c["d_post"], d_post, take)

@@ -121,14 +121,15 @@ def _post_specs(prep: Prepared, kinds) -> tuple[list, list]:
 
 def post_held(prep: Prepared, kinds) -> Callable:
     """``(float_ins, other_ins) -> same``, held in the head and loss plan's specs (a
-    per-example input is held at each microbatch's slice instead: :func:`micro_loss`)."""
+    per-example input is held at each microbatch's slice instead:
+    :func:`micro_loss_and_grads`)."""
     floats, others = _post_specs(prep, kinds)
     return lambda float_ins, other_ins: (
         [constrain(a, sp) for a, sp in zip(float_ins, floats, strict=True)],
         [constrain(a, sp) for a, sp in zip(other_ins, others, strict=True)])
 
 
-def micro_loss(prep: Prepared, kinds, rows: int, other_ins) -> Callable:
+def micro_loss_and_grads(prep: Prepared, kinds, rows: int, other_ins) -> Callable:
     """``loss_and_grads(y, float_ins, i) -> (loss, (dy, d_float_ins))``: the code after the
     stack on microbatch ``i`` (``rows`` examples) as a float32 scalar, and its gradient, each
     input and its cotangent held in the head and loss plan's specs. ``kinds``: per flat

@@ -146,7 +146,7 @@ def _run_table(prep: Prepared, tab, kinds, rows: int, fixed) -> dict:
     consts, mbs, xs, float_ins, other_ins = fixed
     s = lax.axis_index(axis)
     res = _Residuals(manual.layer(prep))
-    micro_loss = manual.micro_loss(prep, kinds, rows, other_ins)
+    loss_and_grads = manual.micro_loss_and_grads(prep, kinds, rows, other_ins)
     ops = jnp.asarray(np.array(tab.ops, np.int32))
     micro = jnp.asarray(np.array(tab.micro, np.int32))
     # what arrives at stage s after slot t: stage s-1's F output, stage s+1's B output
@@ -205,7 +205,7 @@ def _run_table(prep: Prepared, tab, kinds, rows: int, fixed) -> dict:
 
     def b_forward_last(i, x, ct, stored, dys, sums):   # also the loss and its cotangent
         y, stored = forward(x, i)
-        loss, (dy, d_post) = micro_loss(y, float_ins, i)
+        loss, (dy, d_post) = loss_and_grads(y, float_ins, i)
         acc, post_acc, loss_acc = sums
         return (y.astype(x.dtype), (dy * prep.loss_weight).astype(ct.dtype), stored, dys,
                 (acc, add(post_acc, d_post), loss_acc + loss))
