@@ -30,6 +30,7 @@ from autopar.cost_model.hlo import CollectiveKind
 from autopar.passes import dedup
 from autopar.passes.reductions import is_combined_reduction
 from autopar.passes.ir import Graph, Node, NodeKind, Value, itemsize, recomputable
+from autopar.passes.trace import CALLS, call_body
 from autopar.passes.rules import (DimMap, Reduce, RuleContext, dim_maps, op_flops,
                                   op_info)
 from autopar.cost_model.spec import Spec, local_bytes, spec_fits
@@ -496,8 +497,9 @@ def _first_constraint(jaxpr, var, depth: int = 0):
 
 def _entered(eqn, position: int):
     """(sub-jaxpr, its operand index) where ``eqn``'s operand ``position`` enters whole: a
-    ``scan``'s or ``while``'s loop constant, or a call's argument (jit, checkpoint,
-    ``closed_call``); None otherwise (a scanned slice, a carry, a branch, a nested region)."""
+    ``scan``'s or ``while``'s loop constant, or the argument of a call that tracing inlines
+    (:data:`.trace.CALLS`: jit, checkpoint, custom derivatives); None otherwise (a scanned
+    slice, a carry, a branch, a nested region)."""
     name, params = eqn.primitive.name, eqn.params
     if name == "scan":
         found = (params["jaxpr"], position) if position < scan_counts(params)[0] else None
@@ -505,9 +507,8 @@ def _entered(eqn, position: int):
         first = params["cond_nconsts"]
         found = ((params["body_jaxpr"], position - first)
                  if first <= position < first + params["body_nconsts"] else None)
-    elif name in ("pjit", "jit", "checkpoint", "remat2", "closed_call", "core_call"):
-        sub = params.get("jaxpr", params.get("call_jaxpr"))
-        found = None if sub is None else (sub, position)
+    elif eqn.primitive in CALLS:
+        found = (call_body(eqn)[0], position)
     else:
         found = None
     if found is None:

@@ -33,8 +33,8 @@ residuals, P microbatches' per-layer cotangents between B and W, and Q_f, Q_b re
 activations and cotangents (the table's buffer sizes). GPipe's and the interleaved
 schedule's backward is jax's autodiff through the region's tick loop, each stage's layers
 checkpointed: a tick keeps only its input, and the backward runs the stage's forward again
-(their residuals otherwise left the region replicated over the other mesh axes: 310 GiB per
-device compiled on the pipeline benchmark's 26B GPT at M = 4).
+(their residuals otherwise left the region replicated over the other mesh axes;
+``docs/pipeline.md`` has the measurements).
 
 1F1B and ZB-H1 also run the head and the loss (the code after the stack) inside the region,
 on the last stage, once per microbatch: p, its forward and backward on one microbatch as
