@@ -50,8 +50,13 @@ class Value:
         return itemsize(self.dtype)
 
     @property
+    def size(self) -> int:
+        """Elements (a float0 value has them, at 0 bytes each)."""
+        return math.prod(self.shape)
+
+    @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.itemsize
+        return self.size * self.itemsize
 
 
 @functools.cache

@@ -113,9 +113,8 @@ def _one_tensor(graph: Graph, node: Node) -> frozenset | None:
     if not op_info(node).same_tensor:
         return frozenset()
     vids = [v for _, v in node_operands(node)] + list(node.outs)
-    largest = max(graph.values[v].nbytes // graph.values[v].itemsize for v in vids)
-    return frozenset(v for v in vids
-                     if graph.values[v].nbytes // graph.values[v].itemsize == largest)
+    largest = max(graph.values[v].size for v in vids)
+    return frozenset(v for v in vids if graph.values[v].size == largest)
 
 
 def _sweeps(graph: Graph, strats, prop: Propagation, max_sweeps: int = 50) -> None:
