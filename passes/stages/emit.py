@@ -18,6 +18,10 @@ and cotangents move with ``lax.ppermute``.
   a ``jax.custom_vjp`` whose forward runs the whole schedule.
 - ZB-H1: the same ``custom_vjp``, its region the tabled loop of :mod:`.tabled`.
 
+A value made from the batch that the layers read (a padding mask) enters split into
+microbatches as the carry is, and each tick's layers read their microbatch's rows of it
+(``manual.batched``, ``manual.at``).
+
 Idle slots are masked with ``jnp.where``, never skipped with a device-varying ``lax.cond``
 (which can hang under grad). Invariant operands are ``pcast`` to varying before per-device
 derivatives are taken, so each gradient is masked per device and summed once at the end.
@@ -77,7 +81,7 @@ def _gpipe_stack(prep: Prepared, mesh, consts, carry, xs):
 
         def tick(state, t):
             x = jnp.where(s == 0, mbs[jnp.clip(t, 0, n_micro - 1)], state)
-            y = stage(consts, x, xs)
+            y = stage(manual.at(prep, consts, jnp.clip(t - s, 0, n_micro - 1)), x, xs)
             return lax.ppermute(y, axis, shift), y
 
         start = manual.varying(jnp.zeros(mbs.shape[1:], mbs.dtype), axis)
@@ -88,7 +92,8 @@ def _gpipe_stack(prep: Prepared, mesh, consts, carry, xs):
 
     mbs = carry.reshape(n_micro, carry.shape[0] // n_micro, *carry.shape[1:])
     out = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis)), out_specs=P(),
-                        axis_names={axis})(jax.tree.map(manual.up, consts), manual.up(mbs), xs)
+                        axis_names={axis})(jax.tree.map(manual.up, manual.batched(prep, consts)),
+                                           manual.up(mbs), xs)
     return out.reshape(carry.shape)
 
 
@@ -113,7 +118,7 @@ def _circular_stack(prep: Prepared, mesh, consts, carry, xs):
             k = t - s                                     # this stage's work item
             i, r = k % n_micro, jnp.clip(k // n_micro, 0, v - 1)
             x = jnp.where(s == 0, jnp.where(r == 0, mbs[i], circ[i]), state)
-            y = stage(consts, x, xs, r)
+            y = stage(manual.at(prep, consts, i), x, xs, r)
             done = (k >= 0) & (k < n_micro * v) & (s == n_stages - 1) & (r == v - 1)
             outs = lax.dynamic_update_index_in_dim(outs, jnp.where(done, y, outs[i]), i, 0)
             y_next = lax.ppermute(y, axis, ring)
@@ -130,7 +135,8 @@ def _circular_stack(prep: Prepared, mesh, consts, carry, xs):
     per = prep.full.stacked // (n_stages * v)
     chunked = [a.reshape(v, n_stages, per, *a.shape[1:]) for a in xs]
     out = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(None, axis)), out_specs=P(),
-                        axis_names={axis})(jax.tree.map(manual.up, consts), manual.up(mbs), chunked)
+                        axis_names={axis})(jax.tree.map(manual.up, manual.batched(prep, consts)),
+                                           manual.up(mbs), chunked)
     return out.reshape(carry.shape)
 
 
@@ -147,14 +153,15 @@ def _per_microbatch(prep: Prepared, mesh, stack: Callable) -> Callable:
     ``stack`` runs the region; a ``jax.custom_vjp`` whose forward runs the whole schedule."""
     @jax.custom_vjp
     def loss(*flat):
-        return [_per_microbatch_run(prep, mesh, flat, stack)[0]]
+        value, aux, _ = _per_microbatch_run(prep, mesh, flat, stack)
+        return [value, *aux]
 
     def fwd(*flat):
-        value, grads = _per_microbatch_run(prep, mesh, flat, stack)
-        return [value], grads
+        value, aux, grads = _per_microbatch_run(prep, mesh, flat, stack)
+        return [value, *aux], grads
 
-    def bwd(grads, cts):
-        (ct,) = cts
+    def bwd(grads, cts):   # the auxiliary outputs (has_aux) are not differentiated
+        ct = cts[0]
         return tuple(g if g.dtype == jax.dtypes.float0 else g * ct.astype(g.dtype) for g in grads)
 
     loss.defvjp(fwd, bwd)
@@ -162,7 +169,8 @@ def _per_microbatch(prep: Prepared, mesh, stack: Callable) -> Callable:
 
 
 def _per_microbatch_run(prep: Prepared, mesh, flat, stack: Callable):
-    """(loss, gradient of every flat input; float0 for non-float ones)."""
+    """(loss, its auxiliary outputs, gradient of every flat input; float0 for non-float
+    ones)."""
     is_f = [_is_float(a) for a in flat]
     floats = [a for a, f in zip(flat, is_f, strict=True) if f]
 
@@ -175,7 +183,8 @@ def _per_microbatch_run(prep: Prepared, mesh, flat, stack: Callable):
     # the loss after the layers reads only some inputs: only those enter the pipeline region
     reads = split.post_reads(prep.micro)[0]
     kinds = [None if not r else "float" if f else "other" for r, f in zip(reads, is_f)]
-    value, d_post, d_consts, d_carry, d_xs = stack(prep, mesh, flat, kinds, consts, carry, xs)
+    value, d_post, d_consts, d_carry, d_xs, aux = stack(prep, mesh, flat, kinds, consts, carry,
+                                                        xs)
     d_ops = [d if _is_float(o) else _no_grad(o)
              for o, d in zip(ops, d_consts + [d_carry] + d_xs, strict=True)]
     d_pre = iter(pre_vjp(d_ops))
@@ -186,7 +195,7 @@ def _per_microbatch_run(prep: Prepared, mesh, flat, stack: Callable):
             grads.append(_no_grad(a))
         else:
             grads.append(next(d_pre) + next(d_post) if kind == "float" else next(d_pre))
-    return value, tuple(grads)
+    return value, aux, tuple(grads)
 
 
 def _one_f_one_b_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
@@ -206,7 +215,8 @@ def _one_f_one_b_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
                                     axis),
                      d_xs=zeros(xs), d_consts=zeros(consts), d_post=zeros(float_ins),
                      d_mbs=manual.varying(jnp.zeros_like(mbs), axis),
-                     loss=manual.varying(jnp.zeros((), jnp.float32), axis))
+                     loss=manual.varying(jnp.zeros((), jnp.float32), axis),
+                     aux=manual.aux_start(prep, axis))
         # the layers read these operands only narrowed: narrow them once, not per microbatch
         # (their gradients still accumulate in the operands' own dtype, in d_xs)
         narrowed = [x if d is None else x.astype(d)
@@ -219,7 +229,9 @@ def _one_f_one_b_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
                 end = _tick_loop(one, end, first, stop)
         return manual.region_results(prep, end, held, end["d_mbs"], kinds)
 
-    return manual.run_region(body, prep, mesh, flat, kinds, consts, carry, xs)
+    value, d_post, d_consts, d_carry, d_xs, aux = manual.run_region(
+        body, prep, mesh, flat, kinds, manual.batched(prep, consts), carry, xs)
+    return value, d_post, manual.unbatched(prep, d_consts), d_carry, d_xs, aux
 
 
 def _tick_loop(one: Callable, carry, first: int, stop: int):
@@ -233,6 +245,25 @@ def _tick_loop(one: Callable, carry, first: int, stop: int):
     return lax.fori_loop(jnp.int32(first), hidden, lambda t, c: one(c, t), carry)
 
 
+def _pullback(stage: Callable, consts, x, xs, ct):
+    """``stage``'s cotangents at ``ct`` for (consts, x, xs): zeros of their own type for
+    the operands that are not floats (integer masks, positions), which take none."""
+    is_c, is_x = [_is_float(a) for a in consts], [_is_float(a) for a in xs]
+
+    def merged(new, old, flags):
+        it = iter(new)
+        return [next(it) if f else a for a, f in zip(old, flags, strict=True)]
+
+    def of_floats(fc, x, fx):
+        return stage(merged(fc, consts, is_c), x, merged(fx, xs, is_x))
+
+    _, pull = jax.vjp(of_floats, [a for a, f in zip(consts, is_c) if f], x,
+                      [a for a, f in zip(xs, is_x) if f])
+    d_fc, dx, d_fx = pull(ct)
+    return (merged(d_fc, [jnp.zeros_like(a) for a in consts], is_c), dx,
+            merged(d_fx, [jnp.zeros_like(a) for a in xs], is_x))
+
+
 def _one_f_one_b_tick(prep: Prepared, kinds, rows: int) -> Callable:
     axis, n_stages, n_micro = prep.axis, prep.stages, prep.microbatches
     n_slots = stash_slots(n_stages)
@@ -240,8 +271,11 @@ def _one_f_one_b_tick(prep: Prepared, kinds, rows: int) -> Callable:
     fwd_pairs = [(j, j + 1) for j in range(n_stages - 1)]
     bwd_pairs = [(j + 1, j) for j in range(n_stages - 1)]
 
-    def masked_add(acc, new, keep):
-        return jax.tree.map(lambda a, b: a + jnp.where(keep, b, jnp.zeros_like(b)), acc, new)
+    batch_flags = manual.batch_flags(prep)
+
+    def masked_add(acc, new, keep):   # an operand that is not a float takes no gradient
+        return jax.tree.map(lambda a, b: a + jnp.where(keep, b, jnp.zeros_like(b))
+                            if _is_float(a) else a, acc, new)
 
     def tick(fixed, c, t, *, forward: bool, backward: bool):
         """One tick; ``forward``/``backward``: whether any stage has that slot's work in this
@@ -255,30 +289,35 @@ def _one_f_one_b_tick(prep: Prepared, kinds, rows: int) -> Callable:
             ok_f = (i_f >= 0) & (i_f < n_micro)
             j_f = jnp.clip(i_f, 0, n_micro - 1)
             x = jnp.where(s == 0, mbs[j_f], c["fwd"])
-            y = stage(consts, x, xs)
+            y = stage(manual.at(prep, consts, j_f), x, xs)
             slot = i_f % n_slots
             out["stash"] = lax.dynamic_update_index_in_dim(
                 c["stash"], jnp.where(ok_f, x, c["stash"][slot]), slot, 0)
             out["fwd"] = lax.ppermute(y, axis, fwd_pairs)
         ct = c["bwd"]
         if forward and backward:  # the last stage's loss: only in the steady phase
-            loss, (dy, d_post) = manual.micro_loss_and_grads(prep, kinds, rows, other_ins)(
-                y, float_ins, j_f)
+            (loss, aux), (dy, d_post) = manual.micro_loss_and_grads(
+                prep, kinds, rows, other_ins)(y, float_ins, j_f)
             take = ok_f & last
             out["d_post"] = masked_add(c["d_post"], d_post, take)
             out["loss"] = c["loss"] + jnp.where(take, loss, 0.0)
+            out["aux"] = manual.aux_add(prep, c["aux"], aux, j_f, take)
             ct = jnp.where(last, (dy * prep.loss_weight).astype(ct.dtype), ct)
         if backward:  # microbatch t - 2(S-1) + s (the same one on the last stage)
             i_b = t - 2 * (n_stages - 1) + s
             ok_b = (i_b >= 0) & (i_b < n_micro)
             j_b = jnp.clip(i_b, 0, n_micro - 1)
-            _, pull = jax.vjp(stage, consts, out["stash"][i_b % n_slots], xs)
-            d_consts, dx, d_xs = pull(ct)
+            d_consts, dx, d_xs = _pullback(stage, manual.at(prep, consts, j_b),
+                                           out["stash"][i_b % n_slots], xs, ct)
             out["d_mbs"] = lax.dynamic_update_index_in_dim(
                 c["d_mbs"], jnp.where(ok_b & (s == 0), dx, c["d_mbs"][j_b]), j_b, 0)
             out["bwd"] = lax.ppermute(dx, axis, bwd_pairs)
             out["d_xs"] = masked_add(c["d_xs"], d_xs, ok_b)
-            out["d_consts"] = masked_add(c["d_consts"], d_consts, ok_b)
+            # a const that holds the batch: this microbatch's rows of its gradient
+            out["d_consts"] = [
+                lax.dynamic_update_index_in_dim(a, jnp.where(ok_b, d, a[j_b]), j_b, 0) if b
+                else masked_add(a, d, ok_b)
+                for a, d, b in zip(c["d_consts"], d_consts, batch_flags, strict=True)]
         return out
 
     return tick

@@ -8,6 +8,7 @@ schedules that compute the loss per microbatch) the loss is a fixed sum over exa
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import numpy as np
 from autopar.errors import PipelineError
 from autopar.passes.stages import batch_axes, search, split
 from autopar.passes.stages.batch_axes import BatchSum, Mode
-from autopar.passes.stages.schedules import Schedule, table_bubble, ticks
+from autopar.passes.stages.schedules import TABLED, Schedule, table_bubble, ticks
 
 #: How many microbatch counts the stage search prices (each plans one layer).
 MAX_MICROBATCH_OPTIONS = 4
@@ -34,6 +35,14 @@ class StageRequest:
     schedule: Schedule | None = None
     activation_budget_bytes: float | None = None  # per device, for the search's activations
     virtual_stages: int | None = None             # interleaved only
+
+
+class Aux(enum.Enum):
+    """How an auxiliary output of the loss (``has_aux``) combines across microbatches."""
+
+    SUM = "sum"              # a weighted sum over examples: the microbatches' sum, weighted
+    EXAMPLES = "examples"    # per example, batch axis first: the microbatches' rows in order
+    SAME = "same"            # independent of the batch: any microbatch's
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,12 @@ class Prepared:
     virtual_stages: int = 1      # layer chunks per stage (interleaved)
     priced: search.Priced | None = None  # None: chosen without pricing (no layer planner)
     post: Post | None = None     # the head and loss's plan (per-microbatch schedules only)
+    # per constant operand of the stack: whether it holds the batch on its leading axis (a
+    # mask or positions made from the batch), split into microbatches as the carry is
+    batch_consts: tuple[bool, ...] = ()
+    # per auxiliary output of the loss (``has_aux``, per-microbatch schedules): how the
+    # microbatches' values combine, and a sum's weight
+    aux: tuple[tuple[Aux, float], ...] = ()
 
     @property
     def inner(self) -> Inner | None:
@@ -155,7 +170,7 @@ def prepare(fun: Callable, flat_args, is_param: list[bool], request: StageReques
     batch = _batch_size(full)
     per_example = tuple(not p and np.ndim(a) >= 1 and np.shape(a)[0] == batch
                         for a, p in zip(flat_args, is_param, strict=True))
-    _check_operands(full, per_example)
+    batch_consts = _check_operands(full, per_example)
     if full.layers < stages:
         raise PipelineError(
             f"the layer stack has {full.layers} layers, fewer than the {stages} stages of mesh "
@@ -169,32 +184,34 @@ def prepare(fun: Callable, flat_args, is_param: list[bool], request: StageReques
               else _microbatch_options(batch, stages))
     options = []
     for micro_n in counts:
-        micro = _trace_micro(fun, flat_args, per_example, batch // micro_n, is_param, full)
-        feasible = _feasible(request.schedule, full, micro, per_example, has_aux)
+        micro = _trace_micro(fun, flat_args, per_example, batch // micro_n, is_param, full,
+                             batch_consts)
+        feasible = _feasible(request.schedule, full, micro, per_example, has_aux, batch_consts)
         if virtual > 1 and micro_n < stages:
             raise PipelineError(
                 f"the interleaved schedule needs at least as many microbatches as stages "
                 f"({micro_n} < {stages}); set `Pipeline(microbatches=...)` to at least {stages}.")
         if plan_layer is None:   # no pricing: 1f1b where it is exact (it holds the least)
-            schedule, weight = feasible[min(1, len(feasible) - 1)]
+            schedule, weight, aux = feasible[min(1, len(feasible) - 1)]
             return Prepared(full=split.padded(full, stages * virtual),
                             micro=split.padded(micro, stages * virtual), per_example=per_example,
                             axis=request.axis, stages=stages, microbatches=micro_n,
-                            schedule=schedule, loss_weight=weight, virtual_stages=virtual)
+                            schedule=schedule, loss_weight=weight, virtual_stages=virtual,
+                            batch_consts=batch_consts, aux=aux)
         layer = plan_layer(micro)
         post = (plan_post(micro, per_example) if plan_post is not None
-                and any(s in search.PER_MICROBATCH for s, _ in feasible) else None)
-        for schedule, weight in feasible:
+                and any(f[0] in search.PER_MICROBATCH for f in feasible) else None)
+        for schedule, weight, aux in feasible:
             own = post if schedule in search.PER_MICROBATCH else None
             priced = search.price(schedule, stages, micro_n, per_stage, layer, virtual, own)
-            options.append((priced, micro, weight, own))
+            options.append((priced, micro, weight, own, aux))
     chosen = search.best([o[0] for o in options], request.activation_budget_bytes)
-    _, micro, weight, post = next(o for o in options if o[0] is chosen)
+    _, micro, weight, post, aux = next(o for o in options if o[0] is chosen)
     return Prepared(full=split.padded(full, stages * virtual),
                     micro=split.padded(micro, stages * virtual), per_example=per_example,
                     axis=request.axis, stages=stages, microbatches=chosen.microbatches,
                     schedule=chosen.schedule, loss_weight=weight, virtual_stages=virtual,
-                    priced=chosen, post=post)
+                    priced=chosen, post=post, batch_consts=batch_consts, aux=aux)
 
 
 def _batch_size(stack: split.Stack) -> int:
@@ -206,7 +223,9 @@ def _batch_size(stack: split.Stack) -> int:
     return stack.carry_shape[0]
 
 
-def _check_operands(stack: split.Stack, per_example) -> None:
+def _check_operands(stack: split.Stack, per_example) -> tuple[bool, ...]:
+    """Per constant operand of the stack, whether it holds the batch on its leading axis
+    (split into microbatches with the carry); raises where the batch runs elsewhere."""
     pre = split.trace(split.pre_fn(stack), stack.jaxpr.in_avals)
     states = batch_axes.analyze(pre, [0 if p else None for p in per_example], Mode.PRE,
                                 "the code before the layer stack").outputs
@@ -216,16 +235,22 @@ def _check_operands(stack: split.Stack, per_example) -> None:
         raise PipelineError(
             "the layer stack's carried activation does not have the batch (the leading axis of "
             "the batch arguments) as its first axis; keep the batch axis first.")
-    if any(s is not None for s in consts + xs):
+    if any(s not in (None, 0) for s in consts):
         raise PipelineError(
-            "a value computed from the batch enters the layer stack besides its carried "
-            "activation (a mask or position array passed to the scanned layers); pipelining "
-            "cannot split it into microbatches yet. Compute it inside the layer from the "
-            "carry, or plan with `pipeline=None`.")
+            "a value computed from the batch enters the layer stack with the batch on an axis "
+            "other than its first (a mask or position array passed to the scanned layers); "
+            "pipelining splits such values into microbatches on their leading axis. Keep the "
+            "batch axis first, or plan with `pipeline=None`.")
+    if any(s is not None for s in xs):
+        raise PipelineError(
+            "a value computed from the batch is stacked per layer and scanned over (a per-layer "
+            "mask); pipelining splits only the layers' shared operands into microbatches. Pass "
+            "it to every layer unstacked, or plan with `pipeline=None`.")
     if split.ys_used(stack):
         raise PipelineError(
             "the code after the layer stack reads the stack's per-layer outputs; pipelining "
             "passes on only the final activation. Return `None` as the scan's per-layer output.")
+    return tuple(s == 0 for s in consts)
 
 
 def _microbatches(asked: int | None, batch: int, stages: int) -> int:
@@ -272,7 +297,8 @@ def _microbatch_options(batch: int, stages: int) -> list[int]:
     return sorted(picks)
 
 
-def _trace_micro(fun, flat_args, per_example, rows: int, is_param, full) -> split.Stack:
+def _trace_micro(fun, flat_args, per_example, rows: int, is_param, full,
+                 batch_consts) -> split.Stack:
     specs = [jax.ShapeDtypeStruct((rows, *np.shape(a)[1:]) if p else np.shape(a), a.dtype)
              for a, p in zip(flat_args, per_example, strict=True)]
     micro = split.find_stack(jax.make_jaxpr(fun)(*specs), is_param)
@@ -283,7 +309,8 @@ def _trace_micro(fun, flat_args, per_example, rows: int, is_param, full) -> spli
             "size.")
     where = "the scanned layers"
     body = [micro.eqn.params["jaxpr"], full.eqn.params["jaxpr"]]
-    found = [batch_axes.analyze(b, _body_states(micro), Mode.BODY, where) for b in body]
+    found = [batch_axes.analyze(b, _body_states(micro, batch_consts), Mode.BODY, where)
+             for b in body]
     if found[0].outputs[: micro.num_carry] != [0]:
         raise PipelineError("the scanned layers move the batch axis of their carried activation; "
                             "keep it first.")
@@ -294,42 +321,57 @@ def _trace_micro(fun, flat_args, per_example, rows: int, is_param, full) -> spli
     return micro
 
 
-def _body_states(stack: split.Stack) -> list:
+def _body_states(stack: split.Stack, batch_consts) -> list:
     n_xs = len(stack.eqn.invars) - stack.num_consts - 1
-    return [None] * stack.num_consts + [0] + [None] * n_xs
+    return [0 if b else None for b in batch_consts] + [0] + [None] * n_xs
 
 
-def _feasible(asked, full, micro, per_example, has_aux) -> list[tuple[Schedule, float]]:
+def _feasible(asked, full, micro, per_example, has_aux, batch_consts
+              ) -> list[tuple[Schedule, float, tuple]]:
     """The schedules that can run this loss exactly (the one asked, else 1F1B where it is
-    exact and GPipe where it is not), each with the loss weight it runs under."""
+    exact and GPipe where it is not), each with the loss weight it runs under and how its
+    auxiliary outputs combine (:attr:`Prepared.aux`)."""
     if asked in (Schedule.GPIPE, Schedule.INTERLEAVED):   # the loss runs on the whole batch
-        return [(asked, 1.0)]
+        return [(asked, 1.0, ())]
     try:
-        ops = full.eqn.invars[: full.num_consts] + full.eqn.invars[full.num_consts + 1:]
-        if not all(jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact) for v in ops):
-            raise PipelineError(
-                "the scanned layers read integer operands besides their activation; 1f1b and "
-                "zb-h1 differentiate per stage and do not handle them yet. Use "
-                "`Pipeline(schedule=\"gpipe\")`.")
-        if has_aux:
-            raise PipelineError(
-                "`has_aux=True` with a schedule that computes the loss per microbatch (1f1b, "
-                "zb-h1): the auxiliary outputs cannot be combined across microbatches; use "
-                "`Pipeline(schedule=\"gpipe\")` or drop `has_aux`.")
-        weight = _loss_weight(full, micro, per_example)
+        if asked in TABLED:
+            _tabled_operands(asked, full, batch_consts, has_aux)
+        weight, aux = _loss_weight(full, micro, per_example, has_aux)
     except PipelineError:
         if asked is None:
-            return [(Schedule.GPIPE, 1.0)]
+            return [(Schedule.GPIPE, 1.0, ())]
         raise
     if asked is not None:
-        return [(asked, weight)]
+        return [(asked, weight, aux)]
     # ZB-H1 only when asked: it is slower than 1F1B as compiled (docs/pipeline.md). GPipe
     # recomputes as 1F1B does, so its ticks cost the same, and it holds more
-    return [(Schedule.ONE_F_ONE_B, weight)]
+    return [(Schedule.ONE_F_ONE_B, weight, aux)]
 
 
-def _loss_weight(full, micro, per_example) -> float:
-    """``w`` with loss(batch) = w * sum of loss(microbatch), proved from both traces."""
+def _tabled_operands(asked: Schedule, full: split.Stack, batch_consts, has_aux: bool) -> None:
+    """Raise where the loss is beyond what ``asked`` (a tabled schedule, which stores and
+    replays each layer's pullback) handles."""
+    if has_aux:
+        raise PipelineError(
+            f"`has_aux=True` with {asked.value}: it does not combine auxiliary outputs across "
+            "microbatches yet. Use `Pipeline(schedule=\"1f1b\")` or drop `has_aux`.")
+    ops = full.eqn.invars[: full.num_consts] + full.eqn.invars[full.num_consts + 1:]
+    if not all(jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact) for v in ops):
+        raise PipelineError(
+            f"the scanned layers read integer operands besides their activation; {asked.value} "
+            "stores each layer's pullback and does not handle them yet. Use "
+            "`Pipeline(schedule=\"1f1b\")`.")
+    if any(batch_consts):
+        raise PipelineError(
+            f"a value computed from the batch enters the scanned layers (a mask or position "
+            f"array); {asked.value} does not split it into microbatches yet. Use "
+            "`Pipeline(schedule=\"1f1b\")`.")
+
+
+def _loss_weight(full, micro, per_example, has_aux: bool) -> tuple[float, tuple]:
+    """``w`` with loss(batch) = w * sum of loss(microbatch), proved from both traces; with
+    ``has_aux``, how each auxiliary output combines across microbatches (:class:`Aux`, and a
+    sum's weight)."""
     found = []
     for stack in (full, micro):
         n_outs = len(stack.eqn.outvars)
@@ -339,18 +381,45 @@ def _loss_weight(full, micro, per_example) -> float:
         traced = split.trace(lambda *flat: post(flat[:n_ins], flat[n_ins:]),
                              list(stack.jaxpr.in_avals) + [v.aval for v in stack.eqn.outvars])
         found.append(batch_axes.analyze(traced, states, Mode.LOSS, "the loss after the layers"))
-    loss = [f.outputs[0] for f in found]
-    if not all(isinstance(s, BatchSum) for s in loss):
-        raise PipelineError(
-            "the loss is not a sum or mean over examples (it does not reduce over the batch); "
-            "1f1b computes it per microbatch. Use `Pipeline(schedule=\"gpipe\")`.")
-    if found[0].literals != found[1].literals or len(loss[0].scales) != len(loss[1].scales):
+    if found[0].literals != found[1].literals:
         raise PipelineError(
             "the loss uses a constant that depends on the batch size outside its final mean; "
             "use `Pipeline(schedule=\"gpipe\")`, which computes the loss on the whole batch.")
-    ratios = [a / b for (_, a), (_, b) in zip(loss[0].scales, loss[1].scales, strict=True)]
+    if not isinstance(found[0].outputs[0], BatchSum):
+        raise PipelineError(
+            "the loss is not a sum or mean over examples (it does not reduce over the batch); "
+            "1f1b computes it per microbatch. Use `Pipeline(schedule=\"gpipe\")`.")
+    weight = _weight(found[0].outputs[0], found[1].outputs[0], "the loss")
+    if not has_aux:
+        return weight, ()
+    return weight, tuple(_combined(f, m, k) for k, (f, m) in enumerate(
+        zip(found[0].outputs[1:], found[1].outputs[1:], strict=True)))
+
+
+def _weight(full: BatchSum, micro: BatchSum, what: str) -> float:
+    """``w`` with the full batch's value = w * the sum of the microbatches'."""
+    if len(full.scales) != len(micro.scales):
+        raise PipelineError(
+            f"{what} uses a constant that depends on the batch size outside its final mean; "
+            "use `Pipeline(schedule=\"gpipe\")`, which computes the loss on the whole batch.")
+    ratios = [a / b for (_, a), (_, b) in zip(full.scales, micro.scales, strict=True)]
     if not all(math.isclose(r, ratios[0], rel_tol=1e-6) for r in ratios):
         raise PipelineError(
-            "the loss adds sums over examples normalized differently (a mean plus a sum); "
+            f"{what} adds sums over examples normalized differently (a mean plus a sum); "
             "1f1b cannot weight its microbatches exactly. Use `Pipeline(schedule=\"gpipe\")`.")
     return ratios[0]
+
+
+def _combined(full, micro, k: int) -> tuple[Aux, float]:
+    """How auxiliary output ``k`` (its states in the two traces) combines across
+    microbatches."""
+    if isinstance(full, BatchSum) and isinstance(micro, BatchSum):
+        return Aux.SUM, _weight(full, micro, f"auxiliary output {k}")
+    if full == micro == 0:
+        return Aux.EXAMPLES, 1.0
+    if full is None and micro is None:
+        return Aux.SAME, 1.0
+    raise PipelineError(
+        f"auxiliary output {k} of the loss is neither a sum or mean over examples, nor per "
+        "example with the batch axis first, nor independent of the batch, so 1f1b cannot "
+        "combine it across microbatches. Use `Pipeline(schedule=\"gpipe\")`.")

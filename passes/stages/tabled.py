@@ -31,7 +31,7 @@ from autopar.passes.stages.schedules import Op, table
 
 def tabled_stack(prep: Prepared, mesh, flat, kinds, consts, carry, xs):
     """The tabled schedule's loop (:func:`.schedules.table`): (loss, d_post, d_consts, d_carry,
-    d_xs)."""
+    d_xs, aux)."""
     axis, n_micro = prep.axis, prep.microbatches
     rows = carry.shape[0] // n_micro
     tab = table(prep.schedule, prep.stages, n_micro)
@@ -205,7 +205,7 @@ def _run_table(prep: Prepared, tab, kinds, rows: int, fixed) -> dict:
 
     def b_forward_last(i, x, ct, stored, dys, sums):   # also the loss and its cotangent
         y, stored = forward(x, i)
-        loss, (dy, d_post) = loss_and_grads(y, float_ins, i)
+        (loss, _), (dy, d_post) = loss_and_grads(y, float_ins, i)   # no has_aux here
         acc, post_acc, loss_acc = sums
         return (y.astype(x.dtype), (dy * prep.loss_weight).astype(ct.dtype), stored, dys,
                 (acc, add(post_acc, d_post), loss_acc + loss))

@@ -454,11 +454,58 @@ def test_a_loss_normalized_by_a_batch_count_is_refused_by_1f1b():
         _trace(CONFIG, autopar.Pipeline(schedule="1f1b"), loss_fn=_weighted_loss(CONFIG))
 
 
-def test_has_aux_is_refused_by_1f1b():
-    loss_fn = gpt._loss_fn(CONFIG)
-    with pytest.raises(PipelineError, match="has_aux"):
-        _trace(CONFIG, autopar.Pipeline(schedule="1f1b"), has_aux=True,
-               loss_fn=lambda p, b: (loss_fn(p, b), None))
+def _loss_with_aux(params, x, y):
+    """A plain-jax stack whose loss returns, besides its mean, a sum and a mean over
+    examples, an integer count, a per-example array and a value that ignores the batch."""
+    h, _ = jax.lax.scan(lambda h, w: (h + jnp.tanh(h @ w), None), x @ params["embed"],
+                        params["layers"])
+    per = jnp.mean((h @ params["head"] - y) ** 2, axis=-1)
+    return jnp.mean(per), {"sum": per.sum(), "mean": jnp.mean(per * 2), "per": per,
+                           "norm": jnp.sum(params["head"] ** 2), "count": jnp.sum(per > 0.05)}
+
+
+def _aux_case():
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32) / 4  # noqa: E731
+    params = {"embed": normal(6, 16), "head": normal(16, 3), "layers": normal(8, 16, 16)}
+    return params, normal(16, 6), normal(16, 3)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", None])
+def test_has_aux_outputs_combine_across_1f1b_microbatches(schedule):
+    """1F1B computes the loss per microbatch: its auxiliary outputs are summed (a sum or mean
+    over examples, weighted as the loss is), concatenated (per example) or taken from one
+    microbatch (independent of the batch), and come out as one device computes them."""
+    args = _aux_case()
+    expected = jax.value_and_grad(_loss_with_aux, has_aux=True)(*args)
+    settings = autopar.Pipeline(schedule=schedule, microbatches=8)
+    step = autopar.value_and_grad(_loss_with_aux, has_aux=True)
+    compiled = _pipelined(step, settings, _mesh({"stage": 4, "data": 2}), "1f1b")(*args)
+    got = compiled(*args)
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    assert got[0][1]["count"].dtype == expected[0][1]["count"].dtype
+    _close(got, expected)
+
+
+def test_has_aux_that_mixes_examples_is_refused_by_1f1b_and_zb_h1():
+    def mixed(params, x, y):
+        value, aux = _loss_with_aux(params, x, y)
+        return value, jnp.max(aux["per"])
+
+    def batch_second(params, x, y):
+        value, aux = _loss_with_aux(params, x, y)
+        return value, aux["per"][:, None].T
+
+    for loss, match in ((mixed, "`reduce_max` mixes examples"),
+                        (batch_second, "auxiliary output 0 .* cannot combine")):
+        with pipelining(autopar.Pipeline(schedule="1f1b", microbatches=8),
+                        _mesh({"stage": 4, "data": 2})):
+            with pytest.raises(PipelineError, match=match):
+                jax.jit(autopar.value_and_grad(loss, has_aux=True)).lower(*_aux_case())
+    with pipelining(autopar.Pipeline(schedule="zb-h1", microbatches=8),
+                    _mesh({"stage": 4, "data": 2})):
+        with pytest.raises(PipelineError, match="has_aux=True.*zb-h1.*schedule=\"1f1b\""):
+            jax.jit(autopar.value_and_grad(_loss_with_aux, has_aux=True)).lower(*_aux_case())
 
 
 def test_a_loss_normalized_by_a_batch_count_is_exact_under_the_chosen_schedule():
@@ -494,6 +541,92 @@ def test_plain_jax_stack_with_a_shared_weight(schedule):
     settings = autopar.Pipeline(schedule=schedule, microbatches=8)
     compiled = _pipelined(step, settings, _mesh({"stage": 4, "data": 2}), schedule)(params, batch)
     _close(compiled(params, batch), expected)
+
+
+def _masked_loss(params, x, ids, y):
+    """Scanned layers reading two values made from the batch (a boolean mask from integer
+    ids, a float gate from a parameter) and a dropout key shared by the layers."""
+    keep = ids > 0
+    gate = jnp.tanh(x @ params["gate"])
+
+    def layer(h, w):
+        drop = jax.random.bernoulli(jax.random.fold_in(jax.random.key(7), w["index"]), 0.9,
+                                    (h.shape[-1],))
+        new = h + jnp.tanh(h @ w["kernel"]) * gate * drop[None]
+        return jnp.where(keep[:, None], new, h), None
+
+    layers = {"kernel": params["layers"], "index": jnp.arange(params["layers"].shape[0])}
+    h, _ = jax.lax.scan(layer, x @ params["embed"], layers)
+    return jnp.mean((h @ params["head"] - y) ** 2)
+
+
+def _masked_case():
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32) / 4  # noqa: E731
+    params = {"embed": normal(6, 16), "gate": normal(6, 1), "head": normal(16, 3),
+              "layers": normal(8, 16, 16)}
+    args = (params, normal(16, 6), jnp.asarray(rng.integers(0, 3, 16), jnp.int32),
+            normal(16, 3))
+    return args, jax.value_and_grad(_masked_loss)(*args)
+
+
+def _batch_values_split(micro):
+    """A stage plan splitting the microbatch's rows, and the values made from the batch with
+    them, over ``data``."""
+    n = micro.num_consts
+    consts = tuple(P("data") if v.aval.ndim and v.aval.shape[0] == micro.carry_shape[0]
+                   else None for v in micro.eqn.invars[:n])
+    xs = (None,) * (len(micro.eqn.invars) - n - 1)
+    inner = Inner(consts=consts, carry=P("data"), xs=xs)
+    return search.LayerPlan(inner=inner, time_s=1.0, kept_bytes=1, carry_bytes=1, hop_s=0.0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", None])
+def test_values_made_from_the_batch_enter_the_layers_one_microbatch_at_a_time(schedule):
+    """A mask made from the batch reaches each microbatch's layers as that microbatch's rows
+    (held over ``data`` as the stage plan splits them), and its gradient flows back the same
+    way; integer and key operands take none. Left to autopar, the schedule is 1F1B."""
+    args, expected = _masked_case()
+    settings = autopar.Pipeline(schedule=schedule, microbatches=4,
+                                virtual_stages=2 if schedule == "interleaved" else None)
+    mesh = _mesh({"stage": 2, "data": 2, "model": 2})
+    with pipelining(settings, mesh, plan_layer=_batch_values_split) as context:
+        compiled = jax.jit(autopar.value_and_grad(_masked_loss)).lower(*args).compile()
+    assert context.chosen[0].schedule.value == (schedule or "1f1b")
+    assert P("data") in context.chosen[0].inner.consts
+    _close(compiled(*args), expected)
+
+
+def test_zb_h1_refuses_values_made_from_the_batch_and_integer_operands():
+    args, _ = _masked_case()
+    with pipelining(autopar.Pipeline(schedule="zb-h1", microbatches=4),
+                    _mesh({"stage": 4, "data": 2})):
+        with pytest.raises(PipelineError, match="integer operands.*zb-h1.*schedule=\"1f1b\""):
+            jax.jit(autopar.value_and_grad(_masked_loss)).lower(*args)
+
+    def gated(params, x, ids, y):   # the float gate alone
+        gate = jnp.tanh(x @ params["gate"])
+        h, _ = jax.lax.scan(lambda h, w: (h + jnp.tanh(h @ w) * gate, None),
+                            x @ params["embed"], params["layers"])
+        return jnp.mean((h @ params["head"] - y) ** 2)
+
+    with pipelining(autopar.Pipeline(schedule="zb-h1", microbatches=4),
+                    _mesh({"stage": 4, "data": 2})):
+        with pytest.raises(PipelineError, match="computed from the batch.*zb-h1"):
+            jax.jit(autopar.value_and_grad(gated)).lower(*args)
+
+
+def test_a_value_made_from_the_batch_and_stacked_per_layer_is_refused():
+    def loss(params, x, ids, y):
+        per_layer = jnp.broadcast_to(jnp.tanh(x @ params["gate"]), (8, *x.shape[:1], 1))
+        h, _ = jax.lax.scan(lambda h, wm: (jnp.tanh(h @ wm[0]) * wm[1], None),
+                            x @ params["embed"], (params["layers"], per_layer))
+        return jnp.mean((h @ params["head"] - y) ** 2)
+
+    args, _ = _masked_case()
+    with pipelining(autopar.Pipeline(microbatches=4), _mesh({"stage": 4, "data": 2})):
+        with pytest.raises(PipelineError, match="stacked per layer"):
+            jax.jit(autopar.value_and_grad(loss)).lower(*args)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])

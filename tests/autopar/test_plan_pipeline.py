@@ -13,7 +13,8 @@ from autopar._html import render_html
 from autopar._layers import OTHER, layer_rows, memory_over_program, pipelined_layer
 from autopar.errors import ArgumentError, PipelineError
 from autopar.models import common, gpt
-from tests.autopar.test_pipeline import CONFIG, _step, gpt_case  # noqa: F401 (a fixture)
+from tests.autopar.test_pipeline import (  # noqa: F401 (gpt_case: a fixture)
+    CONFIG, _aux_case, _loss_with_aux, _masked_case, _masked_loss, _step, gpt_case)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,30 @@ def test_the_head_splits_over_the_other_axes_at_realistic_width(schedule):
     dots = re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} dot\(", plan.compile().as_text())
     assert dots and not [d for d in dots if "32768" in d.split(",")]
     assert [d for d in dots if "16384" in d.split(",")]     # the head, split in two
+
+
+@pytest.mark.parametrize("loss_fn, case, has_aux", [(_loss_with_aux, _aux_case, True),
+                                                     (_masked_loss, _masked_case, False)],
+                         ids=["has_aux", "batch_mask"])
+def test_a_1f1b_plan_takes_auxiliary_outputs_and_values_made_from_the_batch(loss_fn, case,
+                                                                            has_aux):
+    """Planned end to end on (2, 2, 2): a loss with auxiliary outputs (an integer one among
+    them), or layers reading a mask made from the batch, pipelines under 1F1B and the step
+    computes what one device computes."""
+    args = case() if has_aux else case()[0]
+
+    def step(value_and_grad, *args):
+        value, grads = value_and_grad(loss_fn, has_aux=has_aux)(*args)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, args[0], grads), value
+
+    expected = jax.jit(lambda *a: step(jax.value_and_grad, *a))(*args)
+    plan = autopar.plan(lambda *a: step(autopar.value_and_grad, *a), *args,
+                        mesh={"stage": 2, "data": 2, "model": 2}, hardware="h100",
+                        pipeline=autopar.Pipeline(axis="stage", microbatches=4))
+    assert plan.pipeline["schedule"] == "1f1b"
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y),
+                                                         rtol=2e-3, atol=2e-5),
+                 plan.jit()(*args), expected)
 
 
 def test_a_plan_balances_stages_its_layers_do_not_divide():
