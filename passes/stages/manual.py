@@ -189,13 +189,21 @@ def micro_loss_and_grads(prep: Prepared, kinds, rows: int, other_ins) -> Callabl
     return loss_and_grads
 
 
+def _aux_avals(prep: Prepared) -> list:
+    return [v.aval for v in prep.micro.jaxpr.jaxpr.outvars[1:]]
+
+
 def aux_start(prep: Prepared, axis) -> list:
-    """The accumulators of the loss's auxiliary outputs (:attr:`Prepared.aux`): a sum's or
-    a batch-independent value's shape, or a per-example one's for every microbatch."""
-    avals = [v.aval for v in prep.micro.jaxpr.jaxpr.outvars[1:]]
-    return [varying(jnp.zeros(((prep.microbatches,) if mode is Aux.EXAMPLES else ())
-                              + a.shape, a.dtype), axis)
-            for a, (mode, _) in zip(avals, prep.aux, strict=True)]
+    """The accumulators of the loss's auxiliary outputs (:attr:`Prepared.aux`): a sum's (in
+    float32 for a 16-bit float, as the loss's) or a batch-independent value's shape, or a
+    per-example one's for every microbatch."""
+    def start(a, mode):
+        if mode is Aux.SUM:
+            return jnp.zeros(a.shape, jnp.float32 if low(a.dtype) else a.dtype)
+        return jnp.zeros(((prep.microbatches,) if mode is Aux.EXAMPLES else ()) + a.shape,
+                         a.dtype)
+    return [varying(start(a, mode), axis)
+            for a, (mode, _) in zip(_aux_avals(prep), prep.aux, strict=True)]
 
 
 def aux_add(prep: Prepared, acc: list, aux: list, i, take) -> list:
@@ -214,9 +222,9 @@ def aux_add(prep: Prepared, acc: list, aux: list, i, take) -> list:
 def _aux_results(prep: Prepared, acc: list) -> list:
     """The auxiliary outputs, from the last stage's accumulators (zeros elsewhere)."""
     out = []
-    for a, (mode, weight) in zip(acc, prep.aux, strict=True):
+    for a, aval, (mode, weight) in zip(acc, _aux_avals(prep), prep.aux, strict=True):
         total = lax.psum(a.astype(jnp.int32) if a.dtype == jnp.bool_ else up(a), prep.axis)
-        total = (total * weight if mode is Aux.SUM else total).astype(a.dtype)
+        total = (total * weight if mode is Aux.SUM else total).astype(aval.dtype)
         out.append(total.reshape(-1, *a.shape[2:]) if mode is Aux.EXAMPLES else total)
     return out
 
