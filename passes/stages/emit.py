@@ -195,6 +195,8 @@ def _per_microbatch_run(prep: Prepared, mesh, flat, stack: Callable):
             grads.append(_no_grad(a))
         else:
             grads.append(next(d_pre) + next(d_post) if kind == "float" else next(d_pre))
+    # summed in float32 over the microbatches; returned in the loss's own type
+    value = value.astype(prep.full.jaxpr.out_avals[0].dtype)
     return value, aux, tuple(grads)
 
 
