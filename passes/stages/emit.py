@@ -90,7 +90,7 @@ def _gpipe_stack(prep: Prepared, mesh, consts, carry, xs):
         done = ys[n_stages - 1:]                 # the last stage's outputs, microbatch order
         return manual.psum(jnp.where(s == n_stages - 1, done, jnp.zeros_like(done)), axis)
 
-    mbs = carry.reshape(n_micro, carry.shape[0] // n_micro, *carry.shape[1:])
+    mbs = manual.microbatches(prep, carry)
     out = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis)), out_specs=P(),
                         axis_names={axis})(jax.tree.map(manual.up, manual.batched(prep, consts)),
                                            manual.up(mbs), xs)
@@ -131,7 +131,7 @@ def _circular_stack(prep: Prepared, mesh, consts, carry, xs):
         (_, _, outs), _ = lax.scan(tick, (act, buf, buf), jnp.arange(n_ticks))
         return manual.psum(jnp.where(s == n_stages - 1, outs, jnp.zeros_like(outs)), axis)
 
-    mbs = carry.reshape(n_micro, carry.shape[0] // n_micro, *carry.shape[1:])
+    mbs = manual.microbatches(prep, carry)
     per = prep.full.stacked // (n_stages * v)
     chunked = [a.reshape(v, n_stages, per, *a.shape[1:]) for a in xs]
     out = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(None, axis)), out_specs=P(),

@@ -54,11 +54,16 @@ def lead(spec, n: int = 1):
     return None if spec is None else P(*[None] * n, *spec)
 
 
+def microbatches(prep: Prepared, a):
+    """``a`` (the batch on its leading axis) split into microbatches, ``[M, rows, ...]``."""
+    n = prep.microbatches
+    return a.reshape(n, a.shape[0] // n, *a.shape[1:])
+
+
 def batched(prep: Prepared, consts) -> list:
     """``consts`` with each that holds the batch (``prep.batch_consts``) split into
-    microbatches, ``[M, rows, ...]``, as the carry is."""
-    n = prep.microbatches
-    return [c.reshape(n, c.shape[0] // n, *c.shape[1:]) if b else c
+    :func:`microbatches`, as the carry is."""
+    return [microbatches(prep, c) if b else c
             for c, b in zip(consts, batch_flags(prep), strict=True)]
 
 
@@ -256,10 +261,10 @@ def run_region(body: Callable, prep: Prepared, mesh, flat, kinds, consts, carry,
     """``body(consts, mbs, xs, float_ins, other_ins)`` in ``jax.shard_map`` manual over the
     stage axis, the carry split into microbatches: (loss, d_post, d_consts, d_carry, d_xs,
     aux)."""
-    axis, n_micro = prep.axis, prep.microbatches
+    axis = prep.axis
     float_ins = [a for a, k in zip(flat, kinds, strict=True) if k == "float"]
     other_ins = [a for a, k in zip(flat, kinds, strict=True) if k == "other"]
-    mbs = carry.reshape(n_micro, carry.shape[0] // n_micro, *carry.shape[1:])
+    mbs = microbatches(prep, carry)
     hold = post_held(prep, kinds)
 
     def held_body(consts, mbs, xs, float_ins, other_ins):

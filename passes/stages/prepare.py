@@ -335,7 +335,7 @@ def _feasible(asked, full, micro, per_example, has_aux, batch_consts
         return [(asked, 1.0, ())]
     try:
         if asked in TABLED:
-            _tabled_operands(asked, full, batch_consts, has_aux)
+            _tabled_refusals(asked, full, batch_consts, has_aux)
         weight, aux = _loss_weight(full, micro, per_example, has_aux)
     except PipelineError:
         if asked is None:
@@ -348,7 +348,7 @@ def _feasible(asked, full, micro, per_example, has_aux, batch_consts
     return [(Schedule.ONE_F_ONE_B, weight, aux)]
 
 
-def _tabled_operands(asked: Schedule, full: split.Stack, batch_consts, has_aux: bool) -> None:
+def _tabled_refusals(asked: Schedule, full: split.Stack, batch_consts, has_aux: bool) -> None:
     """Raise where the loss is beyond what ``asked`` (a tabled schedule, which stores and
     replays each layer's pullback) handles."""
     if has_aux:
