@@ -48,9 +48,10 @@ def _eqns(jaxpr):
 
 def simulated_step_s(compiled, profile, dtype) -> float:
     """``compiled``'s step on ``profile`` by the simulated timeline (``cost_model.timeline``),
-    as that hardware runs it: on a GPU or TPU profile every collective asynchronous and moved
-    at the program's own dtype (XLA:CPU compiles collectives synchronously and widens 16-bit
-    floats to float32); on the CPU profile as XLA:CPU compiled it."""
+    as that hardware runs it: on a GPU or TPU profile every collective asynchronous, moved
+    at the program's own dtype, and each all-reduce sliced per device a reduce-scatter
+    (XLA:CPU compiles collectives synchronously, widens 16-bit floats to float32 and
+    emulates reduce-scatters); on the CPU profile as XLA:CPU compiled it."""
     accelerator = profile.async_collectives
     return simulate(compiled.as_text(), profile, dtype, scheduled=accelerator,
                     program_dtypes=accelerator).step_time_s

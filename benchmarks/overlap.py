@@ -12,8 +12,10 @@ rewrites taken, the compiled collectives, and the simulated timeline on the h100
   start, issued as soon as its operands are ready, and a done, waited for at its first use,
   as XLA:GPU's latency-hiding scheduler runs async collectives. Kernels are the CPU-compiled
   ones (their bf16-to-f32 converts included);
-* the same, with every collective XLA:CPU carries in float32 for bf16 values priced at bf16
-  (``simulate(..., program_dtypes=True)``), as a GPU moves them.
+* the same, with the collectives read as a GPU compiles them
+  (``simulate(..., program_dtypes=True)``): every one XLA:CPU carries in float32 for bf16
+  values priced at bf16, and every all-reduce XLA:CPU slices per device priced as the
+  reduce-scatter it stands for.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ program is priced from its compiled HLO by the simulated timeline
 each collective on the link level its device groups cross); ``reference_s`` is the sum of
 flops and collectives ``autopar.compare`` reports, which counts a loop body's flops once
 (XLA's cost analysis does). Each program is priced twice: with its collectives as XLA:CPU
-compiled them (16-bit floats widened to float32) and at the program's own dtypes, as a GPU
-moves them (``step_program_dtypes_s``). A pipelined row also
+compiled them (16-bit floats widened to float32) and as a GPU compiles them
+(``step_program_dtypes_s``: at the program's own dtypes, and each all-reduce XLA:CPU slices
+per device as the reduce-scatter it stands for). A pipelined row also
 gives the predicted bubble beside the schedule's formula and the predicted per-stage peak.
 
     python -m benchmarks.run --suite pipeline [--cases two-node,one-node]
@@ -107,8 +108,8 @@ def _compile_specs(fn, args, mesh, specs):
 
 def _row(name, compiled, profile) -> dict:
     """``compiled``'s measures; ``step_program_dtypes_s`` is its simulated step with the
-    collectives XLA:CPU widened to float32 moved at the program's bfloat16, as a GPU moves
-    them: what ``pipeline="auto"`` judges candidates by (``autopar._judge``)."""
+    collectives read as a GPU compiles them (``simulate(..., program_dtypes=True)``): what
+    ``pipeline="auto"`` judges candidates by (``autopar._judge``)."""
     m = measure(name, compiled, profile, jnp.bfloat16)
     return {"step_time_s": m.makespan_s, "exposed_comm_s": m.exposed_comm_s,
             "step_program_dtypes_s": simulated_step_s(compiled, profile, jnp.bfloat16),

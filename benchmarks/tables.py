@@ -21,7 +21,7 @@ def summary_table(rows: list[dict]) -> str:
               "| autopar TFLOP/dev | autopar peak GiB | planning s | solver | plan from "
               "| ILP objective / estimate | limit ms | autopar sim ms | autopar exposed ms "
               "| autopar / limit | best sim baseline / limit "
-              "| at 16-bit collectives: autopar / best sim baseline |"),
+              "| collectives as a GPU compiles them: autopar / best sim baseline |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
@@ -42,8 +42,9 @@ def summary_table(rows: list[dict]) -> str:
 
 
 def _program_dtypes_cell(row: dict) -> str:
-    """autopar's makespan over the best fitting baseline's, both with their widened
-    collectives at the program's dtypes (dash for a row from before that measure)."""
+    """autopar's makespan over the best fitting baseline's, both with their collectives read
+    as a GPU compiles them (``simulate(..., program_dtypes=True)``; dash for a row from
+    before that measure)."""
     best = row.get("best_program_dtypes_baseline")
     ours = row["programs"]["autopar"].get("makespan_program_dtypes_s")
     if ours is None:
@@ -76,7 +77,7 @@ def detail_table(rows: list[dict]) -> str:
     """Every compiled program of every row: reference step time, then the simulated
     timeline's makespan, exposed communication and ratio to the compute-only limit."""
     lines = ["| model | mesh | program | step ms | wire MiB | TFLOP/dev | peak GiB | fits "
-             "| sim ms | exposed ms | / limit | sim ms, 16-bit collectives |",
+             "| sim ms | exposed ms | / limit | sim ms, collectives as a GPU compiles them |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for name, p in r.get("programs", {}).items():
@@ -107,9 +108,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"stream waits for communication; limit ms: the compute-only limit, the "
             f"single-device program's simulated step over the {meta['devices']} devices with "
             f"all communication hidden; / limit: sim ms over limit ms (1.00 is the best any "
-            f"plan can do); best sim baseline: the fitting baseline with the least sim ms; at "
-            f"16-bit collectives: the same timelines with each collective XLA:CPU carries in "
-            f"float32 for bf16 values priced at bf16, as a GPU moves it "
+            f"plan can do); best sim baseline: the fitting baseline with the least sim ms; "
+            f"collectives as a GPU compiles them: the same timelines with each collective "
+            f"XLA:CPU carries in float32 for bf16 values priced at bf16, and each all-reduce "
+            f"XLA:CPU slices per device priced as the reduce-scatter it stands for "
             f"(`simulate(..., program_dtypes=True)`), autopar's over the best fitting "
             f"baseline's (lower is better). "
             f"Ran {meta['duration_s']:.0f} s ({meta.get('rows_cpu_s', 0):.0f} CPU s) with "

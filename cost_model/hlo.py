@@ -65,6 +65,7 @@ from autopar.cost_model.hlo_ir import (
     Instruction,
     Module,
     array_dims,
+    elements,
     parse_module,
     shape_bytes,
     tuple_elements,
@@ -280,6 +281,99 @@ def widening(module: Module, computation: str, instruction: Instruction) -> int:
         return 1
     source = array_dims(module.type_of(computation, operand.operands[0]) or "")
     return 2 if source is not None and source[0] in _FLOAT16 else 1
+
+
+#: Ops that pass a collective's value on unchanged, looked through to the kernel reading it.
+_FORWARDING = frozenset({"all-reduce-done", "get-tuple-element", "bitcast"})
+#: Ops of a kernel that only change its value's float width (XLA:CPU's 16-bit round trips).
+_WIDTH_ONLY = frozenset({"parameter", "convert", "bitcast", "reshape"})
+_PARTITION = frozenset({"partition-id", "replica-id"})
+#: How many scalar ops deep a slice's offset is looked through for the partition id.
+_OFFSET_DEPTH = 8
+
+
+def width_only(module: Module, instruction: Instruction) -> bool:
+    """Whether a kernel only changes its value's float width: a convert, or a fusion of
+    converts and reshapes that move no data."""
+    if instruction.opcode == "convert":
+        return True
+    called = instruction.called("calls") if instruction.opcode == "fusion" else ()
+    inside = module.computations.get(called[0], ()) if called else ()
+    return bool(inside) and all(i.opcode in _WIDTH_ONLY for i in inside)
+
+
+def users_of(instructions) -> dict[str, list[Instruction]]:
+    """Instruction name -> the instructions of the same computation that read it."""
+    users: dict[str, list[Instruction]] = {}
+    for i in instructions:
+        for name in i.operands:
+            users.setdefault(name, []).append(i)
+    return users
+
+
+def _readers(module: Module, users: dict, name: str) -> list[Instruction]:
+    """The kernels that read value ``name``, through the ops that forward it and the kernels
+    that only change its float width."""
+    found = []
+    for user in users.get(name, ()):
+        through = user.opcode in _FORWARDING or width_only(module, user)
+        found += _readers(module, users, user.name) if through else [user]
+    return found
+
+
+def _sliced_per_partition(module: Module, computation: str, by_name: dict,
+                          reader: Instruction) -> bool:
+    """Whether ``reader`` is a dynamic-slice (or a fusion holding one) whose offsets come
+    from the device's partition or replica id."""
+    fused = reader.called("calls") if reader.opcode == "fusion" else ()
+    inside = module.computations.get(fused[0], ()) if fused else ()
+    if reader.opcode != "dynamic-slice" and not any(
+            i.opcode == "dynamic-slice" for i in inside):
+        return False
+    if any(i.opcode in _PARTITION for i in inside):
+        return True
+    seen, frontier = set(), list(reader.operands)
+    for _ in range(_OFFSET_DEPTH):
+        step = []
+        for name in frontier:
+            producer = by_name.get(name)
+            if producer is None or name in seen or elements(producer.result_type) != 1:
+                continue
+            if producer.opcode in _PARTITION:
+                return True
+            seen.add(name)
+            step += producer.operands
+        frontier = step
+    return False
+
+
+def native_reduce_scatters(module: Module, collectives: tuple[Collective, ...]
+                           ) -> tuple[Collective, ...]:
+    """``collectives`` with each all-reduce that stands for a reduce-scatter read as one.
+
+    XLA:CPU does not form reduce-scatters from what GSPMD partitions (XLA:GPU and TPU run a
+    reduce-scatter creator pass): it all-reduces the whole buffer, and each device slices
+    its part out by partition id. An all-reduce whose every reader (through converts of its
+    float width) is such a slice of ``1/n`` of it, for its group of ``n``, becomes the
+    reduce-scatter a GPU or TPU runs.
+    """
+    by_text = {c.text: c for c in collectives}
+    native = {}
+    for computation, instructions in module.computations.items():
+        by_name, users = {i.name: i for i in instructions}, users_of(instructions)
+        for i in instructions:
+            c = by_text.get(i.line)
+            if c is None or c.kind is not CollectiveKind.ALL_REDUCE or c.group_size < 2:
+                continue
+            total = elements(_output_type(i.opcode, i.result_type))
+            readers = _readers(module, users, i.name)
+            if readers and all(
+                    elements(r.result_type) * c.group_size == total
+                    and _sliced_per_partition(module, computation, by_name, r)
+                    for r in readers):
+                native[c.text] = dataclasses.replace(
+                    c, kind=CollectiveKind.REDUCE_SCATTER, out_bytes=c.in_bytes // c.group_size)
+    return tuple(native.get(c.text, c) for c in collectives)
 
 
 def _collective(module: Module, instruction: Instruction, computation: str, trip_count,

@@ -34,7 +34,14 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from autopar.cost_model.hardware import LevelKind
-from autopar.cost_model.hlo import Collective, num_devices, parse_collectives
+from autopar.cost_model.hlo import (
+    Collective,
+    native_reduce_scatters,
+    num_devices,
+    parse_collectives,
+    users_of,
+    width_only,
+)
 from autopar.cost_model.hlo_async import as_async
 from autopar.cost_model.hlo_ir import Instruction, Module, parse_module
 from autopar.cost_model.hlo_roofline import FREE_OPCODES, kernel_time_s
@@ -98,11 +105,6 @@ def _shift(ready: Ready, by_s: float) -> Ready:
     return ready + by_s
 
 
-#: The ops of a kernel that only changes its value's float width: a convert, with the
-#: reshapes that move no data.
-_WIDTH_ONLY = frozenset({"parameter", "convert", "bitcast", "reshape"})
-
-
 def width_kernels(module: Module, collectives: Sequence[Collective]
                   ) -> frozenset[tuple[str, str]]:
     """(computation, name) of the kernels that only convert a widened collective's operand up
@@ -111,18 +113,7 @@ def width_kernels(module: Module, collectives: Sequence[Collective]
     widened = {c.text for c in collectives if c.widened > 1}
     found = set()
     for computation, instructions in module.computations.items():
-        by_name = {i.name: i for i in instructions}
-        users: dict[str, list[Instruction]] = {}
-        for i in instructions:
-            for name in i.operands:
-                users.setdefault(name, []).append(i)
-
-        def width_only(i: Instruction) -> bool:
-            if i.opcode == "convert":
-                return True
-            called = i.called("calls") if i.opcode == "fusion" else ()
-            inside = module.computations.get(called[0], ()) if called else ()
-            return bool(inside) and all(x.opcode in _WIDTH_ONLY for x in inside)
+        by_name, users = {i.name: i for i in instructions}, users_of(instructions)
 
         def is_widened(i: Instruction) -> bool:
             if i.opcode == "async-start":
@@ -144,10 +135,10 @@ def width_kernels(module: Module, collectives: Sequence[Collective]
                 continue
             for name in i.operands:
                 operand = by_name.get(name)
-                if (operand is not None and width_only(operand)
+                if (operand is not None and width_only(module, operand)
                         and all(is_widened(u) for u in users.get(name, ()))):
                     found.add((computation, name))
-            found.update((computation, u.name) for u in results(i) if width_only(u))
+            found.update((computation, u.name) for u in results(i) if width_only(module, u))
     return frozenset(found)
 
 
@@ -297,10 +288,12 @@ def simulate(hlo_text: str, profile, dtype=None, device_ids: Sequence[int] | Non
     (``cost_model.reference``). ``scheduled``: read every synchronous collective as an
     asynchronous one issued when its operands are ready and awaited at its first use
     (``cost_model.hlo_async``), as a GPU or TPU would run a program XLA:CPU compiled.
-    ``program_dtypes``: price each collective XLA:CPU widened (16-bit floats carried as
-    float32, ``cost_model.hlo.widening``) at the program's own dtype, as a GPU or TPU moves
-    it, and drop the kernels that only convert its operand up or its result back down
-    (:func:`width_kernels`), which such hardware does not run.
+    ``program_dtypes``: read the collectives as a GPU or TPU compiles them. Each XLA:CPU
+    widened (16-bit floats carried as float32, ``cost_model.hlo.widening``) moves the
+    program's own dtype, and the kernels that only convert its operand up or its result
+    back down (:func:`width_kernels`) are not run; an all-reduce each device only slices its
+    part of is the reduce-scatter XLA:CPU emulates with it
+    (``cost_model.hlo.native_reduce_scatters``).
     """
     if scheduled:
         hlo_text = as_async(hlo_text)
@@ -309,7 +302,8 @@ def simulate(hlo_text: str, profile, dtype=None, device_ids: Sequence[int] | Non
     free: frozenset[tuple[str, str]] = frozenset()
     if program_dtypes:
         free = width_kernels(module, collectives)
-        collectives = tuple(c.at_program_dtype() for c in collectives)
+        collectives = tuple(c.at_program_dtype()
+                            for c in native_reduce_scatters(module, collectives))
     simulator = _Simulator(module, profile, dtype, collectives, device_ids, free)
     entry = module.computations.get(module.entry, ())
     params = sum(1 for i in entry if i.opcode == "parameter")

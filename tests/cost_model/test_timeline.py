@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from autopar.cost_model.hardware import HardwareProfile, LevelKind, LinkLevel
-from autopar.cost_model.hlo import parse_collectives
+from autopar.cost_model.hlo import CollectiveKind, native_reduce_scatters, parse_collectives
 from autopar.cost_model.reference import (
     collective_time_s,
     reference_comm_time_s,
@@ -395,3 +395,45 @@ def test_the_converts_around_a_widened_collective_are_not_run_at_the_programs_dt
     assert native == kernels - {name for _, name in widths}
     assert native, "the tanh still runs"
     assert all(opcodes[name] in ("convert", "fusion") for _, name in widths)
+
+
+def _gspmd_reduction(mesh, out_spec):
+    """The compiled text of a contraction over rows split on every device of ``mesh``, its
+    result laid out as ``out_spec``: GSPMD reduces its partial sums over the mesh."""
+    from jax.sharding import NamedSharding
+    rows = NamedSharding(mesh, P(tuple(mesh.axis_names), None))
+    fn = jax.jit(lambda x, w: x.T @ (x @ w), out_shardings=NamedSharding(mesh, out_spec))
+    return fn.lower(jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=rows),
+                    jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)).compile().as_text()
+
+
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_an_all_reduce_each_device_slices_is_read_as_a_reduce_scatter(mesh_2d, scheduled):
+    """XLA:CPU reduce-scatters by all-reducing and slicing each device's part out by its
+    partition id; read as a GPU or TPU compiles it, that is one reduce-scatter of the
+    program's dtype, and the step's communication is that reduce-scatter's."""
+    text = _gspmd_reduction(mesh_2d, P(("data", "model"), None))
+    collectives = parse_collectives(text, 8)
+    assert [c.kind for c in collectives] == [CollectiveKind.ALL_REDUCE]
+    (native,) = native_reduce_scatters(parse_module(text), collectives)
+    assert native.kind is CollectiveKind.REDUCE_SCATTER
+    assert native.out_bytes * 8 == native.in_bytes == collectives[0].out_bytes
+    as_compiled = simulate(text, ROUND, scheduled=scheduled).comm_busy_s[NVLINK]
+    read = simulate(text, ROUND, scheduled=scheduled, program_dtypes=True).comm_busy_s[NVLINK]
+    assert as_compiled == pytest.approx(collective_time_s(ROUND, collectives[0]))
+    assert read == pytest.approx(collective_time_s(ROUND, native.at_program_dtype()))
+    assert read == pytest.approx(as_compiled / 4)  # half the wire bytes, at half the width
+
+
+def test_an_all_reduce_read_whole_stays_one(mesh_2d):
+    """A psum every device reads whole, and GSPMD's reduction to a replicated result, are
+    no reduce-scatter."""
+    fn = jax.shard_map(lambda a: jnp.tanh(lax.psum(a, "model")), mesh=mesh_2d,
+                       in_specs=P("model"), out_specs=P(), check_vma=False)
+    whole = jax.jit(fn).lower(jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16)).compile(
+        ).as_text()
+    for text in (whole, _gspmd_reduction(mesh_2d, P())):
+        collectives = parse_collectives(text, 8)
+        reductions = [c for c in collectives if c.kind is CollectiveKind.ALL_REDUCE]
+        assert reductions
+        assert native_reduce_scatters(parse_module(text), collectives) == collectives
