@@ -354,6 +354,41 @@ def write_output(path: str, flag: str, text: str) -> None:
         f.write(text)
 
 
+#: ``--pipeline``'s fields, as ``autopar.Pipeline`` takes them: name -> whether an integer.
+_PIPELINE_FIELDS = {"axis": False, "stages": True, "microbatches": True, "schedule": False,
+                    "virtual_stages": True}
+
+
+def _pipeline_option(text: str) -> str | dict:
+    """``--pipeline``'s value: ``auto``, ``off``, or the fields of an ``autopar.Pipeline``
+    as ``axis=stage,schedule=1f1b,microbatches=8`` (a first field without ``=`` is the
+    axis). Fields are checked here; the ``Pipeline`` is made once jax may be imported."""
+    if text in ("auto", "off"):
+        return text
+    fields: dict[str, str | int] = {}
+    for k, part in enumerate(text.split(",")):
+        name, eq, value = (s.strip() for s in part.partition("="))
+        if not eq and k == 0:
+            name, value = "axis", name
+        if name not in _PIPELINE_FIELDS or not value or name in fields:
+            raise argparse.ArgumentTypeError(
+                f"`{text}` is not auto, off or pipeline fields like "
+                f"axis=stage,schedule=1f1b,microbatches=8 (fields: "
+                f"{', '.join(_PIPELINE_FIELDS)})")
+        fields[name] = _count(1)(value) if _PIPELINE_FIELDS[name] else value
+    return fields
+
+
+def _pipeline_setting(option: str | dict):
+    """``autopar.plan(pipeline=...)`` for a parsed ``--pipeline``."""
+    if option == "auto":
+        return "auto"
+    if option == "off":
+        return None
+    import autopar
+    return autopar.Pipeline(**option)
+
+
 #: ``--remat`` choices, as ``autopar.plan(remat=...)`` takes them.
 _REMAT = {"auto": True, "off": False, "dots_saveable": "dots_saveable",
           "nothing_saveable": "nothing_saveable"}
@@ -369,7 +404,9 @@ def cmd_report(args) -> int:
     fn, example_args = _load_target(args.target)
     plan = autopar.plan(fn, *example_args, mesh=mesh, hardware=args.hardware,
                         memory_budget=args.memory_budget, remat=_REMAT[args.remat],
-                        time_limit_s=args.time_limit, verbose=not args.quiet)
+                        time_limit_s=args.time_limit, verbose=not args.quiet,
+                        pipeline=_pipeline_setting(args.pipeline),
+                        overlap=not args.no_overlap)
     baselines = None
     if not args.no_baselines:
         from autopar._compare import predict_baselines
@@ -495,6 +532,16 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--remat", choices=tuple(_REMAT), default="auto",
                      help="rematerialize layers when no sharding fits the budget (auto), "
                           "never (off), or every layer with this policy (default: auto)")
+    rep.add_argument("--pipeline", type=_pipeline_option, default="auto",
+                     metavar="{auto,off,FIELDS}",
+                     help="cut the step's scanned layers into pipeline stages: auto (when its "
+                          "compiled program is faster; the default, as plan()), off, or "
+                          "autopar.Pipeline's fields, e.g. axis=stage,schedule=1f1b,"
+                          "microbatches=8 (the loss must be marked with "
+                          "autopar.value_and_grad)")
+    rep.add_argument("--no-overlap", action="store_true",
+                     help="no rewrite that hides communication behind compute (collective "
+                          "matmul, weight prefetch), as plan(..., overlap=False)")
     rep.set_defaults(run=cmd_report)
     exp = sub.add_parser("export", help="plan FILE.py:NAME and write the plan as a Python "
                                         "module (MESH, IN_SPECS, OUT_SPECS) for plain jax.jit")

@@ -6,6 +6,6 @@ Write your own file like this one: each target builds a step and its example arg
 (arrays, or `jax.ShapeDtypeStruct`s to plan at sizes that need not fit this machine).
 """
 
-from autopar.models.targets import gpt_realistic, gpt_tiny, mlp_wide
+from autopar.models.targets import gpt_pipelined, gpt_realistic, gpt_tiny, mlp_wide
 
-__all__ = ["gpt_realistic", "gpt_tiny", "mlp_wide"]
+__all__ = ["gpt_pipelined", "gpt_realistic", "gpt_tiny", "mlp_wide"]

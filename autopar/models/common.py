@@ -33,11 +33,13 @@ def make_optimizer(learning_rate: float = LEARNING_RATE, *, weight_decay: float 
     return optax.adam(learning_rate, eps=ADAM_EPS)
 
 
-def build_train_step(loss_fn: Callable[[Any, Any], jax.Array], tx) -> Callable:
-    """``train_step(params, opt_state, batch)`` for a loss ``loss_fn(params, batch) -> scalar``."""
+def build_train_step(loss_fn: Callable[[Any, Any], jax.Array], tx, *,
+                     value_and_grad: Callable = jax.value_and_grad) -> Callable:
+    """``train_step(params, opt_state, batch)`` for a loss ``loss_fn(params, batch) -> scalar``;
+    ``value_and_grad``: jax's, or ``autopar.value_and_grad`` to mark the loss for pipelining."""
 
     def train_step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        loss, grads = value_and_grad(loss_fn)(params, batch)
         updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         return new_params, new_opt_state, loss
@@ -71,14 +73,17 @@ def init_params_and_opt(init_fn: Callable[[], Any], tx, *, abstract: bool):
     return init_or_abstract(both, abstract=abstract)
 
 
-def linen_train_step(init_fn: Callable[[], Any], loss_fn, batch, tx=None):
+def linen_train_step(init_fn: Callable[[], Any], loss_fn, batch, tx=None, *,
+                     value_and_grad: Callable = jax.value_and_grad):
     """(train_step, (params, opt_state, batch)) for a linen model given its init, loss and
     batch; the shared body of the models' ``make_train_step``. ``tx``: an optax optimizer
-    (default :func:`make_optimizer`)."""
+    (default :func:`make_optimizer`); ``value_and_grad`` as :func:`build_train_step` takes
+    it."""
     tx = make_optimizer() if tx is None else tx
     abstract = all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(batch))
     params, opt_state = init_params_and_opt(init_fn, tx, abstract=abstract)
-    return build_train_step(loss_fn, tx), (params, opt_state, batch)
+    return (build_train_step(loss_fn, tx, value_and_grad=value_and_grad),
+            (params, opt_state, batch))
 
 
 def linen_forward(init_fn: Callable[[], Any], loss_fn, batch):

@@ -151,10 +151,13 @@ def _loss_fn(config: Config):
     return loss_fn
 
 
-def make_train_step(config: Config = TINY, *, abstract: bool = False, tx=None):
-    """(train_step, (params, opt_state, batch)); ``tx`` an optax optimizer (default Adam)."""
+def make_train_step(config: Config = TINY, *, abstract: bool = False, tx=None,
+                    value_and_grad=jax.value_and_grad):
+    """(train_step, (params, opt_state, batch)); ``tx`` an optax optimizer (default Adam);
+    ``value_and_grad``: ``autopar.value_and_grad`` marks the loss, so that a plan may cut the
+    scanned layers (``scan_layers=True``) into pipeline stages."""
     return common.linen_train_step(_init(config), _loss_fn(config), _batch(config, abstract),
-                                   tx)
+                                   tx, value_and_grad=value_and_grad)
 
 
 def make_forward(config: Config = TINY, abstract: bool = False):

@@ -19,5 +19,14 @@ def gpt_realistic():
     return gpt.make_train_step(cfg, abstract=True)
 
 
+def gpt_pipelined():
+    """The tiny GPT with its 4 layers scanned and its loss marked with
+    ``autopar.value_and_grad``, for ``--pipeline`` (e.g. ``--mesh stage=4,data=2 --pipeline
+    axis=stage,schedule=1f1b``)."""
+    from autopar._grad import value_and_grad
+    config = dataclasses.replace(gpt.TINY_SCAN, layers=4)
+    return gpt.make_train_step(config, value_and_grad=value_and_grad)
+
+
 def mlp_wide():
     return mlp.make_train_step(mlp.TP_FRIENDLY_WIDE, abstract=True)

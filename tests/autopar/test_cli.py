@@ -59,6 +59,14 @@ def test_report_writes_json_and_html(tmp_path):
     (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=2,model=4", "--memory-budget",
       "100KiB", "--simulate-devices", "8", "--no-baselines"],
      "no sharding plan fits `memory_budget` = 100.0 KiB"),
+    (["report", f"{TARGETS}:gpt_pipelined", "--mesh", "stage=4,data=2", "--pipeline",
+      "axis=stage,bogus=1"], "is not auto, off or pipeline fields"),
+    (["report", f"{TARGETS}:gpt_pipelined", "--mesh", "stage=4,data=2", "--pipeline",
+      "stage,microbatches=0"], "`0` is not an integer of at least 1"),
+    (["report", f"{TARGETS}:gpt_pipelined", "--mesh", "stage=4,data=2", "--pipeline",
+      "stage,schedule=2f2b", "--simulate-devices", "8"], "is not a schedule"),
+    (["report", f"{TARGETS}:gpt_tiny", "--mesh", "stage=4,data=2", "--pipeline", "stage",
+      "--simulate-devices", "8", "--no-baselines"], "autopar.value_and_grad"),
 ])
 def test_bad_input_exits_nonzero_without_traceback(argv, message, capsys):
     from autopar import cli
@@ -114,3 +122,46 @@ def test_demo_trains_on_simulated_devices_and_points_at_real_hardware():
 def test_version():
     r = _run("--version")
     assert r.returncode == 0 and re.fullmatch(r"autopar \S+\n", r.stdout), (r.stdout, r.stderr)
+
+
+def test_report_pipelines_the_marked_step_as_asked(tmp_path):
+    """``--pipeline`` reaches the planner as an ``autopar.Pipeline``: the marked GPT's four
+    scanned layers run as four 1F1B stages, and the compiled program holds the schedule's
+    tick loops."""
+    out = tmp_path / "plan.json"
+    r = _run("report", f"{TARGETS}:gpt_pipelined", "--mesh", "stage=4,data=2", "--pipeline",
+             "axis=stage,schedule=1f1b,microbatches=4", "--json", str(out),
+             "--simulate-devices", "8", "--quiet", "--no-baselines", "--validate")
+    assert r.returncode == 0, r.stderr
+    assert "Pipeline over `stage`: 4 stages (layers 0, 1, 2, 3), 1f1b, 4 microbatches" in r.stdout
+    ticks = re.search(r"pipeline tick loops +(\[[\d, ]+\]) +(\[[\d, ]+\])", r.stdout)
+    assert ticks and ticks.group(1) == ticks.group(2), r.stdout
+    assert json.loads(out.read_text())["pipeline"]["schedule"] == "1f1b"
+
+
+@pytest.mark.parametrize("flags, pipeline, overlap", [
+    ([], "auto", True),
+    (["--pipeline", "off", "--no-overlap"], None, False),
+    (["--pipeline", "node,schedule=interleaved,virtual_stages=2"],
+     {"axis": "node", "schedule": "interleaved", "virtual_stages": 2}, True),
+])
+def test_report_passes_pipeline_and_overlap_to_plan(flags, pipeline, overlap, monkeypatch):
+    """``--pipeline`` and ``--no-overlap`` become ``plan(pipeline=..., overlap=...)``."""
+    import autopar
+    from autopar import cli
+
+    seen = {}
+
+    def plan(*args, **kwargs):
+        seen.update(kwargs)
+        raise autopar.errors.ArgumentError("stop here")
+
+    monkeypatch.setattr(autopar, "plan", plan)
+    assert cli.main(["report", "autopar.models.targets:gpt_tiny", "--mesh", "data=8",
+                     "--quiet", *flags]) == 2
+    got = seen["pipeline"]
+    if isinstance(pipeline, dict):
+        assert got == autopar.Pipeline(**pipeline)
+    else:
+        assert got == pipeline
+    assert seen["overlap"] is overlap
