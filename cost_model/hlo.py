@@ -321,8 +321,7 @@ def _readers(module: Module, users: dict, name: str) -> list[Instruction]:
     return found
 
 
-def _sliced_per_partition(module: Module, computation: str, by_name: dict,
-                          reader: Instruction) -> bool:
+def _sliced_per_partition(module: Module, by_name: dict, reader: Instruction) -> bool:
     """Whether ``reader`` is a dynamic-slice (or a fusion holding one) whose offsets come
     from the device's partition or replica id."""
     fused = reader.called("calls") if reader.opcode == "fusion" else ()
@@ -369,7 +368,7 @@ def native_reduce_scatters(module: Module, collectives: tuple[Collective, ...]
             readers = _readers(module, users, i.name)
             if readers and all(
                     elements(r.result_type) * c.group_size == total
-                    and _sliced_per_partition(module, computation, by_name, r)
+                    and _sliced_per_partition(module, by_name, r)
                     for r in readers):
                 native[c.text] = dataclasses.replace(
                     c, kind=CollectiveKind.REDUCE_SCATTER, out_bytes=c.in_bytes // c.group_size)

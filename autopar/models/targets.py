@@ -5,6 +5,7 @@
 
 import dataclasses
 
+from autopar._grad import value_and_grad
 from autopar.models import gpt, mlp
 
 
@@ -23,7 +24,6 @@ def gpt_pipelined():
     """The tiny GPT with its 4 layers scanned and its loss marked with
     ``autopar.value_and_grad``, for ``--pipeline`` (e.g. ``--mesh stage=4,data=2 --pipeline
     axis=stage,schedule=1f1b``)."""
-    from autopar._grad import value_and_grad
     config = dataclasses.replace(gpt.TINY_SCAN, layers=4)
     return gpt.make_train_step(config, value_and_grad=value_and_grad)
 
