@@ -385,13 +385,13 @@ def node_strategies(node: Node, graph: Graph, mesh: MeshContext,
             dims = info.matmul_dims([
                 shape if sp is None else sp.local_shape(shape, mesh.axis_sizes)
                 for sp, shape in zip(in_specs, in_shapes)], **node.params)
-        if io is None:
-            compute_s = roofline_s(f, moved / split, mesh.profile, dtype,
+        moved_local = moved / split if io is None else _fused_bytes(
+            io, node, graph, in_specs, out_specs, mesh.axis_sizes)
+        if info.contraction or io is None:  # a dot runs at its matmul efficiency
+            compute_s = roofline_s(f, moved_local, mesh.profile, dtype,
                                    contraction=info.contraction, dims=dims) if flops else 0.0
         else:
-            compute_s = memory_bound_s(
-                f, _fused_bytes(io, node, graph, in_specs, out_specs, mesh.axis_sizes),
-                mesh.profile, dtype)
+            compute_s = memory_bound_s(f, moved_local, mesh.profile, dtype)
         if fill:
             compute_s += memory_bound_s(0.0, local_bytes(in_specs[0], in_shapes[0], itemsize(
                 node.in_avals[0][1]), mesh.axis_sizes), mesh.profile, dtype)
