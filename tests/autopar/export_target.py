@@ -15,7 +15,7 @@ def mlp_train_step(params, x, y):
     return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
 
 
-def mlp_args(batch=512, d=512, h=2048, abstract=False):
+def mlp_args(batch=2048, d=1024, h=4096, abstract=False):
     """(params, x, y) for :func:`mlp_train_step`: random float32 arrays, or their shapes."""
     shapes = {"w1": (d, h), "w2": (h, d), "x": (batch, d)}
     if abstract:
