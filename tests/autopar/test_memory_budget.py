@@ -226,10 +226,12 @@ def test_budget_just_under_the_fastest_peak_costs_little_time(fraction, slower, 
     assert plan.estimate.step_time_s <= (1 + slower) * free.estimate.step_time_s
 
 
-#: A GPT whose budget-fitted plan at 70% of its fastest plan's peak splits the sequence and
-#: the contractions over all 8 devices; XLA:CPU keeps far more of it than the memory model
-#: counts (docs/benchmarks.md, "Not yet"), so it compiles over the budget.
+#: A GPT whose budget-fitted plan under :data:`MISSED_BUDGET` (about 65% of its fastest
+#: plan's peak) splits the sequence and the contractions over all 8 devices; XLA:CPU keeps
+#: more of it than the memory model counts (docs/benchmarks.md, "Not yet"), so it compiles
+#: over the budget: 32.1 MB predicted, 35.4 MB compiled.
 MISSED = dataclasses.replace(gpt.TINY, batch=16, seq=128, hidden=256, heads=4, layers=2)
+MISSED_BUDGET = 34_000_000
 
 
 def test_compiled_memory_check_never_returns_a_plan_over_the_budget():
@@ -237,8 +239,7 @@ def test_compiled_memory_check_never_returns_a_plan_over_the_budget():
     autopar then plans again under a lowered budget and returns only a plan whose compiled
     peak fits, or raises an InfeasiblePlanError that gives the rounds' peaks."""
     fn, args = gpt.make_train_step(MISSED, abstract=True)
-    free = autopar.plan(fn, *args, mesh=MESH, hardware="h100")
-    budget = 0.7 * free.estimate.peak_memory_bytes
+    budget = MISSED_BUDGET
     try:
         plan = autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget=budget,
                             remat=False)
