@@ -27,17 +27,12 @@ def _data_split(plan) -> set[str]:
                                               for e in s.spec if e is not None)}
 
 
-def test_state_gathered_at_the_end_is_kept_in_its_update_sharding(monkeypatch):
-    """A BERT at hidden 1024 and sequence 512 on (4, 2) (planning only): its MLP-out
-    kernels' optimizer update is sharded over ``data`` beyond the parameters. Without the
-    move, new parameters are gathered after the update, at the step's end; with it, they are
-    kept split over ``data`` between steps, the estimated makespan is shorter, and the ILP's
-    objective is that makespan. The peak is higher here (the shards at rest live beside the
-    copies gathered for the step), so under a budget between the two peaks the move is not
-    made and the plan fits. On the ``cpu`` profile, whose collectives run in line, nothing
-    moves."""
-    cfg = dataclasses.replace(bert.TINY, hidden=1024, seq=512, vocab=4096)
-    fn, args = bert.make_train_step(cfg, abstract=True)
+def _moved_and_kept(fn, args, monkeypatch):
+    """(the plan with state kept in its update's sharding, the plan without the move),
+    checking what every move holds: without it, new parameters are gathered after the
+    update, at the step's end; with it, some are kept split over ``data`` between steps, the
+    estimated makespan is shorter, and the ILP's objective is that makespan. On the ``cpu``
+    profile, whose collectives run in line, nothing moves."""
     moved = autopar.plan(fn, *args, mesh=MESH, hardware="h100", verbose=False)
     in_line = autopar.plan(fn, *args, mesh=MESH, hardware="cpu", verbose=False)
     assert in_line.stats["state_at_rest"] == 0
@@ -49,6 +44,34 @@ def test_state_gathered_at_the_end_is_kept_in_its_update_sharding(monkeypatch):
     assert len(_data_split(moved) - _data_split(kept)) == moved.stats["state_at_rest"]
     assert moved.estimate.step_time_s < kept.estimate.step_time_s
     assert moved.stats["ilp_objective_s"] == pytest.approx(moved.estimate.step_time_s, rel=0.01)
+    return moved, kept
+
+
+def test_state_kept_at_rest_lowers_the_peak_and_fits_a_budget_without_a_refit(monkeypatch):
+    """The 2-layer realistic GPT on (4, 2) (planning only): its optimizer update is sharded
+    over ``data`` beyond the parameters, and kept so between steps the peak is lower. Under a
+    budget between the two peaks, the ILP's plan so moved fits, and is taken without a
+    refit."""
+    fn, args = gpt.make_train_step(dataclasses.replace(gpt.REALISTIC, layers=2), abstract=True)
+    moved, kept = _moved_and_kept(fn, args, monkeypatch)
+    assert moved.estimate.peak_memory_bytes < kept.estimate.peak_memory_bytes
+    budget = (moved.estimate.peak_memory_bytes + kept.estimate.peak_memory_bytes) / 2
+    fitted = autopar.plan(fn, *args, mesh=MESH, hardware="h100", verbose=False,
+                          memory_budget=budget, remat=False, check_memory=False)
+    assert fitted.stats["memory_rows"] == 0
+    assert fitted.stats["state_at_rest"] == moved.stats["state_at_rest"]
+    assert fitted.estimate.step_time_s == moved.estimate.step_time_s
+
+
+def test_state_kept_at_rest_that_raises_the_peak_is_not_moved_under_a_budget(monkeypatch):
+    """A BERT at hidden 1024 and sequence 512 on (4, 2) (planning only): its MLP-out
+    kernels' optimizer update is sharded over ``data`` beyond the parameters, and kept so
+    between steps the peak is higher (the shards at rest live beside the copies gathered for
+    the step). Under a budget between the two peaks, the move is not made and the plan
+    fits."""
+    cfg = dataclasses.replace(bert.TINY, hidden=1024, seq=512, vocab=4096)
+    fn, args = bert.make_train_step(cfg, abstract=True)
+    moved, kept = _moved_and_kept(fn, args, monkeypatch)
     assert moved.estimate.peak_memory_bytes > kept.estimate.peak_memory_bytes
     budget = (moved.estimate.peak_memory_bytes + kept.estimate.peak_memory_bytes) / 2
     fitted = autopar.plan(fn, *args, mesh=MESH, hardware="h100", verbose=False,
