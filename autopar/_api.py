@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar._cache import PlanCache
 from autopar._check_memory import check_compiled_memory
+from autopar._compat import xla_cpu_dots_in_f32
 from autopar._dispatch import Program, SignatureChanged, Split, as_planned, signature
 from autopar._export import logical_names
 from autopar._gc import with_gc_paused
@@ -446,6 +447,7 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
     on_cpu = jax_mesh.devices.flat[0].platform == "cpu"
     mesh_ctx = MeshContext(tuple(jax_mesh.axis_names), sizes, levels, profile,
                            emulated_reduce_scatter=on_cpu, upcast_16bit_collectives=on_cpu,
+                           dots_in_f32=on_cpu and xla_cpu_dots_in_f32(),
                            results_held=on_cpu, attention=attention)
 
     meta = metadata_hints(example_args, logical_axis_rules)

@@ -51,14 +51,15 @@ class MeshContext:
     """The mesh as the planner sees it: axes in order, their sizes and interconnect levels,
     and what the compiling backend does differently from a GPU/TPU (XLA:CPU lowers
     reduce-scatter as all-reduce plus a slice, moves 16-bit floats through collectives as
-    float32, and holds result buffers for the whole call), so that predictions match what it
-    compiles."""
+    float32, computes 16-bit dots in float32 on jaxlib 0.10, and holds result buffers for the
+    whole call), so that predictions match what it compiles."""
     axis_names: tuple[str, ...]
     axis_sizes: dict
     levels: dict
     profile: object
     emulated_reduce_scatter: bool = False
     upcast_16bit_collectives: bool = False
+    dots_in_f32: bool = False  # 16-bit float dots read float32 copies, write float32 (jaxlib 0.10)
     results_held: bool = False  # result buffers live for the whole call (cost_model/memory.py)
     attention: str | None = None  # a strategy every attention node must take (plan option)
 
@@ -73,6 +74,11 @@ class MeshContext:
     def dtype_wire_itemsize(self, dtype) -> int:
         """Bytes per element of a ``dtype`` array as collectives move it."""
         return wire_itemsize(dtype, self.upcast_16bit_collectives)
+
+    def dot_itemsize(self, dtype) -> int:
+        """Bytes per element of a dot operand or result of ``dtype`` as the backend computes
+        the dot: float32 for a 16-bit float where :attr:`dots_in_f32`."""
+        return wire_itemsize(dtype, self.dots_in_f32)
 
     def reshard(self, src: Spec, dst: Spec, value: Value) -> tuple[CommStep, ...]:
         if value.recomputable or src == dst:

@@ -250,12 +250,15 @@ def _chunked(node: Node, graph: Graph, mesh: MeshContext, s: Strategy, cm: Colle
     """``s``'s matmul cut into ``pieces`` along the chunked dim, each at the roofline of its
     own dims (it reads the whole uncut operand again), and the kernels placing its result:
     a slice written (free gather), or an accumulator read and written (float32 for 16-bit
-    floats: contracting gather), or the arrived partial sum added (scatter); and slicing
-    its operand piece where the piece is cut from a block held whole; for a gathered piece
-    that collectives move in a wider type (``MeshContext.wire_itemsize``: XLA:CPU carries
-    bf16 as float32), its converts before it is sent and after it arrives (a scatter's
-    partial sum is made and added in the wider type); and, where the operand is kept, the
-    update writing each piece there."""
+    floats: contracting gather), or, for each piece after a direction's first (scatter), the
+    arrived partial sum read as the wire carries it, added to the piece as the dot wrote it
+    and written (and, bidirectional, the result's two halves joined); and slicing its
+    operand piece where the piece is cut from a block held whole (in float32 where XLA:CPU
+    computes 16-bit dots in float32, ``MeshContext.dots_in_f32``); for a block that
+    collectives move in a wider type (``MeshContext.wire_itemsize``: XLA:CPU carries bf16
+    as float32), its converts before it is sent and after it arrives (a scatter's partial
+    sum: before it is sent); and, where the operand is kept, the update writing each piece
+    there."""
     local = [sp.local_shape(shape, mesh.axis_sizes)
              for sp, (shape, _) in zip(s.in_specs, node.in_avals)]
     cut = [(cm.operand, cm.dim)] if cm.mode is not Mode.SCATTER else list(cm.slices)
@@ -272,16 +275,27 @@ def _chunked(node: Node, graph: Graph, mesh: MeshContext, s: Strategy, cm: Colle
     dims = op_info(node).matmul_dims(local, **node.params)
     matmul_s = roofline_s(s.flops / pieces, moved + piece_bytes, mesh.profile, out.dtype,
                           contraction=True, dims=dims)
-    place_bytes = {Mode.GATHER_FREE: 2 * piece_bytes,
-                   Mode.GATHER_CONTRACTING: 2 * out_bytes * max(4 // out.itemsize, 1) + out_bytes,
-                   Mode.SCATTER: 3 * piece_bytes}[cm.mode]
+    other = []
+    if cm.mode is Mode.SCATTER:
+        added = (pieces - cm.chunks) / pieces  # the share of pieces that add an arrived sum
+        elems = piece_bytes / out.itemsize
+        wire = mesh.wire_itemsize(out)
+        place_bytes = added * elems * (mesh.dot_itemsize(out.dtype) + wire + out.itemsize)
+        if cm.bidirectional:  # the two halves of the result block concatenated
+            place_bytes += 2 * out_bytes / mesh.axis_sizes[cm.axis] / pieces
+        if wire != out.itemsize:
+            other.append(added * elems * (out.itemsize + wire))
+    else:
+        place_bytes = {Mode.GATHER_FREE: 2 * piece_bytes,
+                       Mode.GATHER_CONTRACTING: 2 * out_bytes * max(4 // out.itemsize, 1)
+                       + out_bytes}[cm.mode]
     # An operand piece cut out of a block the device holds whole is a dynamic-slice kernel,
     # read and written once: the scatter's slices, the other operand of a contracting gather,
     # and an arriving block where it arrives in two chunks.
     sliced = [(k, d) for k, d in cut
               if cm.mode is Mode.SCATTER or k != cm.operand or cm.chunks > 1]
-    place_bytes += sum(2 * math.prod(local[k]) * itemsize(node.in_avals[k][1]) for k, _ in sliced)
-    other = []
+    place_bytes += sum(2 * math.prod(local[k]) * mesh.dot_itemsize(node.in_avals[k][1])
+                       for k, _ in sliced)
     if cm.mode is not Mode.SCATTER:
         value = graph.values[node.ins[cm.operand]]
         piece = math.prod(local[cm.operand]) * value.itemsize
