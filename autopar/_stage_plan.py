@@ -192,7 +192,7 @@ def post_planner(mesh: Mesh, axis: str, profile, axis_level_overrides, plan: Cal
         if (any(_split(s) for s, r in zip(specs, rows, strict=True) if not r)
                 and any(_split(s) for s, r in zip(specs, rows, strict=True) if r)):
             whole = iter([P() if r else None for r in rows])
-            pins = jax.tree.map(lambda _: next(whole), args)
+            pins = jax.tree.map(lambda _: next(whole), tuple(args))
             planned = plan_on_it(step, *args, in_shardings=pins)
             specs = [s.spec for s in jax.tree.leaves(planned.in_shardings)]
         if inner_mesh.devices.size == 1:    # nothing to split: price it only
