@@ -2,8 +2,9 @@
 the simulated (asynchronous) reading of its compiled program, at the GPT 13B-like MLP-out
 shape on ``{data: 4, model: 2}``, compiled from ``ShapeDtypeStruct``s.
 
-On jaxlib 0.10, XLA:CPU converts both whole operands of a bf16 dot to float32 before it, in
-either form; no dot's price counts those converts, so the reading is taken without them.
+On jaxlib 0.10, XLA:CPU converts both whole operands of a bf16 dot to float32 before it, as
+it does for the plain dot the ring replaces; no dot's price counts those converts, so the
+reading is taken without them.
 There the bidirectional ring's first two pieces each slice a converted copy of the whole
 operand block in one kernel, which the simulation charges at the whole block's size: a
 looser bound."""
