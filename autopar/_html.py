@@ -226,6 +226,8 @@ def _planner_section(plan) -> list[str]:
               format_seconds(st["ilp_objective_s"])
               if st.get("ilp_objective_s") is not None else None),
              ("ILP solves around its plan", st.get("ilp_overlap_solves")),
+             ("collective matmuls the serial ILP took, dropped for a shorter plan",
+              "yes" if st.get("rings_dropped") else None),
              ("state kept between steps in its update's sharding (arrays)",
               st.get("state_at_rest") or None),
              ("memory budget", format_bytes(st["memory_budget_bytes"])

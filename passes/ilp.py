@@ -17,8 +17,10 @@ group's latency and each move into a reader are charged only what exceeds the ti
 reference's timeline hides of them there, whatever strategy is taken. For the reference itself
 the objective is its makespan; for a plan far from it, an approximation, exact only in the
 serial bound. ``passes.solve`` solves first without a reference (every collective charged in
-full), then builds the ILP around its plan, and solves it again unless that plan is proven
-optimal.
+full, but a collective matmul's only as far as its own pieces leave it exposed), then builds
+the ILP around its plan, and solves it again unless that plan is proven optimal. Where that
+plan takes a collective matmul, the same again with them charged in full too
+(``rings_in_full``) gives the plan it competes with.
 
 * Node costs. ``sum_i s_g[i] * sum_{n in g} trips_n * (compute + reduction bytes)(map_n[i])``,
   where compute counts the flops each device really does (replicated work is not free)
@@ -64,7 +66,7 @@ from autopar.passes.estimate import (Hidden, combined_latency_s, combiner_key,
                                      without_latency_s)
 from autopar.passes.ir import Graph
 from autopar.passes.reductions import reduction_depths
-from autopar.passes.strategies import MeshContext, Strategy
+from autopar.passes.strategies import MeshContext, RewriteKind, Strategy
 
 _US = 1e6
 # An edge whose two sides have more distinct spec pairs than this is priced axis by axis.
@@ -78,6 +80,9 @@ MAX_SHARED_VALUE_PAIRS = 64
 #: Above ``passes.highs.TIE_BREAK`` (the random tie breaks), far below a real difference.
 PREFERENCE = 1e-5
 PREFERENCE_OF_BOUND = 1e-5
+#: The collective matmuls (``passes.overlap.collective_matmul``): rewrites whose ring steps
+#: run beside their own compute.
+RINGS = frozenset({RewriteKind.ALL_GATHER_MATMUL, RewriteKind.MATMUL_REDUCE_SCATTER})
 
 
 class IlpBuilder:
@@ -86,13 +91,18 @@ class IlpBuilder:
 
     def __init__(self, graph: Graph, strats: list[list[Strategy]], groups: Groups,
                  mesh: MeshContext, preferences: dict | None = None,
-                 hidden: Hidden | None = None, like: IlpBuilder | None = None):
+                 hidden: Hidden | None = None, like: IlpBuilder | None = None,
+                 rings_in_full: bool = False):
         """``hidden``: the reference plan's overlap (see the module docstring); ``like``: a
         builder of the same graph, strategies and groups whose structure and prices this one
         reuses (the ILP around a reference is built after the one without); both number their
-        group variables alike, as :meth:`build` adds the groups first."""
+        group variables alike, as :meth:`build` adds the groups first. ``rings_in_full``:
+        without a reference, a collective matmul's steps are charged in full, as every
+        reduction is there (:data:`RINGS`), so that its plan is the one the serial ILP
+        takes without them."""
         self.g, self.strats, self.groups, self.mesh = graph, strats, groups, mesh
         self.preferences = preferences or {}
+        self.rings_in_full = rings_in_full and hidden is None
         self.hidden = hidden or Hidden({}, {}, {}, {})
         # What does not depend on the reference: prices and the latency and value structure.
         self._memo: dict = {} if like is None else like._memo
@@ -111,7 +121,7 @@ class IlpBuilder:
         # move paid once (_add_shared_value)
         self.shared: list[tuple[int, list[dict[int, float]], dict[int, float]]] = []
         self._indicator_blocks: dict = {}  # (gu, gw, src keys, dst keys) -> first e variable
-        self._strategy_cache: dict[int, float] = self._memo.setdefault("strategies", {})
+        self._strategy_cache: dict[tuple, float] = self._memo.setdefault("strategies", {})
         self._step_cache: dict = self._memo.setdefault("steps", {})
 
     def new_vars(self, k: int, integer: bool) -> int:
@@ -169,12 +179,18 @@ class IlpBuilder:
                     strats[j].compute_s * node.trip_count * count + comm_s) * _US
 
     def _comm_s(self, st: Strategy) -> float:
-        """A strategy's reductions without their latency, or a rewrite's exposed steps."""
-        if id(st) not in self._strategy_cache:
-            self._strategy_cache[id(st)] = (
-                st.comm_s if st.rewrite is not None  # its exposed communication, latency in
-                else sum(self._step_s(step) for step in st.collectives))
-        return self._strategy_cache[id(st)]
+        """A strategy's reductions without their latency, or a rewrite's exposed steps (with
+        ``rings_in_full``, a collective matmul's steps in full, latency in)."""
+        key = (id(st), self.rings_in_full)
+        if key not in self._strategy_cache:
+            if st.rewrite is None:
+                comm_s = sum(self._step_s(step) for step in st.collectives)
+            elif self.rings_in_full and st.rewrite.kind in RINGS:
+                comm_s = sum(step.time_s(self.mesh.levels) for step in st.collectives)
+            else:
+                comm_s = st.comm_s  # its exposed communication, latency in
+            self._strategy_cache[key] = comm_s
+        return self._strategy_cache[key]
 
     def _step_s(self, step) -> float:
         if step not in self._step_cache:

@@ -368,6 +368,7 @@ def _ilp(state: _State) -> Solution:
                  ilp_plan=solution.name, ilp_objective_s=solution.objective_us / 1e6,
                  ilp_plan_serial_s=own.compute_time_s + own.comm_time_s,
                  ilp_overlap_solves=solution.overlap_solves,
+                 rings_dropped=solution.rings_dropped,
                  state_at_rest=solution.state_at_rest)
     o.progress(f"ILP: {solution.num_variables} variables, {solution.num_constraints} "
                f"constraints, {solution.edges_after} edge classes "

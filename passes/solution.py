@@ -44,6 +44,7 @@ class Solution:
     candidate: str = ""        # a propagated plan's name (passes.candidates.candidate_starts)
     overlap_solves: int = 0    # solves that priced overlap (passes.solve._with_overlap)
     state_at_rest: int = 0     # state arrays kept in their update's sharding (passes.at_rest)
+    rings_dropped: bool = False  # the plan found with rings charged in full was shorter (solve)
 
     @property
     def name(self) -> str:

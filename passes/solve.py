@@ -6,8 +6,9 @@ refitted under it (``passes.memory_fit``). Then it is built again around its pla
 communication that plan's timeline hides taken off, so that the objective prices the makespan,
 and solved again where that plan is not proven optimal (:func:`_with_overlap`); before that,
 state the plan gathers at the step's end is kept in its update's sharding where that shortens
-the makespan (``passes.at_rest``). With no solution in the time limit a greedy plan is used,
-and a warning says so.
+the makespan (``passes.at_rest``). A plan that takes collective matmuls competes with the plan
+found the same way with them charged in full (:func:`solve`). With no solution in the time
+limit a greedy plan is used, and a warning says so.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from autopar.passes.background import Deferred
 from autopar.passes.dedup import Groups
 from autopar.passes.estimate import hidden_comm, plan_makespan
 from autopar.passes.highs import cutoff_of, solve_milp, warm_start
-from autopar.passes.ilp import IlpBuilder, choice_of
+from autopar.passes.ilp import RINGS, IlpBuilder, choice_of
 from autopar.passes.ir import Graph
 from autopar.passes.memory_budget import BudgetRows, plan_peak
 from autopar.passes.memory_fit import fit_budget, inputs_take_their_slices
@@ -47,13 +48,53 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
     refitted (``passes.memory_fit.fit_budget``). When none fits, the plan without the budget,
     marked ``fits_budget=False`` (``passes.memory_fit.over_budget_error`` says why); the
     budget's rows are made in the background while HiGHS solves (``passes.background``).
-    ``preferences``: node -> a penalty per strategy, a tie break (``passes.ilp``)."""
-    builder = IlpBuilder(graph, strats, groups, mesh, preferences).build()
-    c, A, lb, ub, integer = builder.matrices()
+    ``preferences``: node -> a penalty per strategy, a tie break (``passes.ilp``).
+
+    The ILP without a reference charges every reduction in full and a collective matmul only
+    what its own pieces leave exposed, so it takes rings that hide what the plan's timeline
+    would hide anyway (a reduce-scatter beside independent compute). When its plan takes one,
+    the ILP's plan with rings charged in full (``IlpBuilder(..., rings_in_full=True)``),
+    refitted to the budget and priced with its overlap but not solved again around it (that
+    would double the time of a solve that is not proven optimal), competes, and the one of
+    the shorter makespan is taken (``Solution.rings_dropped``)."""
     rows = (None if memory_budget_bytes is None else
             Deferred(BudgetRows, graph, strats, groups, mesh, memory_budget_bytes))
     if rows is not None:
         rows.start()
+    builder = IlpBuilder(graph, strats, groups, mesh, preferences).build()
+    solution = _solved(builder, rows, warm, time_limit_s, progress)
+    if not _takes_rings(builder, solution):
+        return solution
+    plain = IlpBuilder(graph, strats, groups, mesh, preferences, like=builder,
+                       rings_in_full=True).build()
+    left_s = max(time_limit_s - solution.solve_time_s, time_limit_s * OVERLAP_TIME_SHARE)
+    with warnings.catch_warnings(record=True) as said:  # said only if its plan is taken
+        warnings.simplefilter("always", SolverFallbackWarning)
+        other = _solved(plain, rows, warm, left_s, progress, again=False)
+    took_s = solution.solve_time_s + other.solve_time_s
+    makespans = [plan_makespan(graph, strats, s.choice, mesh)[0] for s in (solution, other)]
+    shorter = other.fits_budget and makespans[1] < makespans[0]
+    progress(f"ILP with rings charged in full: a plan of makespan {makespans[1] * 1e3:.3f} ms "
+             f"against {makespans[0] * 1e3:.3f}; " + ("taken" if shorter else "not taken"))
+    for w in said if shorter else ():
+        warnings.warn(w.message, w.category, stacklevel=2)
+    return dataclasses.replace(other if shorter else solution, solve_time_s=took_s,
+                               rings_dropped=shorter)
+
+
+def _takes_rings(builder: IlpBuilder, solution: Solution) -> bool:
+    """Whether ``solution``, a plan that fits its budget, takes a collective matmul."""
+    strats = builder.strats
+    return solution.fits_budget and not solution.memory_rows and any(
+        strats[n][c].rewrite is not None and strats[n][c].rewrite.kind in RINGS
+        for n, c in enumerate(solution.choice))
+
+
+def _solved(builder: IlpBuilder, rows: Deferred | None, warm, time_limit_s: float,
+            progress, again: bool = True) -> Solution:
+    """The plan of ``builder``'s ILP (see :func:`solve`), refitted to the budget, priced with
+    its overlap and, with ``again``, solved again around it (:func:`_with_overlap`)."""
+    c, A, lb, ub, integer = builder.matrices()
     started = []  # the warm start, once asked for: an integral relaxation needs none
 
     def cutoff() -> float | None:
@@ -80,8 +121,8 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
     # A plan proven optimal, or refitted to the budget (or over it), is only priced with its
     # overlap: around a serial optimum no plan prices below it but through the approximated
     # terms (see _with_overlap), and a solve without the budget's rows finds plans over it.
-    settled = (solution.status is SolveStatus.OPTIMAL or bool(solution.memory_rows)
-               or not solution.fits_budget)
+    settled = (not again or solution.status is SolveStatus.OPTIMAL
+               or bool(solution.memory_rows) or not solution.fits_budget)
     return _with_overlap(builder, budget, solution, time_limit_s, progress,
                          solves=0 if settled else OVERLAP_SOLVES)
 

@@ -201,6 +201,49 @@ def test_the_ilp_credits_the_kept_operand():
     assert ilp.matrices()[0] @ ilp.point(choice) / 1e6 == pytest.approx(serial, rel=1e-6)
 
 
+def _scatter_alone(x, w):
+    return (x @ w,)
+
+
+def _scatter_beside(x, w, a, b):
+    """A dot whose partial sums are reduce-scattered, and a matmul that does not wait for it."""
+    return x @ w, a @ b
+
+
+@pytest.mark.parametrize("beside", [True, False])
+def test_a_ring_is_taken_only_where_it_shortens_the_makespan(beside):
+    """The serial ILP charges the reduce-scatter in full and the scatter ring only what its
+    own pieces leave exposed, so it takes the ring. Beside an independent matmul that would
+    hide the reduce-scatter, the plan with the ring charged in full is shorter and is taken;
+    alone, the ring is kept."""
+    f32 = jnp.float32
+    args = [jax.ShapeDtypeStruct(shape, f32) for shape in
+            ((8192, 8192),) * (4 if beside else 2)]
+    pins = (PartitionSpec(None, "model"), PartitionSpec("model", None),
+            PartitionSpec("model", None), PartitionSpec())
+    fn = _scatter_beside if beside else _scatter_alone
+    _, graph, strats, mesh, _ = _setup(fn, args, pins[:len(args)],
+                                       (PartitionSpec("model", None),) * (len(args) // 2),
+                                       mesh={"model": 8})
+    strats = with_collective_matmuls(graph, strats, mesh)
+    groups = cluster(graph, strats, mesh)
+    messages = []
+    solution = solve(graph, strats, groups, mesh, progress=messages.append)
+    assert any("rings charged in full" in m for m in messages)   # the serial ILP took a ring
+    dot = next(n for n in graph.nodes if n.primitive is lax.dot_general_p)
+    taken = strats[dot.id][solution.choice[dot.id]]
+    assert solution.rings_dropped is beside
+    assert (taken.rewrite is None) is beside
+    if beside:
+        assert taken.collectives and taken.collectives[0].kind.value == "reduce-scatter"
+        ring_plan = [c if n != dot.id else next(
+            i for i, s in enumerate(strats[dot.id]) if s.rewrite is not None
+            and s.rewrite.kind.value == "matmul reduce-scatter" and s.out_specs == taken.out_specs)
+            for n, c in enumerate(solution.choice)]
+        assert (estimate.plan_makespan(graph, strats, solution.choice, mesh)[0]
+                < estimate.plan_makespan(graph, strats, ring_plan, mesh)[0])
+
+
 def test_overlap_off_and_cpu_offer_no_rewrite():
     """``overlap=False`` turns every rewrite off, and the cpu profile (collectives in line)
     never offers one, even forced."""
