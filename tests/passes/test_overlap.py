@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import autopar
 from autopar.cost_model.hardware import get_profile
+from autopar.cost_model.hlo import CollectiveKind
 from autopar.cost_model.hlo_ir import array_dims, parse_module
 from autopar.cost_model.spec import Spec
 from autopar.cost_model.timeline import simulate
@@ -30,6 +31,7 @@ from autopar.passes.ilp import IlpBuilder
 from autopar.passes.overlap import regions, with_collective_matmuls
 from autopar.passes.solve import solve
 from autopar.passes.overlap.collective_matmul import CollectiveMatmul, Mode, forced
+from autopar.passes.strategies import RewriteKind
 from tests.autopar.test_random_programs import MESHES as RANDOM_MESHES
 from autopar.cost_model.hlo_async import as_async
 from tests.autopar.test_random_programs import make_case, random_hints
@@ -235,11 +237,11 @@ def test_a_ring_is_taken_only_where_it_shortens_the_makespan(beside):
     assert solution.rings_dropped is beside
     assert (taken.rewrite is None) is beside
     if beside:
-        assert taken.collectives and taken.collectives[0].kind.value == "reduce-scatter"
-        ring_plan = [c if n != dot.id else next(
-            i for i, s in enumerate(strats[dot.id]) if s.rewrite is not None
-            and s.rewrite.kind.value == "matmul reduce-scatter" and s.out_specs == taken.out_specs)
-            for n, c in enumerate(solution.choice)]
+        assert taken.collectives and taken.collectives[0].kind is CollectiveKind.REDUCE_SCATTER
+        ring_plan = list(solution.choice)   # the same plan with the dot's ring
+        ring_plan[dot.id] = next(i for i, s in enumerate(strats[dot.id]) if s.rewrite is not None
+                                 and s.rewrite.kind is RewriteKind.MATMUL_REDUCE_SCATTER
+                                 and s.out_specs == taken.out_specs)
         assert (estimate.plan_makespan(graph, strats, solution.choice, mesh)[0]
                 < estimate.plan_makespan(graph, strats, ring_plan, mesh)[0])
 
