@@ -14,8 +14,8 @@
   the bandwidth, so the fit plugs into the same formula that prices plans
   (:meth:`cost_model.collectives.CommStep.time_s`).
 
-Each measurement compiles once, runs ``warmup`` times, then takes the median of ``repeats``
-timed runs, each ended by ``block_until_ready``: right on GPU and TPU, where dispatch is
+Each measurement compiles once, runs ``warmup`` times, then takes the least of ``repeats``
+timed runs (other work on the machine only ever adds time), each ended by ``block_until_ready``: right on GPU and TPU, where dispatch is
 asynchronous, as on CPU. The result is a :class:`HardwareProfile` based on the backend's
 built-in profile (or ``base``) whose JSON ``hardware=`` accepts.
 """
@@ -23,7 +23,6 @@ built-in profile (or ``base``) whose JSON ``hardware=`` accepts.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -40,7 +39,9 @@ _CPU_MATMUL_SIZES = (64, 128, 256, 512)
 
 
 def _time_s(fn: Callable, arg, warmup: int, repeats: int) -> float:
-    """Median wall time of ``fn(arg)``, after ``warmup`` untimed runs."""
+    """Least wall time of ``fn(arg)`` over ``repeats`` runs, after ``warmup`` untimed runs:
+    other work on the machine only adds time, and a median of few runs under load can make
+    a small message slower than a large one, which no latency-plus-bandwidth fit takes."""
     for _ in range(warmup):
         fn(arg).block_until_ready()
     samples = []
@@ -48,7 +49,7 @@ def _time_s(fn: Callable, arg, warmup: int, repeats: int) -> float:
         t0 = time.perf_counter()
         fn(arg).block_until_ready()
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def fit_alpha_beta(kind: CollectiveKind, group_size: int, wire_bytes_list, times_s
@@ -99,7 +100,7 @@ def _local_elems(kind: CollectiveKind, message_bytes: int, n: int, itemsize: int
 
 def measure_collective(kind: CollectiveKind, axis: str, mesh, sizes_bytes, *, warmup: int = 2,
                        repeats: int = 5) -> tuple[list[float], list[float]]:
-    """(wire bytes per device, median seconds) of ``kind`` on ``axis`` at each size."""
+    """(wire bytes per device, least seconds) of ``kind`` on ``axis`` at each size."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -212,7 +213,7 @@ def profile(mesh, *, base=None, min_bytes: int = 2**10, max_bytes: int = 2**26,
       min_bytes / max_bytes: the collective message range (per device), stepped by 4x.
       matmul_sizes: square matmul sizes; default by platform.
       dtypes: matmul dtypes to measure.
-      warmup / repeats: untimed and timed runs per measurement (the median is kept).
+      warmup / repeats: untimed and timed runs per measurement (the least time is kept).
       verbose: print progress to stderr.
 
     Example::
