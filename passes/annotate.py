@@ -7,6 +7,8 @@ node's strategies are cut to those with the pinned spec.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -114,7 +116,7 @@ def flatten_hints(hints, tree, what: str) -> list:
     dummy = jax.tree_util.tree_unflatten(tree, [0] * tree.num_leaves)
     try:
         per_leaf = jax.tree_util.tree_map(
-            lambda h, sub: [h] * len(jax.tree_util.tree_leaves(sub)), hints, dummy,
+            lambda h, sub: _Repeated(h, len(jax.tree_util.tree_leaves(sub))), hints, dummy,
             is_leaf=_is_hint)
     except (ValueError, TypeError) as e:
         found = _mismatch(hints, dummy)
@@ -123,8 +125,17 @@ def flatten_hints(hints, tree, what: str) -> list:
         raise ShardingHintError(f"`{what}` does not match the structure it hints{where}. Give "
                                 "a pytree shaped like it (or a prefix of it) of PartitionSpec, "
                                 "NamedSharding or None.") from None
-    return [h for hs in jax.tree_util.tree_leaves(per_leaf, is_leaf=lambda x: isinstance(x, list))
-            for h in hs]
+    out = []
+    for repeated in jax.tree_util.tree_leaves(per_leaf):   # a _Repeated is a leaf
+        out += [repeated.hint] * repeated.count
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Repeated:
+    """One hint and the count of leaves it covers (not a list: hints may hold lists)."""
+    hint: object
+    count: int
 
 
 def annotate(graph: Graph, in_specs: list[Spec | None], out_specs: list[Spec | None],

@@ -290,6 +290,19 @@ def test_bad_hints_name_the_leaf(hints, match):
         autopar.plan(_fn, *ARGS, mesh={"data": 8}, in_shardings=hints)
 
 
+def test_a_list_argument_takes_a_list_of_hints():
+    def chain(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return x.sum()
+
+    ws, x = [jnp.ones((16, 16)), jnp.ones((16, 16))], jnp.ones((8, 16))
+    plan = autopar.plan(chain, ws, x, mesh={"data": 8}, hardware="h100",
+                        in_shardings=([P(), P(None, "data")], P("data")))
+    assert [s.spec for s in jax.tree_util.tree_leaves(plan.in_shardings)] == [
+        P(), P(None, "data"), P("data")]
+
+
 def _boxed(names, rules=None, cols=24):
     box = nn.LogicallyPartitioned(jnp.ones((16, cols)), names, rules=rules)
     return ({"w": box, "b": jnp.ones(24)}, jnp.ones((8, 16)))
