@@ -31,7 +31,7 @@ from autopar.cost_model.hardware import axis_levels
 from autopar.passes.estimate import by_kind
 from autopar.passes.stages import split
 from autopar.passes.stages.prepare import Inner, Post
-from autopar.passes.stages.search import LayerPlan
+from autopar.passes.stages.search import Forward, LayerPlan
 from autopar.passes.strategies import wire_itemsize
 
 #: The ILP time limit of one layer's plan (the layer is small; it rarely needs it).
@@ -94,13 +94,15 @@ def _per_device_bytes(struct, spec, sizes: dict[str, int]) -> int:
 
 def _planner(mesh: Mesh, axis: str, profile, axis_level_overrides, plan: Callable
              ) -> tuple[Mesh, Callable]:
-    """The sub-mesh of a stage, and ``plan_on_it(fn, *args, in_shardings=None)``: ``plan``
+    """The sub-mesh of a stage, and ``plan_on_it(fn, *args, in_shardings=None,
+    out_shardings=None)``: ``plan``
     (:func:`autopar.plan`) on it, as a stage's region emits its code (no rewrites, no remat)."""
     inner_mesh = sub_mesh(mesh, axis)
     overrides = {k: v for k, v in (axis_level_overrides or {}).items() if k != axis}
 
-    def plan_on_it(fn: Callable, *args, in_shardings=None):
+    def plan_on_it(fn: Callable, *args, in_shardings=None, out_shardings=None):
         return plan(fn, *args, mesh=inner_mesh, hardware=profile, in_shardings=in_shardings,
+                    out_shardings=out_shardings,
                     axis_level_overrides=overrides or None, pipeline=None, remat=False,
                     check_memory=False, verbose=False, time_limit_s=LAYER_TIME_LIMIT_S,
                     overlap=False)
@@ -128,6 +130,9 @@ def layer_planner(mesh: Mesh, axis: str, profile, axis_level_overrides, plan: Ca
         sent = carry * wire_itemsize(args[1].dtype, on_cpu) // np.dtype(args[1].dtype).itemsize
         # the kept activations split as the layer's work does: over every other device
         kept = max(_kept_bytes(layer, args) // inner_mesh.devices.size, carry)
+        # the forward alone, from the same input specs to the carry's: what a forward tick runs
+        alone = plan_on_it(layer, *args, in_shardings=tuple(planned.in_shardings[:3]),
+                           out_shardings=planned.in_shardings[1])
         return LayerPlan(inner=inner if inner_mesh.devices.size > 1 else None,
                          time_s=planned.estimate.step_time_s, kept_bytes=int(kept),
                          carry_bytes=carry,
@@ -135,10 +140,17 @@ def layer_planner(mesh: Mesh, axis: str, profile, axis_level_overrides, plan: Ca
                          send_bytes=sent,
                          devices=inner_mesh.devices.size, flops=planned.estimate.flops,
                          comm_bytes=planned.estimate.comm_bytes,
-                         comm_by_kind=tuple((kind, count, nbytes) for kind, (count, nbytes)
-                                            in by_kind(planned._details[3]).items()))
+                         comm_by_kind=_by_kind(planned), forward=Forward(
+                             time_s=alone.estimate.step_time_s, flops=alone.estimate.flops,
+                             comm_bytes=alone.estimate.comm_bytes, comm_by_kind=_by_kind(alone)))
 
     return plan_layer
+
+
+def _by_kind(planned) -> tuple[tuple[str, int, float], ...]:
+    """``planned``'s collectives: ((kind, executions, wire bytes per device), ...)."""
+    return tuple((kind, count, nbytes)
+                 for kind, (count, nbytes) in by_kind(planned._details[3]).items())
 
 
 def _post(micro: split.Stack) -> tuple[Callable, list, list[int]]:

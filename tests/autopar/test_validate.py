@@ -100,6 +100,20 @@ def test_a_compiled_kind_missing_from_the_prediction_is_flagged():
     assert "did not predict: all-reduce" in validation_table(plan, v)
 
 
+def test_a_pipelined_plan_is_flagged_too():
+    """A pipelined plan's collectives are checked as any plan's; the flag says where a
+    stage's layers may part from the layer's plan."""
+    from tests.autopar.test_pipeline import CONFIG, _gpt_case, _step
+    loss_fn, tx, args, _ = _gpt_case(CONFIG)
+    plan = autopar.plan(_step(autopar.value_and_grad, loss_fn, tx), *args,
+                        mesh={"stage": 4, "data": 2}, hardware="h100",
+                        pipeline=autopar.Pipeline(axis="stage", schedule="gpipe"))
+    assert validate(plan)["flags"] == {}
+    v = validate(_without_kind(plan, "all-reduce"))   # the sums the region ends with
+    assert v["flags"] == {"all-reduce": "not predicted"}
+    assert "partitioned by XLA from the stage's input specs" in validation_table(plan, v)
+
+
 @pytest.mark.parametrize("predicted, compiled, flagged", [
     ({"all-reduce": (4, 100.0)}, {"all-reduce": (2, 100.0)}, None),        # combined by XLA
     ({"all-reduce": (4, 100.0)}, {"all-reduce": (4, 109.0)}, None),        # within 10%

@@ -236,6 +236,33 @@ def test_search_counts_the_layers_collectives_and_sends_as_the_loops_run_them(sc
         "all-gather": (round(passes), pytest.approx(32.0 * passes))}
 
 
+@pytest.mark.parametrize("schedule, forwards, wholes", [
+    (G, 11 * 2, 11 * 2),                  # every tick a forward and a backward, l = 2
+    (F, (3 + 8) * 2, (8 + 3) * 2),        # warmup and steady forwards, steady and cooldown
+    (Z, 8 * 2, 8 * 2 * (1 / 3 + 2 / 3)),  # a microbatch's F, and its B and W
+])
+def test_search_prices_a_planned_forward_as_the_forward_ticks_run_it(schedule, forwards, wholes):
+    """A layer's forward planned alone prices each forward the loops run (its collectives,
+    flops and time), where a third of the whole layer would miss a Megatron layer's two
+    forward sums (two of its four, with the backward's)."""
+    forward = search.Forward(time_s=0.5, flops=40.0, comm_bytes=64.0,
+                             comm_by_kind=(("all-reduce", 2, 64.0),))
+    layer = dataclasses.replace(LAYER, flops=90.0, comm_bytes=128.0,
+                                comm_by_kind=(("all-reduce", 4, 128.0),), forward=forward)
+    priced = search.price(schedule, 4, 8, 2, layer)
+    assert dict((k, (n, b)) for k, n, b in priced.layer_collectives) == {
+        "all-reduce": (round(2 * forwards + 4 * wholes),
+                       pytest.approx(64.0 * forwards + 128.0 * wholes))}
+    assert priced.flops == pytest.approx(40.0 * forwards + 90.0 * wholes)
+    assert priced.comm_bytes == pytest.approx(64.0 * forwards + 128.0 * wholes
+                                              + priced.sends * 10)
+    # the forward's time replaces a third of the layer's: 0.5 - 1/3 longer a layer forward
+    # in every tick that runs one (a ZB-H1 slot lasts its longest op, the W)
+    thirds = search.price(schedule, 4, 8, 2, dataclasses.replace(layer, forward=None))
+    if schedule is not Z:
+        assert priced.time_s - thirds.time_s == pytest.approx(forwards * (0.5 - 1 / 3))
+
+
 @pytest.mark.parametrize("schedule", [F, Z])
 def test_search_prices_the_head_on_the_last_stage_once_a_microbatch(schedule):
     """1F1B and ZB-H1 run the head and loss in the region: each of 1F1B's M steady ticks, and
