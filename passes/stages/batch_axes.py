@@ -14,6 +14,12 @@ does not depend on the batch) equation by equation, recursing into ``jit``, ``cu
   sum, cast or reshaped on its way to the output. The loss is then a fixed combination of sums
   over examples, which a microbatched trace reproduces up to each term's literal scale.
 
+A reshape may merge the batch axis with the axes after it (tokens flattened to rows before a
+dense layer, logits flattened before the cross entropy): the batch is then the outer factor
+of the merged axis (:class:`Merged`), and each example still owns a contiguous block of it.
+Ops that keep that axis whole keep it merged; a reshape that splits the batch back out gives
+the plain axis again; one that cuts into the batch factor mixes.
+
 Literals outside batch-sum scaling are collected in traversal order: two traces of the same
 code at two batch sizes must agree on them, or the code depends on the batch size itself.
 """
@@ -43,6 +49,20 @@ class BatchSum:
 
     def scaled(self, factor: float) -> BatchSum:
         return BatchSum(tuple((k, s * factor) for k, s in self.scales))
+
+
+@dataclass(frozen=True)
+class Merged:
+    """The batch as the outer factor of axis ``axis``, ``inner`` elements of it per example
+    (a reshape merged the batch with the axes after it)."""
+
+    axis: int
+    inner: int
+
+
+def _state(axis: int, inner: int):
+    """The state of a value whose batch runs on ``axis`` with ``inner`` elements per example."""
+    return axis if inner == 1 else Merged(axis, inner)
 
 
 @dataclass
@@ -131,7 +151,8 @@ def _eqn(eqn, states, result: Analysis, where: str) -> list:
     if all(s is None for s in states):
         return [None] * n_out
     try:
-        out = _axis_rule(eqn, states)
+        axes, inner = _unmerged(states)
+        out = _axis_rule(eqn, axes, inner)
     except _Mixes:
         if result.mode is Mode.PRE:
             return [None] * n_out
@@ -147,6 +168,17 @@ class _Mixes(Exception):
     """The equation mixes examples along the batch axis (or cannot be shown not to)."""
 
 
+def _unmerged(states) -> tuple[list, int]:
+    """The operands' batch axes, and the elements per example they share on them (1: none is
+    merged); :class:`_Mixes` where the operands merge it differently."""
+    inners = {s.inner for s in states if isinstance(s, Merged)}
+    if not inners:
+        return list(states), 1
+    if len(inners) > 1 or any(isinstance(s, int) for s in states):
+        raise _Mixes
+    return [s.axis if isinstance(s, Merged) else s for s in states], inners.pop()
+
+
 def _agree(axes) -> int:
     found = {a for a in axes if a is not None}
     if len(found) != 1:
@@ -154,7 +186,17 @@ def _agree(axes) -> int:
     return found.pop()
 
 
-def _axis_rule(eqn, states) -> int:
+def _axis_rule(eqn, states, inner: int = 1):
+    """The state of ``eqn``'s results from its operands' batch axes (``states``), which hold
+    ``inner`` elements per example (:class:`Merged`)."""
+    if eqn.primitive.name == "reshape":
+        shape = tuple(getattr(eqn.invars[0].aval, "shape", ()))
+        return _reshape(shape, tuple(eqn.outvars[0].aval.shape), _agree(states[:1]), inner)
+    return _state(_axis(eqn, states), inner)
+
+
+def _axis(eqn, states) -> int:
+    """The batch axis of ``eqn``'s results, for every primitive but ``reshape``."""
     name, params = eqn.primitive.name, eqn.params
     shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
     out_shape = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
@@ -167,8 +209,6 @@ def _axis_rule(eqn, states) -> int:
         if a in params["dimensions"]:
             raise _Mixes
         return a - sum(d < a for d in params["dimensions"])
-    if name == "reshape":
-        return _reshape(shapes[0], out_shape, _agree(states[:1]))
     if name in _REDUCTIONS:
         a = _agree(states)
         if a in params["axes"]:
@@ -221,11 +261,15 @@ def _broadcasts(shape, out_shape) -> bool:
                          and all(d in (o, 1) for d, o in zip(shape, out_shape)))
 
 
-def _reshape(shape, new, a) -> int:
+def _reshape(shape, new, a: int, inner: int):
+    """The state after reshaping ``shape`` (the batch the outer factor of axis ``a``, ``inner``
+    elements per example) to ``new``: the axis that starts where ``a`` did, if the whole batch
+    is its outer factor (row-major, each example keeps its contiguous block)."""
+    batch = shape[a] // inner
     before = int(np.prod(shape[:a]))
     for b in range(len(new)):
-        if int(np.prod(new[:b])) == before and new[b] == shape[a]:
-            return b
+        if int(np.prod(new[:b])) == before and new[b] >= batch > 0 and new[b] % batch == 0:
+            return _state(b, new[b] // batch)
     raise _Mixes
 
 

@@ -550,6 +550,30 @@ def test_plain_jax_stack_with_a_shared_weight(schedule):
     _close(compiled(params, batch), expected)
 
 
+def _rows_loss(params, batch):
+    """A stack over tokens [B, S, D] whose layer runs its matmul on the tokens flattened to
+    rows, and whose loss flattens the outputs too (each reshape merges the batch axis)."""
+    def layer(h, w):
+        b, s, d = h.shape
+        return h + jnp.tanh(h.reshape(b * s, d) @ w).reshape(b, s, d), None
+
+    h, _ = jax.lax.scan(layer, batch["x"] @ params["embed"], params["layers"])
+    return jnp.mean(((h @ params["head"]).reshape(-1) - batch["y"].reshape(-1)) ** 2)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
+def test_layers_and_a_loss_that_flatten_the_tokens_pipeline(schedule):
+    rng = np.random.default_rng(1)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32) / 4  # noqa: E731
+    params = {"embed": normal(6, 16), "head": normal(16, 3), "layers": normal(8, 16, 16)}
+    batch = {"x": normal(16, 3, 6), "y": normal(16, 3, 3)}
+    expected = jax.value_and_grad(_rows_loss)(params, batch)
+    settings = autopar.Pipeline(schedule=schedule, microbatches=8)
+    compiled = _pipelined(autopar.value_and_grad(_rows_loss), settings,
+                          _mesh({"stage": 4, "data": 2}), schedule)(params, batch)
+    _close(compiled(params, batch), expected)
+
+
 def _masked_loss(params, x, ids, y):
     """Scanned layers reading two values made from the batch (a boolean mask from integer
     ids, a float gate from a parameter) and a dropout key shared by the layers."""

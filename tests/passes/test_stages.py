@@ -101,13 +101,47 @@ def test_mixing_bodies_name_the_op(op, name):
     assert "pipeline=None" in str(info.value) and "gpipe" not in str(info.value)
 
 
+def _tokens_body(op):
+    """A per-layer function of an activation [B, S, D] using ``op``."""
+    return jax.make_jaxpr(op)(jnp.ones((8, 3, 4)))
+
+
+@pytest.mark.parametrize("op", [
+    lambda x: (x.reshape(24, 4) @ jnp.ones((4, 4))).reshape(8, 3, 4),    # tokens as rows
+    lambda x: jnp.tanh(x.reshape(24, 4)).reshape(8, 12).reshape(8, 3, 4),
+    lambda x: x.reshape(96).reshape(8, 12).reshape(8, 3, 4),      # all merged, then back
+])
+def test_a_batch_merged_with_the_axes_after_it_keeps_examples_apart(op):
+    assert batch_axes.analyze(_tokens_body(op), [0], Mode.BODY, "the layers").outputs == [0]
+
+
+@pytest.mark.parametrize("op, name", [
+    (lambda x: x - x.reshape(24, 4).mean(axis=0)[None, None], "reduce_sum"),   # over the rows
+    (lambda x: x.reshape(12, 8).reshape(8, 3, 4), "reshape"),        # cuts into the batch
+    (lambda x: x.reshape(24, 4)[::-1].reshape(8, 3, 4), "rev"),
+])
+def test_a_merged_batch_axis_mixes_where_its_examples_meet(op, name):
+    with pytest.raises(PipelineError, match=f"`{name}` mixes examples"):
+        batch_axes.analyze(_tokens_body(op), [0], Mode.BODY, "the layers")
+
+
+def test_a_merged_batch_stays_merged_to_the_body_s_output():
+    body = _tokens_body(lambda x: jnp.tanh(x.reshape(24, 4)))
+    assert batch_axes.analyze(body, [0], Mode.BODY, "the layers").outputs == [
+        batch_axes.Merged(0, 3)]
+
+
 def _loss_states(loss):
     jaxpr = jax.make_jaxpr(loss)(jnp.ones((8, 4)), jnp.ones((8, 4)))
     return batch_axes.analyze(jaxpr, [0, 0], Mode.LOSS, "the loss").outputs[0]
 
 
-def test_mean_loss_is_one_batch_sum_scaled_by_the_count():
-    state = _loss_states(lambda y, t: jnp.mean((y - t) ** 2))
+@pytest.mark.parametrize("loss", [
+    lambda y, t: jnp.mean((y - t) ** 2),
+    lambda y, t: jnp.mean((y.reshape(-1) - t.reshape(-1)) ** 2),   # flattened first
+])
+def test_mean_loss_is_one_batch_sum_scaled_by_the_count(loss):
+    state = _loss_states(loss)
     assert isinstance(state, BatchSum) and len(state.scales) == 1
     assert state.scales[0][1] == pytest.approx(1 / 32)
 
