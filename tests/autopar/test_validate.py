@@ -11,6 +11,7 @@ import autopar
 from autopar._validate import _with_stages, count_note, flag_kinds, validate, validation_table
 from autopar.cost_model.hlo import analyze
 from autopar.models import gpt, mlp
+from tests.autopar.test_pipeline import CONFIG, _gpt_case, _step
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +104,6 @@ def test_a_compiled_kind_missing_from_the_prediction_is_flagged():
 def test_a_pipelined_plan_is_flagged_too():
     """A pipelined plan's collectives are checked as any plan's; the flag says where a
     stage's layers may part from the layer's plan."""
-    from tests.autopar.test_pipeline import CONFIG, _gpt_case, _step
     loss_fn, tx, args, _ = _gpt_case(CONFIG)
     plan = autopar.plan(_step(autopar.value_and_grad, loss_fn, tx), *args,
                         mesh={"stage": 4, "data": 2}, hardware="h100",
