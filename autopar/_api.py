@@ -172,7 +172,8 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         (params, opt_state, loss)``.
       *example_args: arrays or ``jax.ShapeDtypeStruct`` pytrees with the shapes and dtypes of a
         real call. Nothing is executed while planning.
-      mesh: a ``jax.sharding.Mesh`` (any axis types) or a dict ``{"data": 2, "model": 4}``.
+      mesh: a ``jax.sharding.Mesh`` (any axis types), a dict ``{"data": 2, "model": 4}``, or
+        the same as the CLI's text ``"data=2,model=4"``.
       hardware: a profile name (``"h100"``, ``"tpu-v5e"``, ...), a HardwareProfile, or a path to
         a profile JSON from ``autopar profile``. Default (None, as in ``autopar.compare`` and
         the CLI's ``report``): the current backend's profile (``cpu`` on CPU devices; an
@@ -282,7 +283,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         out_shardings=out_shardings, search=search, logical_axis_rules=logical_axis_rules,
         time_limit_s=time_limit_s, tie_state=tie_state, axis_level_overrides=axis_level_overrides,
         baseline_seeds=baseline_seeds, remat=remat, check_memory=check_memory, verbose=verbose,
-        pipeline=pipeline))
+        pipeline=pipeline, overlap=overlap, batch_axes=batch_axes))
     memory_budget, time_limit_s = checked["memory_budget"], checked["time_limit_s"]
     in_shardings, out_shardings = checked["in_shardings"], checked["out_shardings"]
     options = {"mesh": mesh, "hardware": hardware, "in_shardings": in_shardings,
@@ -730,6 +731,7 @@ class Parallelized:
             full = dict(static)
             full.update(zip(dynamic_pos, jax.tree_util.tree_unflatten(split.tree, leaves)))
             return fn(*(full[i] for i in range(n_args)), **dict(static_kw))
+        bound.__name__ = bound.__qualname__ = getattr(fn, "__name__", "fn")  # its errors
 
         p = self._plan(bound, split.dynamic_tree(), (static, static_kw), sig)
         donate = tuple(dynamic_pos.index(i) for i in self._donate_argnums if i in dynamic_pos)
@@ -804,7 +806,8 @@ def parallelize(fn: Callable | None = None, *, mesh, static_argnums=(), static_a
 
     Args:
       fn: the single-device function, as :func:`plan` takes it.
-      mesh: as :func:`plan`'s: a ``jax.sharding.Mesh`` or a dict ``{"data": 2, "model": 4}``.
+      mesh: as :func:`plan`'s: a ``jax.sharding.Mesh``, a dict ``{"data": 2, "model": 4}``
+        or ``"data=2,model=4"``.
       static_argnums / static_argnames: arguments that are Python values (hashable), not
         arrays: part of the signature, as in ``jax.jit`` (either names a parameter passed by
         position or by keyword). Other keyword arguments are refused: pass arrays by

@@ -58,7 +58,10 @@ def roles(axis_names: Sequence[str], batch_axes=None) -> AxisRoles:
     if batch_axes is None:
         return AxisRoles(tuple(a for a in axis_names if a in BATCH_NAMES),
                          tuple(a for a in axis_names if a in MODEL_NAMES), False)
-    given = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    try:
+        given = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    except TypeError:   # not a name nor a sequence of them
+        given = ()
     unknown = [a for a in given if a not in axis_names]
     if unknown or not given or not all(isinstance(a, str) for a in given):
         raise ArgumentError(f"`batch_axes` must name axes of the mesh ({', '.join(axis_names)}),"

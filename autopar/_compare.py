@@ -103,14 +103,29 @@ def predict_baselines(fn, args, mesh, *, hardware=None, kinds=("dp", "fsdp"), se
 @with_roomy_stack
 def compare(fn, args, mesh, *, hardware=None, kinds=None, plan=None, dtype=None,
             **plan_kwargs):
-    """Measures of autopar's plan and of each baseline, all compiled from ``args``.
+    """Measures of autopar's plan and of each hand-written baseline, all compiled from
+    ``args`` (nothing runs).
 
-    ``hardware``: as :func:`autopar.plan`'s (default: this backend's profile). ``dtype``: the
-    compute dtype whose peak rate prices the flops, the same for every program; None (the
-    default) prices them at the program's own dtypes (:func:`main_dtype`), so a float32
-    model is not priced as if it ran in bfloat16. Returns (plan, {name: Measured},
-    planning_time_s).
+    Arguments:
+      fn: the function to plan, as for :func:`autopar.plan`.
+      args: its example arguments, as a tuple (arrays or ``jax.ShapeDtypeStruct`` leaves).
+      mesh: a ``jax.sharding.Mesh``, or axis name -> size.
+      hardware: as :func:`autopar.plan`'s (default: this backend's profile).
+      kinds: the baselines to compile, by name (``"dp"``, ``"fsdp"``, ``"megatron"``, ...);
+        None: every baseline that applies to ``fn`` on ``mesh``.
+      plan: a plan of ``fn`` on ``mesh`` already made; None: plans it here.
+      dtype: the compute dtype whose peak rate prices the flops, the same for every program;
+        None prices them at the program's own dtypes (its most common floating dtype), so a
+        float32 model is not priced as if it ran in bfloat16.
+      plan_kwargs: passed on to :func:`autopar.plan` when ``plan`` is None.
+
+    Returns:
+      (plan, {name: Measured}, planning_time_s): "autopar" and each baseline's compiled
+      program, measured (step time, wire bytes, flops, peak memory, simulated timeline).
     """
+    if not isinstance(args, tuple):
+        raise ArgumentError(f"`args` must be the tuple of example arguments, got "
+                            f"{type(args).__name__}: call compare(fn, (params, batch), mesh)")
     jax_mesh = as_auto_mesh(mesh)
     profile = get_profile(hardware)
     if plan is not None and (plan.mesh.axis_names != jax_mesh.axis_names

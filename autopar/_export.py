@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from autopar._sizes import format_bytes, format_seconds
 from autopar.cost_model.hlo import HloSummary, analyze
 from autopar.cost_model.spec import pspec_text
+from autopar.errors import ArgumentError
 
 
 class _NotCode(Exception):
@@ -238,8 +239,12 @@ def write_module(plan, path: str | os.PathLike, fn_name: str = "step",
     """Write :func:`module_source` to ``path``; returns the text written."""
     module = os.path.splitext(os.path.basename(os.fspath(path)))[0] or "plan_specs"
     text = module_source(plan, module, fn_name, words, verdict)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except (OSError, TypeError) as e:
+        raise ArgumentError(f"cannot write the module to `path` {path!r} ({type(e).__name__}: "
+                            f"{e}); give a file path in a folder you can write to") from None
     return text
 
 

@@ -68,7 +68,15 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
 
 def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
          holomorphic: bool = False, allow_int: bool = False) -> Callable:
-    """Like ``jax.grad``, pipelined inside a pipelining context (see :func:`value_and_grad`)."""
+    """Like ``jax.grad``, pipelined inside a pipelining context (see :func:`value_and_grad`).
+
+    Arguments:
+        fun: the loss, ``fun(*args) -> scalar`` (or ``(scalar, aux)`` with ``has_aux``).
+        argnums, has_aux, holomorphic, allow_int: as in ``jax.grad``.
+
+    Returns:
+        ``f(*args, **kwargs) -> grads`` (``(grads, aux)`` with ``has_aux``).
+    """
     both = value_and_grad(fun, argnums=argnums, has_aux=has_aux, holomorphic=holomorphic,
                           allow_int=allow_int)
 

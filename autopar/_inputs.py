@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from autopar._axis_roles import roles
 from autopar._mesh import as_auto_mesh
 from autopar._pipeline import Pipeline
 from autopar._sizes import parse_bytes
@@ -196,6 +197,7 @@ def options(values: dict) -> dict:
         "pipeline": _pipeline,
         "logical_axis_rules": _rules,
         "axis_level_overrides": lambda v: _overrides(v, mesh),
+        "batch_axes": lambda v: v if v is None else (roles(mesh.axis_names, v), v)[1],
         "in_shardings": lambda v: hints(v, mesh, "in_shardings"),
         "out_shardings": lambda v: hints(v, mesh, "out_shardings"),
     }

@@ -15,7 +15,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 
 from autopar._compat import backends_initialized
 from autopar._meshspec import parse_mesh_spec
-from autopar.errors import HardwareWarning, MeshError
+from autopar.errors import ArgumentError, HardwareWarning, MeshError
 
 SIMULATE_HINT = ("To simulate devices on CPU, set "
                  "XLA_FLAGS=--xla_force_host_platform_device_count=N "
@@ -128,7 +128,8 @@ def _mesh_from_dict(axes: dict[str, int]) -> Mesh:
     if need != len(devices):
         raise MeshError(f"mesh {axes} covers {need} devices but {len(devices)} exist: make the "
                         f"sizes multiply to {len(devices)}, or pass a jax.sharding.Mesh over the "
-                        "devices you want to use")
+                        f"devices you want to use (with the CLI on simulated devices: "
+                        f"--simulate-devices {need})")
     return Mesh(np.array(devices).reshape(tuple(axes.values())), tuple(axes),
                 axis_types=(AxisType.Auto,) * len(axes))
 
@@ -154,9 +155,12 @@ def simulate_cpu_devices(n: int) -> bool:
     effect only before jax creates its devices (the first ``jax.devices()`` or computation);
     only the CPU platform is affected. Returns whether it took effect (False also when
     ``XLA_FLAGS`` already sets a count, which is kept). A HardwareWarning says when it came
-    too late, or ``XLA_FLAGS`` holds, and fewer than ``n`` CPU devices are there."""
-    if n <= 0:
-        return False
+    too late, or ``XLA_FLAGS`` holds, and fewer than ``n`` CPU devices are there. ``n`` must
+    be a positive int (an ArgumentError otherwise: XLA would abort the process on it)."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0:
+        raise ArgumentError(f"autopar.simulate_cpu_devices(n): n must be a positive int, got "
+                            f"{n!r}; pass the number of CPU devices to simulate, e.g. 8")
+    n = int(n)
     if backends_initialized():
         have = len(jax.devices("cpu"))
         if have < n:

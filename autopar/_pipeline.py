@@ -33,7 +33,7 @@ class Pipeline:
     """Pipeline settings; a field left ``None`` is chosen by autopar.
 
     Arguments:
-        axis: the mesh axis whose devices hold successive stages.
+        axis: the mesh axis whose devices hold successive stages (default ``"stage"``).
         stages: number of stages (today: the size of ``axis``).
         microbatches: how many microbatches the batch is split into (must divide it).
         schedule: one of ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``.
@@ -66,6 +66,7 @@ class Pipeline:
 
     @property
     def schedule_kind(self) -> Schedule | None:
+        """``schedule`` as a :class:`Schedule` (None: autopar chooses)."""
         return None if self.schedule is None else Schedule(self.schedule)
 
     def request(self) -> StageRequest:
@@ -152,9 +153,11 @@ def requested(pipeline, mesh: jax.sharding.Mesh):
         raise ArgumentError(f"`pipeline` must be None, \"auto\" or an `autopar.Pipeline(...)`, "
                             f"not {pipeline!r}")
     if pipeline.axis not in mesh.axis_names:
-        raise PipelineError(f"`Pipeline(axis={pipeline.axis!r})`: the mesh has no such axis "
-                            f"(it has {', '.join(mesh.axis_names)}); name one of them, or add "
-                            f"a `{pipeline.axis}` axis to the mesh.")
+        default = (" (the default axis; give `axis=`, with the CLI `--pipeline axis=NAME,...`)"
+                   if pipeline.axis == Pipeline.axis else "")
+        raise PipelineError(f"`Pipeline(axis={pipeline.axis!r})`{default}: the mesh has no such "
+                            f"axis (it has {', '.join(mesh.axis_names)}); name one of them, or "
+                            f"add a `{pipeline.axis}` axis to the mesh.")
     return pipeline
 
 

@@ -129,6 +129,11 @@ def _estimate_from_json(record) -> Estimate:
 
 def _plan_from_dict(cls, d: dict) -> Plan:
     """:meth:`Plan.from_json`'s plan, every field checked."""
+    if "in_shardings" not in d:
+        looks = (" (it looks like a hardware profile: "
+                 "pass its path as `hardware=` to autopar.plan)" if "peak_flops_per_s" in d else "")
+        raise PlanFormatError(f"this is not a saved plan: it has no `in_shardings`{looks}; "
+                              "give a file written by Plan.save")
     if d.get("format_version") != FORMAT_VERSION:
         raise PlanFormatError(f"plan format version {d.get('format_version')!r} is not "
                               f"{FORMAT_VERSION}: re-plan and save again")
@@ -278,7 +283,9 @@ class Plan:
     def report(self, baselines: dict | None = None) -> str:
         """A human-readable account of the plan: the estimate, per-layer parameter shardings
         with time and memory, the collectives chosen and why, fallbacks, planner statistics.
-        ``baselines``: {name: Plan} shown beside it (see ``autopar._compare.predict_baselines``).
+        ``baselines``: {name: Plan} shown beside it, each a plan of the same function on the
+        same mesh (the CLI's ``autopar report`` passes its data-parallel and FSDP baselines'
+        plans here); None: the plan alone.
         """
         from autopar._report import render_text
         return render_text(self, baselines)
@@ -331,7 +338,8 @@ class Plan:
         """
         words = summary_lines(self) if self._details is not None else None
         verdict = plain_jit_check(self, fn)[1] if fn is not None and self._flat_fn else ""
-        return write_module(self, path, getattr(fn, "__name__", "step"), words,
+        name = getattr(fn, "__name__", "")
+        return write_module(self, path, name if name.isidentifier() else "step", words,
                             verdict=verdict)
 
     def validate(self) -> dict:

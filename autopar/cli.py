@@ -56,6 +56,22 @@ def _start_devices(simulate: int, mesh: dict[str, int]) -> None:
         with warnings.catch_warnings():  # not asked for: too few devices is the mesh's error
             warnings.simplefilter("ignore", HardwareWarning)
             simulate_cpu_devices(math.prod(mesh.values()))
+    _jax_starts()
+
+
+def _jax_starts() -> None:
+    """A CLIError when jax cannot start the platform it is asked for (JAX_PLATFORMS naming
+    one whose jaxlib plugin is not installed, or no device of it on this machine)."""
+    import jax
+    try:
+        jax.devices()
+    except (RuntimeError, AssertionError) as e:
+        asked = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms
+        said = " ".join(str(e).split()) or "its backend did not start"
+        raise CLIError(f"jax could not start its devices"
+                       + (f" for JAX_PLATFORMS={asked}" if asked else "") + f" ({said}): "
+                       "unset JAX_PLATFORMS, or install the jax for that platform (see the "
+                       "README's Install)") from None
 
 
 # ----- demo
@@ -105,6 +121,7 @@ def cmd_demo(args) -> int:
     import jax
     if not backends_initialized():  # simulated CPU devices, even on a GPU host
         jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
+    _jax_starts()
     import numpy as np
 
     import autopar
@@ -508,8 +525,17 @@ def _add_planning_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line (not the usage block above it), as every
+    other failure of the command is; the subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        print(f"autopar: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autopar", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="autopar", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true",
                         help="show Python tracebacks (accepted anywhere on the line)")
     parser.add_argument("--version", action="version", version=f"autopar {_version()}")

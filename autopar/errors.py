@@ -21,6 +21,12 @@ class ShardingHintError(ArgumentError):
     """A sharding hint does not fit the arguments, the mesh or the shapes."""
 
 
+class TracingError(ArgumentError):
+    """The function failed to trace on its example arguments: it raised (wrong argument count,
+    mismatched shapes), or returned something that is not a pytree of arrays. The message
+    names the function and the error; the original exception is its ``__cause__``."""
+
+
 class PipelineError(ArgumentError):
     """A pipeline (``autopar.Pipeline``, ``autopar.value_and_grad`` under a pipelined plan) was
     asked of a program, mesh or batch it cannot pipeline exactly; the message says what to change."""
@@ -73,7 +79,8 @@ class ShardingConflictWarning(AutoparWarning):
 
 
 class StalePlanCacheWarning(AutoparWarning):
-    """A plan cache entry was corrupted or stale and was ignored (the function is re-planned)."""
+    """A plan cache entry was corrupted or stale and was ignored (the function is re-planned),
+    or the ``cache_dir`` cannot be made or written (plans are then not cached)."""
 
 
 class SolverFallbackWarning(AutoparWarning):

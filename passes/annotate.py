@@ -46,15 +46,16 @@ def to_spec(hint, shape, axis_sizes: dict[str, int], where: str) -> Spec | None:
         raise ShardingHintError(f"hint for `{where}` is of type {type(hint).__name__}: give a "
                                 "PartitionSpec, a NamedSharding or None")
     check_partition_spec(hint, where)
+    for entry in hint:   # an unknown axis first: it is the likelier mistake than the rank
+        for axis in (entry if isinstance(entry, tuple) else (entry,)):
+            if axis is not None and axis not in axis_sizes:
+                raise ShardingHintError(
+                    f"hint {pspec_text(hint)} for `{where}` names mesh axis `{axis}`, which the "
+                    f"mesh lacks; its axes are {list(axis_sizes)}")
     try:
         spec = Spec.from_partition_spec(hint, len(shape))
     except ValueError as e:
         raise ShardingHintError(f"hint {pspec_text(hint)} for `{where}` (shape {tuple(shape)}): {e}") from None
-    for axis in spec.axes:
-        if axis not in axis_sizes:
-            raise ShardingHintError(
-                f"hint {pspec_text(hint)} for `{where}` names mesh axis `{axis}`, which the mesh lacks; "
-                f"its axes are {list(axis_sizes)}")
     if len(set(spec.axes)) != len(spec.axes):
         raise ShardingHintError(f"hint {pspec_text(hint)} for `{where}` uses a mesh axis twice")
     order = list(axis_sizes)

@@ -21,7 +21,7 @@ from jax.extend.core import primitives as P
 
 from autopar._compat import primitives, scan_counts
 from autopar._mesh import on_explicit_axes
-from autopar.errors import ArgumentError
+from autopar.errors import ArgumentError, AutoparError, TracingError
 from autopar.passes import attention_match
 from autopar.passes.ir import Graph, NodeKind
 from autopar.passes.rules import info_of
@@ -75,7 +75,15 @@ def trace(fn: Callable, args: tuple) -> Traced:
     leaves, in_tree = check_args(args)
     args = jax.tree_util.tree_unflatten(in_tree, [_off_explicit_axes(x) for x in leaves])
     with attention_match.recognizing():  # autopar.value_and_grad losses: attention_match
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        try:
+            closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        except AutoparError:
+            raise
+        except Exception as e:  # the user's function: say so, keep theirs as the cause
+            raise TracingError(
+                f"tracing `{getattr(fn, '__name__', fn)}` on its example arguments failed: "
+                f"{type(e).__name__}: {e} (fix the function or its example arguments; the "
+                "traceback above points into it)") from e
         closed = attention_match.recognize(closed)[0] or closed  # programs with no gradient
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     return from_jaxpr(unwrap_jit(closed), in_tree, out_tree, tuple(out_leaves))

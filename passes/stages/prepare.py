@@ -184,9 +184,19 @@ def prepare(fun: Callable, flat_args, is_param: list[bool], request: StageReques
               else _microbatch_options(batch, stages))
     options = []
     for micro_n in counts:
-        micro = _trace_micro(fun, flat_args, per_example, batch // micro_n, is_param, full,
-                             batch_consts)
-        feasible = _feasible(request.schedule, full, micro, per_example, has_aux, batch_consts)
+        try:
+            micro = _trace_micro(fun, flat_args, per_example, batch // micro_n, is_param, full,
+                                 batch_consts)
+            feasible = _feasible(request.schedule, full, micro, per_example, has_aux,
+                                 batch_consts)
+        except PipelineError as e:
+            if batch // micro_n > 1:
+                raise
+            raise PipelineError(
+                f"`Pipeline(microbatches={micro_n})` leaves one example a microbatch, and a "
+                f"program traced on one example can lose its batch axis (a dimension of size 1 "
+                f"squeezed or broadcast), so autopar could not prove the microbatches exact. Use at most {batch // 2} microbatches (for example "
+                f"{_default_microbatches(batch, stages)}).") from e
         if virtual > 1 and micro_n < stages:
             raise PipelineError(
                 f"the interleaved schedule needs at least as many microbatches as stages "

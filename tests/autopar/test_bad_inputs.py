@@ -19,7 +19,7 @@ import autopar
 from autopar import cli
 from autopar.models import mlp
 from autopar.errors import (ArgumentError, AutoparError, CLIError, MeshError, PlanFormatError,
-                            ShardingHintError)
+                            ShardingHintError, TracingError)
 
 
 def fn(w, x):
@@ -55,6 +55,8 @@ BAD_OPTIONS = {
     "verbose": [1, 2, "loud", [], Opaque()],
     "remat": ["dots", "everything", "", 1, None, [], 0.5, Opaque(), "DOTS_SAVEABLE"],
     "pipeline": ["manual", "", 1, True, {}, [], Opaque()],
+    "overlap": ["no", 1, None, [], Opaque()],
+    "batch_axes": [3, "batch", [], ["data", 3], Opaque()],
     "logical_axis_rules": ["batch", 5, [("batch",)], [1, 2], {"a": "b"}, [(1, "data")],
                            [("batch", "data", "x")], Opaque()],
     "axis_level_overrides": [["data"], "data", 5, {"nope": "dcn"}, {1: "dcn"}, Opaque()],
@@ -327,7 +329,7 @@ def target(tmp_path_factory):
 def _cli(argv, capsys) -> tuple[int, str]:
     try:
         code = cli.main(argv)
-    except SystemExit as e:  # argparse's own errors: usage and one error line
+    except SystemExit as e:  # argparse's own errors: one line
         code = e.code
     err = capsys.readouterr().err
     return code, err
@@ -403,7 +405,7 @@ def test_cli_bad_input_is_one_line(target, capsys, case):
     assert "Traceback" not in err
     assert words.lower() in err.lower(), err
     lines = [line for line in err.splitlines() if line.startswith("autopar")]
-    assert len(lines) == 1, err  # one error line (argparse adds its usage above it)
+    assert len(lines) == 1, err  # one error line
 
 
 @pytest.mark.parametrize("where", ["before", "after"])
@@ -452,3 +454,66 @@ def test_plan_jit_names_an_argument_not_as_planned(change):
         run(*args[:-1], other)
     if change != "tree":
         assert "[2]['x']" in str(info.value) and "float32[8,16]" in str(info.value)
+
+
+@pytest.mark.parametrize("n", [2.5, 0, -1, "8", True, None])
+def test_simulate_cpu_devices_refuses_what_xla_would_abort_on(n):
+    with pytest.raises(ArgumentError, match="positive int"):
+        autopar.simulate_cpu_devices(n)
+
+
+def _returns_text(w, x):
+    return "done"
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: autopar.plan(_returns_text, *ARGS, mesh=MESH), "`_returns_text`.*str"),
+    (lambda: autopar.plan(fn, ARGS[0], mesh=MESH), "`fn`.*missing 1 required"),
+    (lambda: autopar.plan(fn, ARGS[0], jnp.ones((8, 15)), mesh=MESH), "`fn`.*dot_general"),
+    (lambda: autopar.parallelize(_returns_text, mesh=MESH)(*ARGS), "`_returns_text`.*str"),
+])
+def test_a_function_that_fails_to_trace_is_named(call, words):
+    """The user's own error comes out as a TracingError naming their function, with their
+    exception as its cause."""
+    with pytest.raises(TracingError, match=words) as info:
+        call()
+    assert isinstance(info.value.__cause__, Exception)
+
+
+def test_an_unknown_axis_in_a_hint_is_named_before_the_rank():
+    with pytest.raises(ShardingHintError, match="names mesh axis `foo`"):
+        _plan(out_shardings=P("foo"))
+
+
+def test_to_python_into_a_missing_folder_and_of_a_lambda(tmp_path):
+    plan = _plan()
+    with pytest.raises(ArgumentError, match="cannot write the module"):
+        plan.to_python(tmp_path / "missing" / "specs.py")
+    text = plan.to_python(tmp_path / "specs.py", fn=lambda w, x: fn(w, x))
+    assert "jax.jit(step," in text and "<lambda>" not in text
+
+
+def test_a_missing_default_pipeline_axis_says_it_was_the_default():
+    with pytest.raises(AutoparError, match="the default axis; give `axis=`"):
+        _plan(pipeline=autopar.Pipeline(schedule="gpipe"))
+
+
+@pytest.mark.parametrize("argv", [[], ["report"], ["report", "x.py:f", "--mesh", "data=8",
+                                                   "--memory-budget", "40gigs"],
+                                  ["report", "x.py:f", "--mesh", "data=8", "--remat", "bogus"]])
+def test_cli_argument_errors_are_one_line(argv, capsys):
+    code, err = _cli(argv, capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("autopar: error: ") and "--help" in err, err
+
+
+def test_cli_names_a_platform_jax_cannot_start():
+    import subprocess
+    import sys
+    env = {**os.environ, "JAX_PLATFORMS": "cuda"}
+    done = subprocess.run([sys.executable, "-m", "autopar.cli", "demo"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "JAX_PLATFORMS=cuda" in lines[0], done.stderr

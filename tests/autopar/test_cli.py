@@ -65,6 +65,9 @@ def test_report_writes_json_and_html(tmp_path):
       "stage,microbatches=0"], "`0` is not an integer of at least 1"),
     (["report", f"{TARGETS}:gpt_pipelined", "--mesh", "stage=4,data=2", "--pipeline",
       "stage,schedule=2f2b", "--simulate-devices", "8"], "is not a schedule"),
+    (["report", f"{TARGETS}:gpt_pipelined", "--mesh", "stage=4,data=2", "--pipeline",
+      "axis=stage,schedule=1f1b,microbatches=8", "--simulate-devices", "8", "--no-baselines"],
+     "leaves one example a microbatch"),
     (["report", f"{TARGETS}:gpt_tiny", "--mesh", "stage=4,data=2", "--pipeline", "stage",
       "--simulate-devices", "8", "--no-baselines"], "autopar.value_and_grad"),
 ])

@@ -123,7 +123,9 @@ def test_bad_plan_json():
     with pytest.raises(PlanFormatError, match="not a valid autopar plan"):
         autopar.Plan.from_json("{not json")
     with pytest.raises(PlanFormatError, match="format version"):
-        autopar.Plan.from_json('{"format_version": 99}')
+        autopar.Plan.from_json('{"format_version": 99, "in_shardings": []}')
+    with pytest.raises(PlanFormatError, match="not a saved plan.*hardware profile"):
+        autopar.Plan.from_json('{"format_version": 2, "peak_flops_per_s": {}}')
     with pytest.raises(PlanFormatError, match="no plan file"):
         autopar.Plan.load("/nonexistent/plan.json")
 
