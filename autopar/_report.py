@@ -164,9 +164,12 @@ def _pipeline_lines(pipeline: dict | None) -> list[str]:
                  f"{stages}), {pipeline['schedule']}, {pipeline['microbatches']} microbatches, "
                  f"{pipeline['ticks']} ticks, predicted bubble {pipeline['bubble_fraction']:.1%}"]
     if pipeline.get("predicted_time_s") is not None:
-        peaks = ", ".join(_fmt_bytes(b) for b in pipeline["stage_peak_bytes"])
+        peaks = pipeline["stage_peak_bytes"]
+        said = (f"peak {_fmt_bytes(peaks[0])} on every stage (one SPMD program: each device "
+                "holds the same buffers)" if len(set(peaks)) == 1 else
+                "per-stage peak " + ", ".join(_fmt_bytes(b) for b in peaks))
         lines.append(f"  the pipelined layers take {_fmt_s(pipeline['predicted_time_s'])} of "
-                     f"the step; per-stage peak {peaks}")
+                     f"the step; {said}")
     inner = pipeline.get("inner")
     if inner is not None:
         lines.append(f"  each stage splits {_split(inner['layer'])} of its "

@@ -68,6 +68,7 @@ def test_pipelined_plan_computes_the_single_device_step(case, mesh, schedule):
     loaded = autopar.Plan.from_json(plan.to_json())
     assert loaded.pipeline == plan.pipeline
     assert f"Pipeline over `stage`: {stages} stages" in plan.report()
+    assert "on every stage (one SPMD program" in plan.report()
     # the pipelined stack's time is the stacked layer's, not left unattributed
     rows = {r.name: r for r in layer_rows(plan)}
     assert rows["blocks"].compute_s >= plan.pipeline["predicted_time_s"]
