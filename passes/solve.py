@@ -63,8 +63,11 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
         rows.start()
     builder = IlpBuilder(graph, strats, groups, mesh, preferences).build()
     solution = _solved(builder, rows, warm, time_limit_s, progress)
-    if not _takes_rings(builder, solution):
+    rings = _rings(builder, solution)
+    if not rings:
         return solution
+    progress(f"ILP again with collective matmuls charged in full, to check the plan's {rings} "
+             "ring(s) against a plan without them")
     plain = IlpBuilder(graph, strats, groups, mesh, preferences, like=builder,
                        rings_in_full=True).build()
     left_s = max(time_limit_s - solution.solve_time_s, time_limit_s * OVERLAP_TIME_SHARE)
@@ -82,12 +85,14 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
                                rings_dropped=shorter)
 
 
-def _takes_rings(builder: IlpBuilder, solution: Solution) -> bool:
-    """Whether ``solution``, a plan that fits its budget, takes a collective matmul."""
+def _rings(builder: IlpBuilder, solution: Solution) -> int:
+    """How many collective matmuls ``solution`` takes, if it is a plan that fits its budget
+    (else 0)."""
+    if not solution.fits_budget or solution.memory_rows:
+        return 0
     strats = builder.strats
-    return solution.fits_budget and not solution.memory_rows and any(
-        strats[n][c].rewrite is not None and strats[n][c].rewrite.kind in RINGS
-        for n, c in enumerate(solution.choice))
+    return sum(strats[n][c].rewrite is not None and strats[n][c].rewrite.kind in RINGS
+               for n, c in enumerate(solution.choice))
 
 
 def _solved(builder: IlpBuilder, rows: Deferred | None, warm, time_limit_s: float,
@@ -179,6 +184,8 @@ def _with_overlap(builder: IlpBuilder, budget: BudgetRows | None, solution: Solu
         if solved == solves or left_s < time_limit_s * OVERLAP_TIME_SHARE:
             return solution
         c, A, lb, ub, integer = overlap.matrices()
+        progress(f"ILP again around the plan, its communication charged less what the plan's "
+                 f"timeline hides (solve {solved + 1} of at most {solves})")
         res, took = solve_milp(c, A, lb, ub, integer, left_s,
                                cutoff=cutoff_of(solution.objective_us))
         took_s, solved = took_s + took, solved + 1
