@@ -162,7 +162,7 @@ class Plan:
     Attributes:
       mesh: the jax Mesh (Auto axes) the plan runs on.
       in_shardings / out_shardings: pytrees of NamedSharding shaped like the arguments / results.
-      estimate: per-device predictions (:class:`cost_model.estimate.Estimate`).
+      estimate: per-device predictions (:class:`autopar.passes.estimate.Estimate`).
       hardware: the name of the hardware profile the costs came from.
       donate_argnums: the arguments whose buffers the program reuses for its results (set by
         ``parallelize(donate_argnums=...)`` or :meth:`with_donation`); the peak memory
