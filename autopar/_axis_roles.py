@@ -180,7 +180,8 @@ def check(graph, strats, choice, leaves: Sequence[int], axis_roles: AxisRoles,
         on = " x ".join(f"{a}({sizes[a]})" for a in others)
         names = ", ".join(f"`{a}`" for a in axis_roles.batch)
         keep = ", ".join(repr(a) for a in axis_roles.batch)
-        out["note"] = (f"the batch is split over {on}, not only over {names} as the axis names "
+        how = ("not only over" if split & set(axis_roles.batch) else "instead of over")
+        out["note"] = (f"the batch is split over {on}, {how} {names} as the axis names "
                        f"say: predicted faster (batch_axes=({keep},) pins the inputs' batch there)")
     elif axis_roles.batch and not split and math.prod(sizes[a] for a in axis_roles.batch) > 1:
         out["note"] = "the batch is not split: replicated work is predicted faster"

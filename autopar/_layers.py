@@ -276,8 +276,8 @@ def _labels(graph, input_names) -> list[str]:
             got = {label[producer[v]] for v in node.ins if v in producer} - {None}
             if len(reads) == 1 or reads and is_region(node):   # a pipeline region: its stack
                 label[node.id] = reads.most_common(1)[0][0]
-            elif len(got) == 1 and optimizer[node.id]:
-                label[node.id] = got.pop()
+            elif len(got) == 1 and optimizer[node.id] and node.primitive not in _SCATTERS:
+                label[node.id] = got.pop()   # (a gradient's scatter: by what reads it, below)
     users = consumers(graph)
     for node in reversed(graph.nodes):   # what reads it: an embedding's gradient
         if label[node.id] is None and node.kind == NodeKind.OP:
@@ -286,6 +286,11 @@ def _labels(graph, input_names) -> list[str]:
                 label[node.id] = got.pop()
     _label_loss(graph, label, by_path)
     return [x or OTHER for x in label]
+
+
+#: A gather's gradient: it reads the cotangent of the layer after the gather, but belongs to
+#: the gathered table's layer, whose update reads it.
+_SCATTERS = frozenset({lax.scatter_add_p})
 
 
 def is_region(node) -> bool:

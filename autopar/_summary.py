@@ -277,7 +277,9 @@ def _optimizer_lines(plan, sizes) -> list[str]:
         extra.update(more)
         beyond += bool(more)
     if not beyond:
-        return ["optimizer state: split as its parameters"]
+        split = any(_axes(e) for state in pairs for e in specs[state])
+        return ["optimizer state: " + ("split as its parameters" if split else
+                                       "replicated, as its parameters")]
     axes = " x ".join(f"{a}({sizes[a]})" for a in sizes if a in extra)
     return [f"optimizer state: ZeRO over {axes} ({beyond} of {len(pairs)} state leaves split "
             "beyond their parameter)"]

@@ -37,7 +37,8 @@ def test_batch_axes_pins_the_batch_and_a_plan_against_the_names_says_so():
     assert free.stats["axis_roles"]["batch_split_over"] == ["model"]
     assert "batch_axes=('data',)" in free.stats["axis_roles"]["note"]
     said = free.summary().splitlines()[-1]   # the plan in words, and so the report, says so
-    assert said.startswith("axis names: the batch is split over model(2)"), said
+    assert said.startswith("axis names: the batch is split over model(2), instead of over "
+                           "`data`"), said   # `data` splits no batch there
     pinned = autopar.plan(step, *args, mesh=mesh, hardware="h100", verbose=False,
                           batch_axes="data")
     specs = [s.spec for s in jax.tree.leaves(pinned.in_shardings)]

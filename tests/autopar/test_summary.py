@@ -140,3 +140,35 @@ def test_describe_names_pipeline_stages():
     facts = LayerFacts({"stage": frozenset({_O, _C}), "model": frozenset({_C, _R})}, ("data",), ())
     assert describe(facts, {"stage": 4, "data": 2, "model": 2}, stage_axis="stage") == (
         "pipeline stages over stage(4), Megatron TP over model(2), batch over data(2)")
+
+
+class _EmbedLM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(4096, 256, name="embed")(tokens)
+        for i in range(2):
+            x = _Block(name=f"block_{i}")(x)
+        return nn.Dense(8, name="head")(x)
+
+
+def test_an_embedding_s_gradient_is_its_own_layer_s():
+    """The embedding's gradient (a scatter-add of the first block's input cotangent) and the
+    sum of its partial results over the batch axis belong to the embedding, not to the block
+    whose cotangent it reads."""
+    model, tx = _EmbedLM(), optax.adam(1e-3)
+    tokens = jax.ShapeDtypeStruct((64, 128), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens)
+
+    def step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(
+            lambda p: jnp.mean(model.apply(p, tokens) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state)
+        return optax.apply_updates(params, updates), opt_state, loss
+    plan = autopar.plan(step, params, jax.eval_shape(tx.init, params), tokens, mesh={"data": 8},
+                        hardware="h100", batch_axes="data")
+    rows = {r.name: r for r in layer_rows(plan)}
+    assert plan.in_shardings[2].spec[0] == "data"   # the batch is split: partial sums
+    assert "optimizer state: replicated, as its parameters" in plan.summary()
+    table = 4096 * 256 * 4
+    assert rows["embed"].collectives == 1 and rows["embed"].comm_bytes >= table
+    assert rows["block_0"].comm_bytes == rows["block_1"].comm_bytes
