@@ -36,7 +36,10 @@ LOSS = "loss"
 #: A numbered child of a module: ``block_0``, ``layers_12``, ``Dense3`` (stem, number).
 _NUMBERED = re.compile(r"^(.*?\D)_?(\d+)$")
 #: Operations that change a value's dtype or nothing: looked through to the argument.
-_PASS_THROUGH = frozenset({lax.convert_element_type_p, lax.copy_p})
+#: Ops that hand on their operand as the same value (a cast, a copy, a sharding constraint
+#: such as flax's logically partitioned parameters apply when unboxed): what reads their
+#: result reads the value they were given.
+_PASS_THROUGH = frozenset({lax.convert_element_type_p, lax.copy_p, lax.sharding_constraint_p})
 
 
 class Phase(enum.Enum):
@@ -162,17 +165,14 @@ def weight_leaves(in_tree) -> list[int]:
     return _params(leaf_keys(in_tree), _param_count(in_tree))
 
 
-#: Ops looked through when tracing a value back to the input it is (a weight's bf16 cast).
-_CASTS = frozenset({lax.convert_element_type_p, lax.copy_p})
-
-
 def input_source(graph, vid, scans: bool = False) -> int | None:
-    """The input node value ``vid`` is, looked at through dtype casts (and with ``scans``,
-    through a scan's per-iteration slices: a scanned layer's weight), or None."""
+    """The input node value ``vid`` is, looked at through :data:`_PASS_THROUGH` ops (a
+    weight's bf16 cast; and with ``scans``, through a scan's per-iteration slices: a scanned
+    layer's weight), or None."""
     producer = graph.producer
     node = graph.nodes[producer[vid][0]] if vid in producer else None
     while (node is not None and node.ins and node.ins[0] in producer
-           and (node.primitive in _CASTS or scans and node.kind is NodeKind.SCAN_IN)):
+           and (node.primitive in _PASS_THROUGH or scans and node.kind is NodeKind.SCAN_IN)):
         node = graph.nodes[producer[node.ins[0]][0]]
     return node.id if node is not None and node.kind == NodeKind.INPUT else None
 

@@ -172,3 +172,33 @@ def test_an_embedding_s_gradient_is_its_own_layer_s():
     table = 4096 * 256 * 4
     assert rows["embed"].collectives == 1 and rows["embed"].comm_bytes >= table
     assert rows["block_0"].comm_bytes == rows["block_1"].comm_bytes
+
+
+class _Boxed(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        x = nn.Dense(1024, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")),
+                     name="up")(x)
+        return nn.Dense(256, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")),
+                        name="down")(nn.relu(x))
+
+
+def test_logically_partitioned_parameters_are_said_as_plain_ones():
+    """flax's boxed parameters reach their matmuls through the sharding constraint their
+    unboxing applies: the words see through it (they read 'parameters split over' before)."""
+    model, tx = _Boxed(), optax.adamw(1e-3)
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    boxed = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(
+            lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    plan = autopar.plan(step, boxed, jax.eval_shape(tx.init, boxed), x, x, mesh=SIZES,
+                        logical_axis_rules=[("batch", "data"), ("mlp", "model"),
+                                            ("embed", None)])
+    assert plan.summary().splitlines()[:2] == [
+        "down: row-parallel over model(4), batch over data(2)",
+        "up: column-parallel over model(4), batch over data(2)"]
