@@ -161,7 +161,10 @@ class Plan:
 
     Attributes:
       mesh: the jax Mesh (Auto axes) the plan runs on.
-      in_shardings / out_shardings: pytrees of NamedSharding shaped like the arguments / results.
+      in_shardings / out_shardings: pytrees of NamedSharding shaped like the arguments /
+        results. A plan read back with :meth:`load` or :meth:`from_json` holds them flat, one
+        per leaf in ``jax.tree.leaves`` order (the JSON keeps no pytree classes):
+        ``jax.tree.unflatten(jax.tree.structure(args), plan.in_shardings)`` rebuilds the tree.
       estimate: per-device predictions (:class:`autopar.passes.estimate.Estimate`).
       hardware: the name of the hardware profile the costs came from.
       donate_argnums: the arguments whose buffers the program reuses for its results (set by
@@ -408,7 +411,10 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
-        """The plan :meth:`save` wrote to ``path``; PlanFormatError for any other file."""
+        """The plan :meth:`save` wrote to ``path``; PlanFormatError for any other file. It
+        holds the shardings (flat, see the class's attributes) and the estimates, not the
+        program: plan the function again (or use ``parallelize(cache_dir=...)``) to run it,
+        or hand its shardings to plain ``jax.jit``."""
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:

@@ -35,6 +35,12 @@ def test_plan_fields_and_json_round_trip(tmp_path):
     assert [s.spec for s in jax.tree_util.tree_leaves(loaded.in_shardings)] == \
         [s.spec for s in leaves]
     assert loaded.in_paths == plan.in_paths
+    # Its shardings come back flat; rebuilt as its docstring says, plain jax.jit takes them.
+    ins = jax.tree.unflatten(jax.tree.structure(args), loaded.in_shardings)
+    outs = jax.tree.unflatten(jax.tree.structure(jax.eval_shape(fn, *args)),
+                              loaded.out_shardings)
+    lowered = jax.jit(fn, in_shardings=ins, out_shardings=outs).lower(*args)
+    assert lowered.compile() is not None
     # A plan shows itself in one line, whether made or loaded (not its graph and strategies).
     for shown in (repr(plan), str(plan), repr(loaded)):
         assert "\n" not in shown and len(shown) < 200
