@@ -34,8 +34,8 @@ from autopar.errors import RematWarning as RematWarning
 from autopar.errors import ShardingConflictWarning as ShardingConflictWarning
 from autopar.errors import ShardingHintError as ShardingHintError
 from autopar.errors import SolverFallbackWarning as SolverFallbackWarning
-from autopar.errors import TracingError as TracingError
 from autopar.errors import StalePlanCacheWarning as StalePlanCacheWarning
+from autopar.errors import TracingError as TracingError
 from autopar.errors import UnknownHardwareError as UnknownHardwareError
 from autopar.errors import UnsupportedPrimitiveWarning as UnsupportedPrimitiveWarning
 

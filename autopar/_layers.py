@@ -35,7 +35,6 @@ LOSS = "loss"
 
 #: A numbered child of a module: ``block_0``, ``layers_12``, ``Dense3`` (stem, number).
 _NUMBERED = re.compile(r"^(.*?\D)_?(\d+)$")
-#: Operations that change a value's dtype or nothing: looked through to the argument.
 #: Ops that hand on their operand as the same value (a cast, a copy, a sharding constraint
 #: such as flax's logically partitioned parameters apply when unboxed): what reads their
 #: result reads the value they were given.

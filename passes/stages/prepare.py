@@ -195,7 +195,8 @@ def prepare(fun: Callable, flat_args, is_param: list[bool], request: StageReques
             raise PipelineError(
                 f"`Pipeline(microbatches={micro_n})` leaves one example a microbatch, and a "
                 f"program traced on one example can lose its batch axis (a dimension of size 1 "
-                f"squeezed or broadcast), so autopar could not prove the microbatches exact. Use at most {batch // 2} microbatches (for example "
+                f"squeezed or broadcast), so autopar could not prove the microbatches exact. "
+                f"Use at most {batch // 2} microbatches (for example "
                 f"{_default_microbatches(batch, stages)}).") from e
         if virtual > 1 and micro_n < stages:
             raise PipelineError(
