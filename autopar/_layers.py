@@ -275,8 +275,8 @@ def _labels(graph, input_names) -> list[str]:
             got = {label[producer[v]] for v in node.ins if v in producer} - {None}
             if len(reads) == 1 or reads and is_region(node):   # a pipeline region: its stack
                 label[node.id] = reads.most_common(1)[0][0]
-            elif len(got) == 1 and optimizer[node.id] and node.primitive not in _SCATTERS:
-                label[node.id] = got.pop()   # (a gradient's scatter: by what reads it, below)
+            elif len(got) == 1 and optimizer[node.id]:
+                label[node.id] = got.pop()
     users = consumers(graph)
     for node in reversed(graph.nodes):   # what reads it: an embedding's gradient
         if label[node.id] is None and node.kind == NodeKind.OP:
@@ -285,11 +285,6 @@ def _labels(graph, input_names) -> list[str]:
                 label[node.id] = got.pop()
     _label_loss(graph, label, by_path)
     return [x or OTHER for x in label]
-
-
-#: A gather's gradient: it reads the cotangent of the layer after the gather, but belongs to
-#: the gathered table's layer, whose update reads it.
-_SCATTERS = frozenset({lax.scatter_add_p})
 
 
 def is_region(node) -> bool:
@@ -320,14 +315,22 @@ def _label_loss(graph, label: list, by_path: list[int]) -> None:
             label[i] = LOSS
 
 
+#: A gather's gradient, which jax may run after the last operation of the backward's source
+#: path: it is still the backward's (its layer is the gathered table's, whose update reads
+#: it), not the optimizer's.
+_GRADIENT_SCATTERS = frozenset({lax.scatter_add_p})
+
+
 def node_phases(graph) -> list[Phase]:
     """Forward, backward (``transpose(...)`` in its source path) or optimizer (after the last
-    backward operation, outside the differentiated function) per node."""
+    backward operation, outside the differentiated function, and not a gather's gradient)
+    per node."""
     back = [i for i, n in enumerate(graph.nodes) if "transpose(" in n.where]
     first, last = (back[0], back[-1]) if back else (len(graph.nodes), len(graph.nodes))
     out = []
     for i, node in enumerate(graph.nodes):
-        if "transpose(" in node.where or first <= i <= last and "jvp(" not in node.where:
+        if ("transpose(" in node.where or first <= i <= last and "jvp(" not in node.where
+                or i > last and back and node.primitive in _GRADIENT_SCATTERS):
             out.append(Phase.BACKWARD)
         elif i > last and "jvp(" not in node.where:
             out.append(Phase.OPTIMIZER)

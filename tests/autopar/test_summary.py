@@ -172,6 +172,7 @@ def test_an_embedding_s_gradient_is_its_own_layer_s():
     table = 4096 * 256 * 4
     assert rows["embed"].collectives == 1 and rows["embed"].comm_bytes >= table
     assert rows["block_0"].comm_bytes == rows["block_1"].comm_bytes
+    assert "backward of embed: partial sums of scatter-add" in plan.report()
 
 
 class _Boxed(nn.Module):
