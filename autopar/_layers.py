@@ -330,7 +330,7 @@ def node_phases(graph) -> list[Phase]:
     out = []
     for i, node in enumerate(graph.nodes):
         if ("transpose(" in node.where or first <= i <= last and "jvp(" not in node.where
-                or i > last and back and node.primitive in _GRADIENT_SCATTERS):
+                or i > last and node.primitive in _GRADIENT_SCATTERS):
             out.append(Phase.BACKWARD)
         elif i > last and "jvp(" not in node.where:
             out.append(Phase.OPTIMIZER)
