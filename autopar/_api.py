@@ -43,6 +43,7 @@ from autopar.passes.emit import compiler_option_notes
 from autopar.passes.flax_metadata import check as check_metadata
 from autopar.passes.flax_metadata import merge as merge_hints
 from autopar.passes.flax_metadata import metadata_hints, traced_under_rules
+from autopar.passes.ir import itemsize
 from autopar.passes.memory_budget import default_memory_budget_bytes
 from autopar.passes.pipeline import PlanOptions, Remat, run_pipeline
 from autopar.passes.remat import RematPolicy
@@ -638,7 +639,7 @@ def _referee(plans: list[Plan], fn, example_args, profile, progress
 def _activation_budget(example_args, mesh, options: PlanOptions) -> float:
     """Per-device bytes a pipeline's activations may take: the memory budget less the step's
     arguments and as much again for their new values, spread over the mesh."""
-    held = sum(int(np.prod(np.shape(a))) * np.dtype(a.dtype).itemsize
+    held = sum(int(np.prod(np.shape(a))) * itemsize(a.dtype)
                for a in jax.tree.leaves(example_args) if hasattr(a, "dtype"))
     return max(options.memory_budget_bytes - 2 * held / mesh.devices.size, 0.0)
 

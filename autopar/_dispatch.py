@@ -18,6 +18,7 @@ import numpy as np
 from autopar._cache import dtype_name
 from autopar._layers import flat_donation
 from autopar._plan import Plan, in_sharding
+from autopar.passes.ir import canonical_dtype
 
 #: With ``verbose=None``, "compiling" shows once the first call of a plan has compiled this long.
 COMPILE_QUIET_S = 2.0
@@ -125,11 +126,11 @@ class Program:
     def __init__(self, plan: Plan, flat_fn: Callable):
         self.plan = plan
         self.flat_shardings = jax.tree_util.tree_leaves(plan.in_shardings)
-        planned = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in plan._arg_avals)
+        planned = tuple((tuple(a.shape), canonical_dtype(a.dtype)) for a in plan._arg_avals)
 
         @functools.wraps(flat_fn)  # the program's ops keep the step's name
         def guarded(*leaves):
-            if tuple((tuple(x.shape), np.dtype(x.dtype)) for x in leaves) != planned:
+            if tuple((tuple(x.shape), canonical_dtype(x.dtype)) for x in leaves) != planned:
                 raise SignatureChanged()
             return flat_fn(*leaves)
 

@@ -25,6 +25,7 @@ from autopar._sizes import format_bytes, format_seconds
 from autopar._summary import summary_lines
 from autopar.errors import ArgumentError, MeshError, PlanFormatError
 from autopar.passes.estimate import Estimate
+from autopar.passes.ir import canonical_dtype
 
 FORMAT_VERSION = 1
 
@@ -247,12 +248,12 @@ class Plan:
         call of the shapes planned) that each leaf has its planned shape and dtype: else a
         PlanFormatError naming the leaf, rather than an error from deep in the program."""
         flat_fn, paths = self._flat_fn, self.in_paths
-        planned = [(tuple(a.shape), np.dtype(a.dtype)) for a in self._arg_avals]
+        planned = [(tuple(a.shape), canonical_dtype(a.dtype)) for a in self._arg_avals]
 
         @functools.wraps(flat_fn)  # the program's ops keep the step's name
         def guarded(*leaves):
             for i, (x, want) in enumerate(zip(leaves, planned)):
-                got = (tuple(x.shape), np.dtype(x.dtype))
+                got = (tuple(x.shape), canonical_dtype(x.dtype))
                 if got != want:
                     where = paths[i] if i < len(paths) else f"leaf {i}"
                     raise PlanFormatError(

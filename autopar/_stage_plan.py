@@ -32,6 +32,7 @@ from autopar.passes.estimate import by_kind
 from autopar.passes.stages import split
 from autopar.passes.stages.prepare import Inner, Post
 from autopar.passes.stages.search import Forward, LayerPlan
+from autopar.passes.ir import itemsize
 from autopar.passes.strategies import wire_itemsize
 
 #: The ILP time limit of one layer's plan (the layer is small; it rarely needs it).
@@ -78,9 +79,9 @@ def _kept_bytes(layer: Callable, args: list) -> int:
     """Bytes of what the layer's forward keeps for its backward (its vjp's residuals), less its
     own arguments (held anyway), over all devices."""
     residuals = jax.eval_shape(lambda *a: jax.vjp(layer, *a)[1], *args)
-    total = sum(math.prod(r.shape) * np.dtype(r.dtype).itemsize
+    total = sum(math.prod(r.shape) * itemsize(r.dtype)
                 for r in jax.tree.leaves(residuals))
-    own = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(args))
+    own = sum(math.prod(a.shape) * itemsize(a.dtype) for a in jax.tree.leaves(args))
     return max(total - own, 0)
 
 
@@ -89,7 +90,7 @@ def _per_device_bytes(struct, spec, sizes: dict[str, int]) -> int:
     for entry in (spec or ()):
         for name in (entry if isinstance(entry, tuple) else (entry,)):
             shards *= sizes.get(name, 1) if name is not None else 1
-    return math.prod(struct.shape) * np.dtype(struct.dtype).itemsize // shards
+    return math.prod(struct.shape) * itemsize(struct.dtype) // shards
 
 
 def _planner(mesh: Mesh, axis: str, profile, axis_level_overrides, plan: Callable
@@ -127,7 +128,7 @@ def layer_planner(mesh: Mesh, axis: str, profile, axis_level_overrides, plan: Ca
         carry = _per_device_bytes(args[1], inner.carry, sizes)
         # as the permute moves it: XLA:CPU carries 16-bit floats as float32
         on_cpu = mesh.devices.flat[0].platform == "cpu"
-        sent = carry * wire_itemsize(args[1].dtype, on_cpu) // np.dtype(args[1].dtype).itemsize
+        sent = carry * wire_itemsize(args[1].dtype, on_cpu) // itemsize(args[1].dtype)
         # the kept activations split as the layer's work does: over every other device
         kept = max(_kept_bytes(layer, args) // inner_mesh.devices.size, carry)
         # the forward alone, from the same input specs to the carry's: what a forward tick runs

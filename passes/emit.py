@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 
 from autopar._compat import equation_context, scan_counts
 from autopar.cost_model.collectives import plan_redistribute
-from autopar.passes.ir import Graph, NodeKind
+from autopar.passes.ir import Graph, NodeKind, itemsize
 from autopar.cost_model.spec import Spec
 from autopar.passes.backend_options import OptionNote, as_options
 from autopar.passes.rules import info_of
@@ -110,7 +110,7 @@ class Emitter:
             return x if vid in self.unpinned else self.pin(x, dst)
         if vid in self.rebuild:
             return self.pin(self.rebuild[vid](), dst)
-        for step in plan_redistribute(src, dst, tuple(x.shape), np.dtype(x.dtype).itemsize,
+        for step in plan_redistribute(src, dst, tuple(x.shape), itemsize(x.dtype),
                                       self.sizes_items):
             x = self.pin(x, step.after)
         return x

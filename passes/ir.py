@@ -67,6 +67,15 @@ def itemsize(dtype) -> int:
         return 8
 
 
+def canonical_dtype(dtype):
+    """``np.dtype(dtype)``, or ``dtype`` itself where numpy has none (jax's extended dtypes,
+    such as a typed PRNG key's)."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return dtype
+
+
 @dataclass
 class Node:
     id: int

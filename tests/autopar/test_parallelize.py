@@ -255,3 +255,23 @@ def test_donation_prices_the_partial_sums_the_estimate_prices():
                                       PartitionSpec("model", None)))
     assert plan.estimate.comm_bytes > 0  # the partial sums are reduced
     assert plan.with_donation(()).estimate == plan.estimate
+
+
+def test_typed_prng_keys_plan_run_and_round_trip(tmp_path):
+    """jax.random.key arrays (an extended dtype numpy cannot read) as arguments and results,
+    one and batched, through plan, parallelize and a saved plan."""
+    def step(key, keys, x):
+        k1, k2 = jax.random.split(key)
+        noise = jax.vmap(lambda k, r: jax.random.uniform(k, r.shape))(keys, x)
+        return x * jax.random.normal(k1, x.shape) + noise, k2
+
+    args = (jax.random.key(3), jax.random.split(jax.random.key(4), 8), np.ones((8, 16), np.float32))
+    want = jax.jit(step)(*args)
+    plan = autopar.plan(step, *args, mesh={"data": 8})
+    for got in (plan.jit()(*args), autopar.parallelize(step, mesh={"data": 8})(*args)):
+        _close(got[0], want[0])
+        assert got[1].dtype == want[1].dtype
+        np.testing.assert_array_equal(jax.random.key_data(got[1]), jax.random.key_data(want[1]))
+    plan.save(tmp_path / "plan.json")
+    loaded = autopar.Plan.load(tmp_path / "plan.json")
+    assert list(loaded.in_shardings) == jax.tree.leaves(plan.in_shardings)  # loaded flat
