@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 from autopar._compat import backends_initialized
 from autopar._meshspec import parse_mesh_spec
@@ -132,6 +132,18 @@ def _mesh_from_dict(axes: dict[str, int]) -> Mesh:
                         f"--simulate-devices {need})")
     return Mesh(np.array(devices).reshape(tuple(axes.values())), tuple(axes),
                 axis_types=(AxisType.Auto,) * len(axes))
+
+
+def off_explicit_mesh():
+    """A context manager clearing jax's abstract mesh while a user's ``jax.set_mesh`` of a
+    mesh with Explicit (or Manual) axes is in effect, so that a trace does not record those
+    axes in its equations (the plan runs on Auto axes; replayed under the Explicit mesh, each
+    equation would fail jax's check that its context mesh matches its operands'). No change
+    otherwise."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or all(t == AxisType.Auto for t in mesh.axis_types):
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(AbstractMesh((), ()))
 
 
 def on_explicit_axes(x) -> bool:

@@ -20,7 +20,7 @@ from jax.extend import core as jcore
 from jax.extend.core import primitives as P
 
 from autopar._compat import primitives, scan_counts
-from autopar._mesh import on_explicit_axes
+from autopar._mesh import off_explicit_mesh, on_explicit_axes
 from autopar.errors import ArgumentError, AutoparError, TracingError
 from autopar.passes import attention_match
 from autopar.passes.ir import Graph, NodeKind
@@ -74,7 +74,7 @@ def check_args(args) -> tuple[list, Any]:
 def trace(fn: Callable, args: tuple) -> Traced:
     leaves, in_tree = check_args(args)
     args = jax.tree_util.tree_unflatten(in_tree, [_off_explicit_axes(x) for x in leaves])
-    with attention_match.recognizing():  # autopar.value_and_grad losses: attention_match
+    with attention_match.recognizing(), off_explicit_mesh():  # recognizing: attention_match
         try:
             closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         except AutoparError:

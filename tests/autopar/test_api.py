@@ -246,6 +246,24 @@ def test_explicit_axis_mesh_and_arguments_placed_on_it_run_as_one_device_does():
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
+def test_planned_and_parallelized_under_the_callers_explicit_mesh():
+    """Planned (and ``parallelize``-d) inside the caller's ``jax.set_mesh`` of a mesh with
+    Explicit axes (``jax.make_mesh``'s default), the program runs, there and outside, and
+    computes what one device does: the trace does not record the Explicit mesh."""
+    from jax.sharding import AxisType
+
+    fn, args = mlp.make_train_step(mlp.TINY)
+    want = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        run = autopar.plan(fn, *args, mesh=mesh).jit()
+        results = [run(*args), autopar.parallelize(fn, mesh=mesh)(*args)]
+    results.append(run(*args))
+    for got in results:
+        for g, w in zip(jax.tree_util.tree_leaves(got), want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_arguments_committed_elsewhere_are_placed_as_planned():
     """Arguments committed to other devices or shardings (placed on one device, or another
     plan's results: a train step's parameters passed to a step planned apart), which
