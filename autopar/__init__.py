@@ -20,6 +20,7 @@ from autopar._pipeline import Pipeline as Pipeline
 from autopar.cost_model.profiler import profile as profile
 from autopar.errors import ArgumentError as ArgumentError
 from autopar.errors import AutoparError as AutoparError
+from autopar.errors import AttentionWarning as AttentionWarning
 from autopar.errors import AutoparWarning as AutoparWarning
 from autopar.errors import CLIError as CLIError
 from autopar.errors import HardwareWarning as HardwareWarning

@@ -31,7 +31,8 @@ from autopar._plan import Plan
 from autopar._sizes import format_bytes
 from autopar.baselines import (baseline_io_shardings, baseline_kinds, baseline_kwargs,
                                baseline_shardings, structure_of_jaxpr)
-from autopar.errors import ArgumentError, InfeasiblePlanError, MemoryBudgetWarning, PipelineError
+from autopar.errors import (ArgumentError, AttentionWarning, InfeasiblePlanError,
+                            MemoryBudgetWarning, PipelineError)
 from autopar.passes.estimate import estimate, plan_collectives
 from autopar.cost_model.hardware import axis_levels, get_profile
 from autopar.cost_model.hlo import program_peak_bytes
@@ -541,6 +542,13 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
     option_notes = choose(profile, device, compiler_option_notes(graph, device.platform))
     stats["compiler_options"] = [n.to_dict() for n in option_notes]
     stats["attention"] = attention_labels(graph, strats, choice)
+    if attention is not None and not stats["attention"]:
+        warnings.warn(
+            f"`attention={attention!r}` was asked for, but the step has no attention autopar "
+            "recognizes: it is planned as it is, nothing split over the sequence. Call "
+            "`autopar.attention`, or write attention in a form docs/context_parallel.md lists "
+            "and take the gradient with `autopar.value_and_grad`.", AttentionWarning,
+            stacklevel=2)
     # the compiled program's ops are named jit(<fn>)/..., as under the user's own jax.jit
     result.flat_fn.__name__ = getattr(fn, "__name__", "step")
     return Plan(jax_mesh, shardings(graph.input_nodes, traced.in_tree, "in"),

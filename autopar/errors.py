@@ -102,6 +102,12 @@ class RematWarning(AutoparWarning):
     has no layer the pass can recompute; it is planned as it is."""
 
 
+class AttentionWarning(AutoparWarning):
+    """An attention strategy was asked for (``plan(attention="ring")``, say), but the program
+    has no attention autopar recognizes; it is planned as it is, nothing split over the
+    sequence."""
+
+
 class InvalidIRError(AssertionError):
     """Internal, not a user error: the Graph IR broke an invariant after the pass the message
     names (``autopar.passes.verify``, checked between passes when ``AUTOPAR_DEBUG=1``). A bug

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 
 from autopar.errors import ArgumentError
 
@@ -254,7 +254,20 @@ def _primitive(name: str, impl, abstract) -> Primitive:
     prim.def_impl(impl)
     prim.def_abstract_eval(abstract)
     mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=True))
+    batching.primitive_batchers[prim] = functools.partial(_batched, prim)
     return prim
+
+
+def _batched(prim: Primitive, args, dims, **params):
+    """Under ``jax.vmap``: the mapped axis folded into every operand's and result's batch
+    (their first axis)."""
+    n = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    flat = []
+    for x, d in zip(args, dims):
+        x = jnp.broadcast_to(x, (n, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+        flat.append(x.reshape(n * x.shape[1], *x.shape[2:]))
+    outs = prim.bind(*flat, **params)
+    return [o.reshape(n, -1, *o.shape[1:]) for o in outs], [0] * len(outs)
 
 
 #: ``(q, k, v, kv_mask; causal, scale, strategy) -> (o, lse)``.
@@ -297,7 +310,7 @@ def attention(q, k, v, kv_mask=None, *, causal: bool = False, scale: float | Non
         kv_mask: optional bool ``[batch, seq_k]``, False for padding keys. A query row
             with no key to attend (all padding, or before the first valid key when causal)
             comes out as zeros.
-        causal: query ``i`` attends keys ``j <= i``.
+        causal: query ``i`` attends keys ``j <= i`` (``q`` and ``k`` of one length).
         scale: the scores' factor (default ``1 / sqrt(head_dim)``).
         strategy: force how autopar splits it: ``"ulysses"``, ``"ring"``, ``"heads"``,
             ``"batch"`` or ``"replicated"`` (None: the planner chooses; see
@@ -310,14 +323,24 @@ def attention(q, k, v, kv_mask=None, *, causal: bool = False, scale: float | Non
 
         o = autopar.attention(q, k, v, causal=True)
     """
-    _check(q, k, v, kv_mask, strategy)
+    _check(q, k, v, kv_mask, causal, strategy)
     if kv_mask is None:
         kv_mask = jnp.ones(k.shape[:2], jnp.bool_)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _attention(q, k, v, kv_mask, bool(causal), scale, strategy)
+    return _attention(q, k, v, kv_mask, bool(causal), _scale(q, scale), strategy)
 
 
-def _check(q, k, v, kv_mask, strategy) -> None:
+def _scale(q, scale) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(q.shape[-1])
+    try:
+        return float(scale)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        raise ArgumentError(
+            f"`autopar.attention`: `scale` must be a Python number (a static part of the op), "
+            f"got {type(scale).__name__}; scale `q` by a traced factor instead.") from None
+
+
+def _check(q, k, v, kv_mask, causal, strategy) -> None:
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         raise ArgumentError(
             f"`autopar.attention` takes `q` [batch, seq, heads, head_dim] and `k`, `v` of one "
@@ -327,9 +350,25 @@ def _check(q, k, v, kv_mask, strategy) -> None:
         raise ArgumentError(
             f"`autopar.attention`: `k` {k.shape} must share `q` {q.shape}'s batch and head_dim, "
             "and its kv_heads must divide q's heads.")
-    if kv_mask is not None and tuple(kv_mask.shape) != tuple(k.shape[:2]):
-        raise ArgumentError(f"`kv_mask` must be bool [batch, seq_k] = {tuple(k.shape[:2])}, "
-                            f"got {tuple(kv_mask.shape)}.")
+    if 0 in q.shape or 0 in k.shape:
+        raise ArgumentError(f"`autopar.attention`: q {q.shape} or k {k.shape} has an empty "
+                            "dimension; attention needs at least one query and one key.")
+    if not all(jnp.issubdtype(x.dtype, jnp.floating) for x in (q, k, v)):
+        raise ArgumentError(f"`autopar.attention` takes floating q, k, v; got {q.dtype}, "
+                            f"{k.dtype}, {v.dtype}. Cast them (to the compute dtype) first.")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ArgumentError(
+            f"`autopar.attention(causal=True)` needs as many queries as keys, got {q.shape[1]} "
+            f"and {k.shape[1]}: which key a query may reach is then ambiguous (first or last "
+            "positions aligned). Pass causal=False, with padding in `kv_mask`, or call it on "
+            "equal lengths.")
+    if kv_mask is not None and (tuple(kv_mask.shape) != tuple(k.shape[:2])
+                                or kv_mask.dtype != jnp.bool_):
+        raise ArgumentError(
+            f"`kv_mask` must be bool [batch, seq_k] = {tuple(k.shape[:2])}, True where a key "
+            f"may be attended; got {kv_mask.dtype}{list(kv_mask.shape)}. From an additive mask "
+            "(0 to keep, a large negative number to drop), pass `mask == 0`; from a 1/0 mask, "
+            "`mask > 0`.")
     if strategy is not None and strategy not in STRATEGIES:
         raise ArgumentError(f"`strategy={strategy!r}` is not an attention strategy; use one of "
                             f"{', '.join(map(repr, STRATEGIES))} or None (autopar chooses).")

@@ -244,6 +244,49 @@ def test_bad_requests_name_the_problem_and_the_fix():
         autopar.attention(q, jnp.zeros((1, 64, 4, 16)), jnp.zeros((1, 64, 4, 16)))
 
 
+def test_bad_attention_inputs_are_refused_with_the_fix():
+    q, k = jnp.ones((2, 16, 4, 8)), jnp.ones((2, 16, 2, 8))
+    additive = jnp.where(_padding(2, 16), 0.0, -1e9)  # a 0 / -1e9 mask: True would read 0
+    with pytest.raises(autopar.ArgumentError, match=r"must be bool.*pass `mask == 0`"):
+        autopar.attention(q, k, k, additive)
+    with pytest.raises(autopar.ArgumentError, match=r"as many queries as keys, got 16 and 8"):
+        autopar.attention(q, k[:, :8], k[:, :8], causal=True)
+    with pytest.raises(autopar.ArgumentError, match="empty dimension"):
+        autopar.attention(q[:, :0], k[:, :0], k[:, :0])
+    with pytest.raises(autopar.ArgumentError, match="floating q, k, v"):
+        autopar.attention(q.astype(jnp.int32), k.astype(jnp.int32), k.astype(jnp.int32))
+    with pytest.raises(autopar.ArgumentError, match="`scale` must be a Python number"):
+        jax.jit(lambda q, k, s: autopar.attention(q, k, k, scale=s))(q, k, 0.5)
+
+
+def test_attention_under_vmap_equals_plain_attention_and_plans():
+    """``jax.vmap`` folds its axis into the batch: values and gradients are plain attention's,
+    and a planned step with it still splits the attention over the sequence."""
+    q, k, v, w = _qkv(4, 64, 4, 2)
+    mask = _padding(4, 64)
+
+    def per_example(attend):
+        def one(q, k, v, m):
+            return attend(q[None], k[None], v[None], m[None], causal=True)[0]
+        return lambda q, k, v, m: jax.vmap(one, in_axes=(0, 0, 0, 0))(q, k, v, m)
+
+    got = jax.jit(_value_and_grads(per_example(attn.attention), mask, w))(q, k, v)
+    want = jax.jit(_value_and_grads(per_example(attn.reference), mask, w))(q, k, v)
+    _close(got, want)
+    step = _value_and_grads(per_example(autopar.attention), mask, w)
+    plan = autopar.plan(step, q, k, v, mesh={"x": 8}, attention="ring", pipeline=None)
+    assert plan.stats["attention"] and "collective_permute" in _collectives(plan, q, k, v)
+    _close(plan.jit()(q, k, v), want)
+
+
+def test_an_attention_strategy_asked_for_a_step_without_attention_warns():
+    def step(x, w):
+        return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+    with pytest.warns(autopar.AttentionWarning, match="no attention autopar recognizes"):
+        autopar.plan(step, jnp.ones((16, 8)), jnp.ones((8, 8)), mesh={"x": 8},
+                     attention="ring", pipeline=None)
+
+
 def test_memory_budget_finds_sequence_parallel_attention():
     # one kv head and a batch of one: neither heads nor batch split; only the sequence can
     step, args = _abstract_step(32768, heads=32, kv_heads=1, head_dim=128)
