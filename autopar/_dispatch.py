@@ -152,9 +152,13 @@ class Program:
                                  if (p, tuple(a.shape)) not in replaced)
 
     def fast(self, leaves: list):
-        """Run on ``leaves`` of the planned tree as they are: what ``jax.jit`` checks (shapes,
-        dtypes, shardings) is checked by its own dispatch, nothing more here."""
-        return self(leaves)
+        """Run on ``leaves`` of the planned tree, placed as the first call placed them
+        (:func:`as_planned`): ``jax.jit`` keys a jax array not yet committed to its sharding
+        (a fresh batch, optax's ``count`` from ``init``) and a Python number apart from the
+        placed arrays of the first call, and would compile again. What ``jax.jit`` checks
+        (shapes, dtypes) is checked by its own dispatch."""
+        return self(as_planned([_as_array(x) for x in leaves], self.flat_shardings,
+                               self.host_ok))
 
     def __call__(self, leaves: list):
         with jax.sharding.use_abstract_mesh(self._abstract_mesh):  # Auto axes, as planned

@@ -472,15 +472,15 @@ def _placed(x, sharding):
     eval step planned apart), or one on a mesh with Explicit (or Manual) axes, as the
     program runs on the same devices with Auto axes (``as_auto_mesh``) and jax refuses to
     mix the two meshes in one program. Other arguments pass as they are (``jax.jit`` places
-    them). Host arrays (numpy) are placed too: ``jax.jit`` would place them itself, but keyed
-    apart from the placed arrays later calls pass (the step's own results), so the program
-    would compile twice. A placed argument is a copy, so donating it frees the copy, not the
-    original."""
+    them). Host arrays (numpy) and jax arrays not committed to a sharding (optax's ``count``
+    from ``init``) are placed too: ``jax.jit`` would place them itself, but keyed apart from
+    the placed arrays later calls pass (the step's own results), so the program would
+    compile twice."""
     if isinstance(x, (np.ndarray, np.generic)):
         return jax.device_put(x, sharding)
     if not isinstance(x, jax.Array):
         return x
-    if on_explicit_axes(x) or (x.committed and not in_sharding(x, sharding)):
+    if on_explicit_axes(x) or not in_sharding(x, sharding):
         return jax.device_put(x, sharding)
     return x
 

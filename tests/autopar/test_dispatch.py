@@ -75,3 +75,30 @@ def test_calls_fed_their_own_results_compile_once_and_new_shapes_replan(caplog, 
     wider = jax.tree.map(lambda a: np.ones((8, 8), np.float32), params)
     step(wider, wider, x)  # other shapes on the fast path's tree: planned again
     assert step.plans_made == 2
+
+
+def _counted(params, count, x, i):
+    params = jax.tree.map(lambda p: p - 0.01 * i * jnp.sum(x), params)
+    return params, count + 1
+
+
+def test_fresh_jax_arrays_and_python_ints_compile_once(caplog):
+    """A train loop that passes a jax array made each step (a ``jnp`` batch), a counter that
+    ``init`` returned uncommitted (optax's ``count``) and a Python int compiles its program
+    once, through ``parallelize`` and through ``plan.jit()``: each such argument is placed as
+    the first call placed it, which ``jax.jit`` would otherwise key apart."""
+    params = {"w": np.ones((8, 4), np.float32)}
+    rng = np.random.default_rng(0)
+    batches = [jnp.asarray(rng.normal(size=(8, 2)), jnp.float32) for _ in range(3)]
+    args0 = (params, jnp.zeros([], jnp.int32), batches[0], np.int32(0))
+    runs = {"parallelize": autopar.parallelize(_counted, mesh={"data": 8}, verbose=False),
+            "plan.jit": autopar.plan(_counted, *args0, mesh={"data": 8}).jit()}
+    for name, run in runs.items():
+        caplog.clear()
+        with jax.log_compiles(True), caplog.at_level("WARNING"):
+            state = args0[:2]
+            for i, x in enumerate(batches):
+                state = run(*state, x, i if name == "parallelize" else np.int32(i))
+        compiles = [r for r in caplog.records if r.getMessage().startswith("Compiling jit(")]
+        assert len(compiles) == 1, (name, [r.getMessage()[:80] for r in compiles])
+        assert int(state[1]) == 3
