@@ -21,7 +21,9 @@ Ops that keep that axis whole keep it merged; a reshape that splits the batch ba
 the plain axis again; one that cuts into the batch factor mixes.
 
 Literals outside batch-sum scaling are collected in traversal order: two traces of the same
-code at two batch sizes must agree on them, or the code depends on the batch size itself.
+code at two batch sizes must agree on them, or the code depends on the batch size itself. So
+must the shapes of random numbers drawn from a key no example owns (dropout from the step's
+key): drawn at a microbatch's shape they are other numbers than the whole batch's draw.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Analysis:
 
     mode: Mode
     literals: list = field(default_factory=list)
+    draws: list = field(default_factory=list)    # (primitive, shape) of each draw from a key
     n_terms: int = 0
     outputs: list = field(default_factory=list)
 
@@ -89,6 +92,8 @@ _NOT_ELEMENTWISE = frozenset({
     "reduce_window_max", "reduce_window_min", "select_and_scatter_add",
     "select_and_gather_add", "conv_general_dilated", "split", "argsort", "reduce",
     "pallas_call", "ffi_call", "custom_call", "pure_callback", "io_callback"})
+#: Primitives that draw random numbers at their result's shape.
+_DRAWS = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
 _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
           "remat": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
           "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
@@ -107,6 +112,22 @@ MSG_MIXES = (
 FIX_IN_LAYERS = "plan without a pipeline (`pipeline=None`)"
 FIX_IN_LOSS = ("pipeline with `autopar.Pipeline(schedule=\"gpipe\")` (which computes the "
                "loss on the whole batch)")
+MSG_DRAWS = (
+    "random numbers are drawn in {where} (`{op}`: dropout, say) at a shape that includes the "
+    "batch, from a key no example owns: a microbatch would draw other numbers than the batch "
+    "does, and the step would not compute what it computes on one device. Drop the random "
+    "draw from there, or {fix}."
+)
+
+
+def check_draws(found: list[Analysis], where: str, fix: str) -> None:
+    """Raise where two traces of ``where`` at two batch sizes (``found``) draw random numbers
+    at different shapes (:data:`MSG_DRAWS`)."""
+    for a, b in zip(found[0].draws, found[1].draws):
+        if a != b:
+            raise PipelineError(MSG_DRAWS.format(where=where, op=a[0], fix=fix))
+    if len(found[0].draws) != len(found[1].draws):
+        raise PipelineError(MSG_DRAWS.format(where=where, op="random_bits", fix=fix))
 
 
 def analyze(jaxpr, in_states: list, mode: Mode, where: str) -> Analysis:
@@ -149,6 +170,8 @@ def _eqn(eqn, states, result: Analysis, where: str) -> list:
         if isinstance(var, jcore.Literal):
             result.literals.append((name, _literal_value(var)))
     if all(s is None for s in states):
+        if name in _DRAWS:
+            result.draws.append((name, tuple(getattr(eqn.outvars[0].aval, "shape", ()))))
         return [None] * n_out
     try:
         axes, inner = _unmerged(states)

@@ -329,6 +329,7 @@ def _trace_micro(fun, flat_args, per_example, rows: int, is_param, full,
         raise PipelineError(
             "the scanned layers use a constant that depends on the batch size (a literal changes "
             "when the batch is split into microbatches); compute per example instead.")
+    batch_axes.check_draws(found, "the scanned layers", batch_axes.FIX_IN_LAYERS)
     return micro
 
 
@@ -392,6 +393,7 @@ def _loss_weight(full, micro, per_example, has_aux: bool) -> tuple[float, tuple]
         traced = split.trace(lambda *flat: post(flat[:n_ins], flat[n_ins:]),
                              list(stack.jaxpr.in_avals) + [v.aval for v in stack.eqn.outvars])
         found.append(batch_axes.analyze(traced, states, Mode.LOSS, "the loss after the layers"))
+    batch_axes.check_draws(found, "the loss after the layers", batch_axes.FIX_IN_LOSS)
     if found[0].literals != found[1].literals:
         raise PipelineError(
             "the loss uses a constant that depends on the batch size outside its final mean; "

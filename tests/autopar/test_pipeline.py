@@ -454,6 +454,45 @@ def test_a_loss_normalized_by_a_batch_count_is_refused_by_1f1b():
         _trace(CONFIG, autopar.Pipeline(schedule="1f1b"), loss_fn=_weighted_loss(CONFIG))
 
 
+def _dropout_loss(where):
+    """A plain-jax stack with dropout from the step's one key, in the layers or after them."""
+    def loss_fn(params, x, y, key):
+        def body(h, w):
+            h = jnp.tanh(h @ w)
+            if where == "layers":
+                h = jnp.where(jax.random.bernoulli(key, 0.8, h.shape), h / 0.8, 0.0)
+            return h, None
+        h, _ = jax.lax.scan(body, x, params["layers"])
+        if where == "loss":
+            h = jnp.where(jax.random.bernoulli(key, 0.8, h.shape), h / 0.8, 0.0)
+        return jnp.mean((h @ params["head"] - y) ** 2)
+    return loss_fn
+
+
+@pytest.mark.parametrize("where, schedule", [("layers", "gpipe"), ("layers", "1f1b"),
+                                             ("loss", "1f1b"), ("loss", None)])
+def test_dropout_from_one_key_is_refused_where_microbatches_would_draw_other_numbers(
+        where, schedule):
+    """A microbatch draws other random numbers than the whole batch: dropout in the layers is
+    refused under every schedule, in the loss under 1F1B; with ``schedule=None`` a loss with
+    dropout runs GPipe (the loss on the whole batch) and matches one device."""
+    rng = np.random.default_rng(0)
+    params = {"layers": jnp.asarray(rng.normal(0, 0.2, (4, 16, 16)), jnp.float32),
+              "head": jnp.asarray(rng.normal(0, 0.1, (16, 4)), jnp.float32)}
+    args = (params, jnp.asarray(rng.normal(size=(16, 16)), jnp.float32), jnp.zeros((16, 4)),
+            jax.random.key(42))
+    loss_fn = _dropout_loss(where)
+    settings = autopar.Pipeline(schedule=schedule, microbatches=4)
+    run = _pipelined(autopar.value_and_grad(loss_fn), settings, _mesh({"stage": 4, "data": 2}),
+                     "gpipe" if schedule is None else schedule)
+    if schedule is None:
+        _close(run(*args)(*args), jax.value_and_grad(loss_fn)(*args))
+        return
+    with pytest.raises(PipelineError, match=f"random numbers are drawn in the "
+                                            f"{'scanned layers' if where == 'layers' else 'loss'}"):
+        run(*args)
+
+
 def _loss_with_aux(params, x, y):
     """A plain-jax stack whose loss returns, besides its mean, a sum and a mean over
     examples, an integer count, a per-example array and a value that ignores the batch."""
