@@ -259,7 +259,7 @@ def narrowed_xs(stack: Stack) -> list:
     for v in xs:
         (eqn, *more) = uses[v] or [None]
         new = None if eqn is None else eqn.params.get("new_dtype")
-        narrow = (not more and eqn.primitive is lax.convert_element_type_p
+        narrow = (eqn is not None and not more and eqn.primitive is lax.convert_element_type_p
                   and v not in body.outvars and new is not None
                   and jnp.issubdtype(new, jnp.floating) and jnp.issubdtype(v.aval.dtype, jnp.floating)
                   and np.dtype(new).itemsize < v.aval.dtype.itemsize)

@@ -493,6 +493,25 @@ def test_dropout_from_one_key_is_refused_where_microbatches_would_draw_other_num
         run(*args)
 
 
+def test_a_per_layer_operand_the_layers_never_read_runs_1f1b():
+    """A stacked operand scanned with the layers but never read by them (per-layer keys a
+    configuration leaves unused) is no obstacle to 1F1B's per-stage converts."""
+    def loss_fn(params, x, y):
+        unused = jnp.zeros((4, 3))
+        h, _ = jax.lax.scan(lambda h, wk: (jnp.tanh(h @ wk[0]), None), x,
+                            (params["layers"], unused))
+        return jnp.mean((h @ params["head"] - y) ** 2)
+
+    rng = np.random.default_rng(0)
+    args = ({"layers": jnp.asarray(rng.normal(0, 0.2, (4, 16, 16)), jnp.float32),
+             "head": jnp.asarray(rng.normal(0, 0.1, (16, 4)), jnp.float32)},
+            jnp.asarray(rng.normal(size=(16, 16)), jnp.float32), jnp.zeros((16, 4)))
+    run = _pipelined(autopar.value_and_grad(loss_fn),
+                     autopar.Pipeline(schedule="1f1b", microbatches=4),
+                     _mesh({"stage": 4, "data": 2}), "1f1b")
+    _close(run(*args)(*args), jax.value_and_grad(loss_fn)(*args))
+
+
 def _loss_with_aux(params, x, y):
     """A plain-jax stack whose loss returns, besides its mean, a sum and a mean over
     examples, an integer count, a per-example array and a value that ignores the batch."""
