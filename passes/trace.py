@@ -9,11 +9,14 @@ keeps one sharding across iterations and a loop body's costs are counted once pe
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jaxlib
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
@@ -80,13 +83,42 @@ def trace(fn: Callable, args: tuple) -> Traced:
         except AutoparError:
             raise
         except Exception as e:  # the user's function: say so, keep theirs as the cause
+            name = getattr(fn, "__name__", fn)
+            inside = _autopar_frame(e)
+            if inside is not None:  # autopar's own code failed (inside autopar.value_and_grad)
+                raise TracingError(
+                    f"tracing `{name}` failed inside autopar ({inside}): {type(e).__name__}: "
+                    f"{e}. This is a bug in autopar, not in the function: please report it "
+                    "with the function (where a pipeline was asked for, `pipeline=None` "
+                    "avoids the code autopar runs while it traces).") from e
             raise TracingError(
-                f"tracing `{getattr(fn, '__name__', fn)}` on its example arguments failed: "
+                f"tracing `{name}` on its example arguments failed: "
                 f"{type(e).__name__}: {e} (fix the function or its example arguments; the "
                 "traceback above points into it)") from e
         closed = attention_match.recognize(closed)[0] or closed  # programs with no gradient
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     return from_jaxpr(unwrap_jit(closed), in_tree, out_tree, tuple(out_leaves))
+
+
+_AUTOPAR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OWN_DIRS = tuple(os.path.realpath(os.path.join(_AUTOPAR_DIR, d)) + os.sep
+                  for d in ("", "passes", "cost_model"))
+_MODELS_DIR = os.path.realpath(os.path.join(_AUTOPAR_DIR, "models")) + os.sep
+_JAX_DIRS = tuple(os.path.dirname(os.path.realpath(m.__file__)) + os.sep for m in (jax, jaxlib))
+
+
+def _autopar_frame(e: BaseException) -> str | None:
+    """``file:line`` of the innermost frame of ``e``'s traceback outside jax (below the trace
+    that caught it), where that frame is autopar's own code (not its bundled models), else
+    None: the user's code (or a library it calls) raised, or jax raised calling it."""
+    last = None
+    for frame, line in list(traceback.walk_tb(e.__traceback__))[1:]:
+        path = os.path.realpath(frame.f_code.co_filename)
+        if not path.startswith(_JAX_DIRS):
+            last = (path, line)
+    if last is None or not last[0].startswith(_OWN_DIRS) or last[0].startswith(_MODELS_DIR):
+        return None
+    return f"{os.path.basename(last[0])}:{last[1]}"
 
 
 def _off_explicit_axes(leaf):

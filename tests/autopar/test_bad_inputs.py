@@ -480,6 +480,26 @@ def test_a_function_that_fails_to_trace_is_named(call, words):
     assert isinstance(info.value.__cause__, Exception)
 
 
+def test_a_failure_in_autopar_code_while_tracing_is_called_autopar_s(monkeypatch):
+    """autopar's own code that runs while the function traces (the pipeline's, inside
+    ``autopar.value_and_grad``) failing is reported as autopar's bug, not the function's."""
+    from autopar.passes.stages import split
+    narrowed = split.narrowed_xs
+    monkeypatch.setattr(split, "narrowed_xs", lambda stack: narrowed(None))
+
+    def loss_fn(p, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p)
+        return jnp.mean(h ** 2)
+
+    def step(p, x):
+        return autopar.value_and_grad(loss_fn)(p, x)
+
+    with pytest.raises(TracingError, match=r"`step` failed inside autopar \(split\.py:\d+\).*"
+                                           r"a bug in autopar"):
+        autopar.plan(step, jnp.ones((4, 8, 8)), jnp.ones((16, 8)), mesh={"stage": 4, "data": 2},
+                     pipeline=autopar.Pipeline(schedule="1f1b", microbatches=4))
+
+
 def test_an_unknown_axis_in_a_hint_is_named_before_the_rank():
     with pytest.raises(ShardingHintError, match="names mesh axis `foo`"):
         _plan(out_shardings=P("foo"))
