@@ -298,8 +298,12 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
     if _inputs.flag(exportable, "exportable"):
         return _plan_exportable(fn, example_args, memory_budget, verbose, options)
     choice, forced_remat = _FORCED.get()
-    return _plan_checked(fn, example_args, memory_budget, check_memory, verbose, options,
-                         choice, forced_remat)
+    token = _FORCED.set((None, None))  # the cached choice is this plan's, not a stage's
+    try:
+        return _plan_checked(fn, example_args, memory_budget, check_memory, verbose, options,
+                             choice, forced_remat)
+    finally:
+        _FORCED.reset(token)
 
 
 def _plan_exportable(fn, example_args, memory_budget, verbose, options) -> Plan:

@@ -297,3 +297,20 @@ def test_the_memory_chart_holds_the_pipeline_s_activations(case):
     donated = plan.with_donation((0, 1))
     held, live = memory_over_program(donated)
     assert live[region] >= kept and donated.estimate.peak_memory_bytes == held + max(live)
+
+
+def test_a_pipelined_plan_is_taken_from_the_cache_on_a_restart(case, tmp_path, recwarn):
+    """``parallelize(cache_dir=...)`` of a pipelined step: a second decorator (a restart) takes
+    the stored plan (its stages are planned again, the outer choice is not) and computes what
+    one device does; the stages' own plans do not read the outer plan's cached choice."""
+    step, args, expected = case
+    settings = autopar.Pipeline(schedule="1f1b", microbatches=4)
+    runs = [autopar.parallelize(step, mesh={"stage": 4, "data": 2}, pipeline=settings,
+                                cache_dir=tmp_path, verbose=False) for _ in range(2)]
+    for run in runs:
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y),
+                                                             rtol=2e-3, atol=2e-5),
+                     run(*args), expected)
+    assert (runs[0].plans_made, runs[1].plans_made, runs[1].plans_loaded) == (1, 0, 1)
+    assert runs[1].plan.pipeline["schedule"] == "1f1b"
+    assert not [w for w in recwarn if issubclass(w.category, autopar.StalePlanCacheWarning)]
