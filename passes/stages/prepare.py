@@ -287,10 +287,16 @@ def _virtual_stages(request: StageRequest, layers: int, stages: int) -> int:
         return 1
     v = request.virtual_stages or 2
     if layers < stages * v:
+        given = ("" if request.virtual_stages else
+                 " (`virtual_stages` defaults to 2: interleaving needs two chunks a stage)")
+        fix = (f"choose `virtual_stages` of at most {layers // stages}"
+               if layers // stages >= 2 else
+               f"interleaving needs at least {2 * stages} layers on {stages} stages: use "
+               "`schedule=\"1f1b\"` or `\"gpipe\"`, or fewer stages")
         raise PipelineError(
             f"the interleaved schedule cuts the {layers} layers into {stages} stages x {v} "
-            f"virtual stages = {stages * v} chunks, more than there are layers; choose "
-            f"`virtual_stages` of at most {layers // stages}.")
+            f"virtual stages = {stages * v} chunks, more than there are layers{given}; "
+            f"{fix}.")
     return v
 
 

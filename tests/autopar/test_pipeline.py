@@ -427,7 +427,12 @@ def _trace(config, settings, axes=None, loss_fn=None, has_aux=False):
     (CONFIG, autopar.Pipeline(microbatches=3), None, "microbatches=3.*does not divide"),
     (gpt.TINY_SCAN, autopar.Pipeline(), None, "2 layers, fewer than the 4 stages"),
     (CONFIG, autopar.Pipeline(schedule="interleaved", virtual_stages=2), None,
-     "8 chunks, more than there are layers"),
+     r"8 chunks, more than there are layers; interleaving needs at least 8 layers.*1f1b"),
+    (CONFIG, autopar.Pipeline(schedule="interleaved"), None,
+     r"8 chunks, more than there are layers \(`virtual_stages` defaults to 2"),
+    (CONFIG, autopar.Pipeline(schedule="interleaved", virtual_stages=3), {"stage": 2, "data": 4},
+     "^(?!.*defaults).*6 chunks, more than there are layers; choose `virtual_stages` of at "
+     "most 2"),
     (CONFIG, autopar.Pipeline(axis="pipe"), None, "axis the mesh lacks"),
     (CONFIG, autopar.Pipeline(stages=2), None, "stages=2"),
     (gpt.TINY, autopar.Pipeline(), None, "nn.scan"),
