@@ -184,6 +184,8 @@ def test_without_a_pipeline_the_marked_step_plans_as_before(case):
         plan = autopar.plan(step, *args, mesh={"data": 8}, hardware="h100", pipeline=pipeline)
         assert plan.pipeline is None
         assert "Pipeline over" not in plan.report()
+        # auto says why it tried no axis (one level of links, and the plan fits)
+        assert ("no axis was tried" in plan.report()) == (pipeline == "auto")
 
 
 @pytest.mark.parametrize("favoured", ["none", "node"])
