@@ -341,6 +341,11 @@ class Plan:
                          out_shardings=plan_specs.out_shardings(mesh))
         """
         words = summary_lines(self) if self._details is not None else None
+        if self.pipeline and words is not None:
+            words = ["Plain jax.jit runs no pipeline: these shardings keep the stacked layers",
+                     f"split over {self.pipeline['axis']}, and XLA runs the step whole, with "
+                     "no microbatches", "or schedule (plan.jit() runs the plan's pipeline). "
+                     "The plan in words:"] + [f"  {line}" for line in words]
         verdict = plain_jit_check(self, fn)[1] if fn is not None and self._flat_fn else ""
         name = getattr(fn, "__name__", "")
         return write_module(self, path, name if name.isidentifier() else "step", words,

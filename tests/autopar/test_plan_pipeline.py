@@ -316,3 +316,12 @@ def test_a_pipelined_plan_is_taken_from_the_cache_on_a_restart(case, tmp_path, r
     assert (runs[0].plans_made, runs[1].plans_made, runs[1].plans_loaded) == (1, 0, 1)
     assert runs[1].plan.pipeline["schedule"] == "1f1b"
     assert not [w for w in recwarn if issubclass(w.category, autopar.StalePlanCacheWarning)]
+
+
+def test_to_python_of_a_pipelined_plan_says_plain_jit_runs_no_pipeline(case, tmp_path):
+    step, args, _ = case
+    plan = autopar.plan(step, *args, mesh={"stage": 4, "data": 2},
+                        pipeline=autopar.Pipeline(schedule="1f1b", microbatches=4))
+    text = plan.to_python(tmp_path / "specs.py")
+    assert re.search(r"Plain jax.jit runs no pipeline: .*\n.*split over stage.*\n.*The plan in "
+                     r"words:\n    blocks: pipeline stages over stage", text)
