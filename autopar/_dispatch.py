@@ -18,6 +18,7 @@ import numpy as np
 from autopar._cache import dtype_name
 from autopar._layers import flat_donation
 from autopar._plan import Plan, in_sharding
+from autopar.errors import ArgumentError
 from autopar.passes.ir import canonical_dtype
 
 #: With ``verbose=None``, "compiling" shows once the first call of a plan has compiled this long.
@@ -82,7 +83,21 @@ class Split:
 
 
 def _as_array(x):
-    return x if hasattr(x, "shape") else np.asarray(x)
+    """``x`` as an array: a Python int (a dynamic leaf) as jax would take it, in its default
+    integer type; one out of that type's range is refused, as ``jax.jit`` refuses it, rather
+    than wrapped."""
+    if hasattr(x, "shape"):
+        return x
+    if isinstance(x, int) and not isinstance(x, bool):
+        dtype = jax.dtypes.canonicalize_dtype(np.int64)
+        info = np.iinfo(dtype)
+        if not info.min <= x <= info.max:
+            raise ArgumentError(
+                f"a Python int argument, {x}, does not fit {dtype.name} (jax's default "
+                f"integer, from {info.min} to {info.max}): pass it as an array of a wider "
+                "type (with jax_enable_x64 on), or mark the argument static.")
+        return np.asarray(x, dtype)
+    return np.asarray(x)
 
 
 def signature(split: Split) -> tuple:

@@ -500,6 +500,13 @@ def test_a_failure_in_autopar_code_while_tracing_is_called_autopar_s(monkeypatch
                      pipeline=autopar.Pipeline(schedule="1f1b", microbatches=4))
 
 
+def test_a_python_int_out_of_int32_is_refused_not_wrapped():
+    step = autopar.parallelize(lambda x, n: x * n, mesh=MESH)
+    assert int(step(jnp.ones((8,), jnp.int32), 3)[0]) == 3
+    with pytest.raises(ArgumentError, match="3000000000, does not fit int32"):
+        step(jnp.ones((8,), jnp.int32), 3_000_000_000)
+
+
 def test_an_unknown_axis_in_a_hint_is_named_before_the_rank():
     with pytest.raises(ShardingHintError, match="names mesh axis `foo`"):
         _plan(out_shardings=P("foo"))
