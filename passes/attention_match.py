@@ -342,11 +342,13 @@ def _equation(eqn, invals, rewrite: bool) -> list:
 
 
 def _count(jaxpr) -> int:
-    """Attentions matched at every level of ``jaxpr`` (scan bodies included)."""
+    """Attentions matched at every level of ``jaxpr`` (scan and remat bodies included)."""
     n = len(find(jaxpr))
     for eqn in jaxpr.eqns:
         if eqn.primitive is P.scan_p:
             n += _count(eqn.params["jaxpr"].jaxpr)
+        elif eqn.primitive is P.remat_p:
+            n += _count(eqn.params["jaxpr"])
     return n
 
 
@@ -379,9 +381,19 @@ def _may_have(jaxpr) -> bool:
     return any(_may_have(sub) for eqn in jaxpr.eqns for sub in _sub_jaxprs(eqn))
 
 
-def recognize(closed):
-    """(``closed`` with its attentions replaced, how many), or (None, 0) when it has none."""
-    if not _may_have(closed.jaxpr):
+def _has_remat(jaxpr) -> bool:
+    return any(eqn.primitive is P.remat_p or any(_has_remat(sub) for sub in _sub_jaxprs(eqn))
+               for eqn in jaxpr.eqns)
+
+
+def recognize(closed, whole_step: bool = False):
+    """(``closed`` with its attentions replaced, how many), or (None, 0) when it has none.
+
+    ``whole_step``: ``closed`` is a whole step, perhaps differentiated by jax; one with a
+    remat (``jax.checkpoint``) body is left as it is: the forward of attention the backward
+    recomputes reads its probabilities nowhere else, so it would match, and be planned apart
+    from the recomputation, which stays jnp."""
+    if not _may_have(closed.jaxpr) or (whole_step and _has_remat(closed.jaxpr)):
         return None, 0
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
     flat = jax.make_jaxpr(lambda *a: interpret(closed.jaxpr, closed.consts, a, False))(*avals)

@@ -95,7 +95,7 @@ def trace(fn: Callable, args: tuple) -> Traced:
                 f"tracing `{name}` on its example arguments failed: "
                 f"{type(e).__name__}: {e} (fix the function or its example arguments; the "
                 "traceback above points into it)") from e
-        closed = attention_match.recognize(closed)[0] or closed  # programs with no gradient
+        closed = attention_match.recognize(closed, whole_step=True)[0] or closed  # no gradient
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     return from_jaxpr(unwrap_jit(closed), in_tree, out_tree, tuple(out_leaves))
 

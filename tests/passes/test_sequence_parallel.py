@@ -287,6 +287,35 @@ def test_an_attention_strategy_asked_for_a_step_without_attention_warns():
                      attention="ring", pipeline=None)
 
 
+@pytest.mark.parametrize("grad", ["autopar", "jax"])
+def test_jnp_attention_in_a_checkpoint_is_planned_whole_or_not_at_all(grad):
+    """jnp attention inside ``jax.checkpoint``: under ``autopar.value_and_grad`` it is
+    recognized in the checkpointed body, so the backward's recomputation is the planned
+    attention too (the ring compiles); under ``jax.value_and_grad`` only the forward would
+    match (the backward recomputes it in jnp), so nothing is recognized, and asking for a
+    ring warns. Both compute what one device does."""
+    loss, params, x = _projected_loss(2, 64, 8, 1, True, jnp.ones((2, 64), bool))
+
+    def checkpointed(p, x):
+        return jax.checkpoint(loss)(p, x)
+
+    value_and_grad = autopar.value_and_grad if grad == "autopar" else jax.value_and_grad
+
+    def step(p, x):
+        return value_and_grad(checkpointed)(p, x)
+
+    if grad == "autopar":
+        plan = autopar.plan(step, params, x, mesh={"x": 8}, attention="ring", pipeline=None)
+        assert plan.stats["attention"] and all("ring(" in a for a in plan.stats["attention"])
+        assert "collective_permute" in _collectives(plan, params, x)
+    else:
+        with pytest.warns(autopar.AttentionWarning):
+            plan = autopar.plan(step, params, x, mesh={"x": 8}, attention="ring",
+                                pipeline=None)
+        assert plan.stats["attention"] == []
+    _close(plan.jit()(params, x), jax.jit(jax.value_and_grad(loss))(params, x))
+
+
 def test_memory_budget_finds_sequence_parallel_attention():
     # one kv head and a batch of one: neither heads nor batch split; only the sequence can
     step, args = _abstract_step(32768, heads=32, kv_heads=1, head_dim=128)
