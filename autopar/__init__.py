@@ -32,6 +32,7 @@ from autopar.errors import PlanFormatError as PlanFormatError
 from autopar.errors import PipelineError as PipelineError
 from autopar.errors import ProfileError as ProfileError
 from autopar.errors import RematWarning as RematWarning
+from autopar.errors import ReplanWarning as ReplanWarning
 from autopar.errors import ShardingConflictWarning as ShardingConflictWarning
 from autopar.errors import ShardingHintError as ShardingHintError
 from autopar.errors import SolverFallbackWarning as SolverFallbackWarning

@@ -32,7 +32,7 @@ from autopar._sizes import format_bytes
 from autopar.baselines import (baseline_io_shardings, baseline_kinds, baseline_kwargs,
                                baseline_shardings, structure_of_jaxpr)
 from autopar.errors import (ArgumentError, AttentionWarning, InfeasiblePlanError,
-                            MemoryBudgetWarning, PipelineError)
+                            MemoryBudgetWarning, PipelineError, ReplanWarning)
 from autopar.passes.estimate import estimate, plan_collectives
 from autopar.cost_model.hardware import axis_levels, get_profile
 from autopar.cost_model.hlo import program_peak_bytes
@@ -686,6 +686,7 @@ class Parallelized:
         self.plans_made = 0      # plans solved
         self.plans_loaded = 0    # plans taken from the disk cache
         self._disk = PlanCache(cache_dir) if cache_dir is not None else None
+        self._replan_warned = False
 
     def _split(self, args, kwargs):
         if not kwargs and not self._static_argnums:
@@ -725,6 +726,7 @@ class Parallelized:
             raise ArgumentError(f"`{self.__name__}`: a leaf of its arguments that is not an "
                                 f"array is static and must be hashable: {e}") from None
         if key not in self._cache:
+            self._warn_of_replans(key, split)
             self._cache[key] = (split, self._program(args, static, static_kw, split, key[2]))
         program = self._cache[key][1]
         self.plan = program.plan
@@ -733,6 +735,26 @@ class Parallelized:
                program.first_call(placed, self._kwargs.get("verbose")))
         self._last = ((static, static_kw), tree, split, program)
         return out
+
+    def _warn_of_replans(self, key, split: Split) -> None:
+        """Warn (once) on the third plan of the same arrays that only a non-array leaf's value
+        asked for: a Python float that changes every step (a scheduled learning rate) plans
+        and compiles the step again each time."""
+        static, static_kw, (tree, leaves, arrays) = key
+        same = [k for k in self._cache if k[:2] == (static, static_kw)
+                and k[2][0] == tree and k[2][2] == arrays]
+        if len(same) != 2 or self._replan_warned:
+            return
+        self._replan_warned = True
+        before = dict(same[-1][2][1])
+        changed = next(((i, before.get(i), v) for i, v in leaves if before.get(i) != v), None)
+        where = "" if changed is None else (
+            f" (argument leaf {changed[0]}: {changed[1]!r}, now {changed[2]!r})")
+        warnings.warn(
+            f"`{self.__name__}` is planned and compiled a third time for the same arrays, because "
+            f"a leaf that is not an array changed{where}. Such leaves (floats, bools, any "
+            "object) are static, as in equinox.filter_jit: pass a value that changes every step "
+            "as an array (jnp.asarray(lr)) to keep one plan.", ReplanWarning, stacklevel=3)
 
     def _program(self, args, static, static_kw, split: Split, sig) -> Program:
         """Plan ``fn`` for this signature and jit its program."""

@@ -108,6 +108,12 @@ class AttentionWarning(AutoparWarning):
     sequence."""
 
 
+class ReplanWarning(AutoparWarning):
+    """``autopar.parallelize`` planned and compiled a function again for the same arrays
+    because a leaf that is not an array (a static value: a Python float, say) changed; the
+    message names the leaf. Pass a value that changes every step as an array."""
+
+
 class InvalidIRError(AssertionError):
     """Internal, not a user error: the Graph IR broke an invariant after the pass the message
     names (``autopar.passes.verify``, checked between passes when ``AUTOPAR_DEBUG=1``). A bug

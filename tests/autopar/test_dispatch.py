@@ -8,6 +8,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import autopar
 
@@ -102,3 +103,19 @@ def test_fresh_jax_arrays_and_python_ints_compile_once(caplog):
         compiles = [r for r in caplog.records if r.getMessage().startswith("Compiling jit(")]
         assert len(compiles) == 1, (name, [r.getMessage()[:80] for r in compiles])
         assert int(state[1]) == 3
+
+
+def test_a_float_that_changes_every_call_warns_on_the_third_plan():
+    """A Python float is static: a scheduled learning rate plans each step again; the third
+    plan of the same arrays says so, once, naming the leaf."""
+    step = autopar.parallelize(lambda w, lr: w * lr, mesh={"data": 8}, verbose=False)
+    w = np.ones((8, 4), np.float32)
+    step(w, 0.1)
+    step(w, 0.2)
+    with pytest.warns(autopar.ReplanWarning, match=r"third time.*leaf 1: 0.2, now 0.3"):
+        step(w, 0.3)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autopar.ReplanWarning)
+        step(w, 0.4)
+    assert step.plans_made == 4
