@@ -32,7 +32,7 @@ from autopar._sizes import format_bytes
 from autopar.baselines import (baseline_io_shardings, baseline_kinds, baseline_kwargs,
                                baseline_shardings, structure_of_jaxpr)
 from autopar.errors import (ArgumentError, AttentionWarning, InfeasiblePlanError,
-                            MemoryBudgetWarning, PipelineError, ReplanWarning)
+                            MemoryBudgetWarning, PipelineError, ReplanWarning, warn)
 from autopar.passes.estimate import estimate, plan_collectives
 from autopar.cost_model.hardware import axis_levels, get_profile
 from autopar.cost_model.hlo import program_peak_bytes
@@ -547,12 +547,11 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
     stats["compiler_options"] = [n.to_dict() for n in option_notes]
     stats["attention"] = attention_labels(graph, strats, choice)
     if attention is not None and not stats["attention"]:
-        warnings.warn(
+        warn(
             f"`attention={attention!r}` was asked for, but the step has no attention autopar "
             "recognizes: it is planned as it is, nothing split over the sequence. Call "
             "`autopar.attention`, or write attention in a form docs/context_parallel.md lists "
-            "and take the gradient with `autopar.value_and_grad`.", AttentionWarning,
-            stacklevel=2)
+            "and take the gradient with `autopar.value_and_grad`.", AttentionWarning)
     # the compiled program's ops are named jit(<fn>)/..., as under the user's own jax.jit
     result.flat_fn.__name__ = getattr(fn, "__name__", "step")
     return Plan(jax_mesh, shardings(graph.input_nodes, traced.in_tree, "in"),
@@ -750,11 +749,11 @@ class Parallelized:
         changed = next(((i, before.get(i), v) for i, v in leaves if before.get(i) != v), None)
         where = "" if changed is None else (
             f" (argument leaf {changed[0]}: {changed[1]!r}, now {changed[2]!r})")
-        warnings.warn(
+        warn(
             f"`{self.__name__}` is planned and compiled a third time for the same arrays, because "
             f"a leaf that is not an array changed{where}. Such leaves (floats, bools, any "
             "object) are static, as in equinox.filter_jit: pass a value that changes every step "
-            "as an array (jnp.asarray(lr)) to keep one plan.", ReplanWarning, stacklevel=3)
+            "as an array (jnp.asarray(lr)) to keep one plan.", ReplanWarning)
 
     def _program(self, args, static, static_kw, split: Split, sig) -> Program:
         """Plan ``fn`` for this signature and jit its program."""

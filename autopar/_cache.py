@@ -28,13 +28,12 @@ import os
 import re
 import stat
 import tempfile
-import warnings
 from collections.abc import Callable
 
 import jax
 
 from autopar._mesh import on_explicit_axes
-from autopar.errors import AutoparError, StalePlanCacheWarning
+from autopar.errors import AutoparError, StalePlanCacheWarning, warn
 from autopar.passes.pipeline import Remat
 
 FORMAT_VERSION = 2
@@ -108,9 +107,7 @@ def _typed_shardings(args) -> tuple:
 
 
 def _warn(message: str) -> None:
-    # stacklevel: the user's call of the parallelized step (Parallelized.__call__ -> _plan ->
-    # PlanCache method -> here)
-    warnings.warn(f"autopar: {message}; planning afresh", StalePlanCacheWarning, stacklevel=5)
+    warn(f"autopar: {message}; planning afresh", StalePlanCacheWarning)
 
 
 class PlanCache:
@@ -124,9 +121,8 @@ class PlanCache:
             os.makedirs(self.directory, exist_ok=True)
         except (OSError, ValueError) as e:
             self.usable = False
-            warnings.warn(f"autopar: cannot use `cache_dir` {self.directory!r} ({e}); plans "
-                          "will not be cached: give a folder you can write to",
-                          StalePlanCacheWarning, stacklevel=4)
+            warn(f"autopar: cannot use `cache_dir` {self.directory!r} ({e}); plans will not be "
+                 "cached: give a folder you can write to", StalePlanCacheWarning)
 
     def key(self, fn, mesh, hardware, signature, static, options: dict, args=()) -> str:
         """The entry's name: a digest of what the plan is solved under (see the module's
@@ -207,8 +203,8 @@ class PlanCache:
             os.replace(tmp, self._path(key))
             tmp = None
         except (OSError, ValueError) as e:
-            warnings.warn(f"autopar: cannot write the plan cache entry {self._path(key)} ({e}); "
-                          "this plan is not cached", StalePlanCacheWarning, stacklevel=4)
+            warn(f"autopar: cannot write the plan cache entry {self._path(key)} ({e}); this "
+                 "plan is not cached", StalePlanCacheWarning)
         finally:
             if tmp is not None:
                 with contextlib.suppress(OSError):

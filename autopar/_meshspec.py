@@ -11,14 +11,14 @@ def parse_mesh_spec(text: str) -> dict[str, int]:
         name, size = name.strip(), size.strip()
         if sep and name and size.lstrip("+-").isdigit() and int(size) < 1:
             raise MeshError(f"mesh `{text}`: axis `{name}` has size {size}; sizes must be at "
-                            "least 1, e.g. --mesh data=2,model=4")
+                            "least 1, e.g. data=2,model=4")
         if not sep or not name or not size.isdigit():
             raise MeshError(f"malformed mesh `{text}`: write it as name=size pairs joined by "
-                            "commas, e.g. --mesh data=2,model=4")
+                            "commas, e.g. data=2,model=4")
         if not name.isascii() or not (name[0].isalpha() or name[0] == "_") or not all(
                 ch.isalnum() or ch in "_.-" for ch in name):
             raise MeshError(f"mesh `{text}`: axis name `{name}` is not an ASCII word; use "
-                            "letters, digits, '_', '.' or '-', e.g. --mesh data=2,model=4")
+                            "letters, digits, '_', '.' or '-', e.g. data=2,model=4")
         if name in axes:
             raise MeshError(f"mesh `{text}` names axis `{name}` twice")
         axes[name] = int(size)

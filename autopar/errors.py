@@ -4,6 +4,24 @@ Every error a user can cause is an :class:`AutoparError` subclass whose message 
 offending argument and says how to fix it. ``assert`` is kept for internal invariants.
 """
 
+import os
+import sys
+import warnings
+
+#: autopar's own folders (its package, and ``passes`` and ``cost_model`` where they are linked
+#: in from the repository's top level), for :func:`warn`.
+_OWN = tuple(os.path.realpath(os.path.join(os.path.dirname(__file__), d)) + os.sep
+             for d in ("", "passes", "cost_model"))
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the first caller outside autopar (the user's line),
+    however deep in autopar it is raised."""
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and os.path.realpath(frame.f_code.co_filename).startswith(_OWN):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
 
 class AutoparError(Exception):
     """Base class of every error autopar raises for bad input or an impossible request."""

@@ -49,8 +49,10 @@ def _resealed(doc: dict) -> str:
 
 def _fresh_plan_with_a_warning(folder, want, match):
     step = _step(folder)
-    with pytest.warns(StalePlanCacheWarning, match=match):
+    with pytest.warns(StalePlanCacheWarning, match=match) as record:
         got = step(W, X)
+    # attributed to the caller's line (here), not to autopar's code
+    assert {w.filename for w in record if w.category is StalePlanCacheWarning} == {__file__}
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
     assert step.plans_made == 1 and step.plans_loaded == 0
 
@@ -138,8 +140,9 @@ def test_a_folder_or_fifo_in_place_of_the_entry_never_blocks(stored, tmp_path, k
 def test_a_cache_dir_that_is_a_file_warns_and_the_step_still_runs(tmp_path):
     path = tmp_path / "not_a_folder"
     path.write_text("x")
-    with pytest.warns(StalePlanCacheWarning, match="cannot use `cache_dir`"):
+    with pytest.warns(StalePlanCacheWarning, match="cannot use `cache_dir`") as record:
         step = _step(path)
+    assert record[0].filename == __file__
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         step(W, X)
