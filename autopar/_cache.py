@@ -65,12 +65,15 @@ def graph_fingerprint(graph) -> str:
 
 
 def _source_of(fn) -> str:
+    """``fn``'s source and, where it has one, its code (two lambdas on one line share their
+    source line, not their code)."""
     target = inspect.unwrap(fn)
+    code = getattr(target, "__code__", None)
+    compiled = "" if code is None else repr((code.co_code, code.co_consts, code.co_names))
     try:
-        return inspect.getsource(target)
+        return inspect.getsource(target) + compiled
     except (OSError, TypeError):
-        code = getattr(target, "__code__", None)
-        return repr(code.co_code) if code is not None else repr(target)
+        return compiled or repr(target)
 
 
 @functools.lru_cache(maxsize=1)

@@ -213,6 +213,10 @@ def test_cache_key_ignores_object_addresses(tmp_path):
     assert key("0x7f00aa") == key("0x7f11bb")
     assert cache.key(_cached_step, MESH, "h100", "a", (), {}) != \
         cache.key(_cached_step, MESH, "h100", "b", (), {})
+    # two lambdas on one line share their source line, not their code
+    first, second = (lambda w, x: x @ w), (lambda w, x: x @ w.T)  # noqa: E731
+    assert cache.key(first, MESH, "h100", "a", (), {}) != \
+        cache.key(second, MESH, "h100", "a", (), {})
 
 
 def test_decorated_gpt_train_step_matches_one_device_and_restarts_from_the_cache(tmp_path):
