@@ -116,7 +116,8 @@ def attention_strategies(node, graph, mesh: MeshContext) -> list[Strategy]:
                             sum(c.time_s(mesh.levels) for c in cost.collectives),
                             cost.collectives, rewrite, cost.scratch_bytes))
     if not out:
-        raise ArgumentError(_no_strategy_message(shape, forced, sizes))
+        raise ArgumentError(_no_strategy_message(shape, forced, sizes,
+                                                 per_call=bool(node.params.get("strategy"))))
     return out
 
 
@@ -141,28 +142,34 @@ def _rewrite(split: AttentionSplit, manual: tuple[str, ...], batch: tuple[str, .
                                   ("batch", batch), ("heads", heads)))
 
 
-def _no_strategy_message(shape: AttentionShape, forced, sizes) -> str:
-    why = []
+def _no_strategy_message(shape: AttentionShape, forced, sizes, per_call: bool) -> str:
+    """Why no strategy of the ``forced`` kind fits, and the fix for that reason: the
+    sequence's length where an axis does not divide it, else the kind's own constraint
+    (``per_call``: forced by ``autopar.attention(strategy=...)``, else by the plan's
+    ``attention=``)."""
+    asked = "strategy" if per_call else "attention"
+    why, seq_short = [], False
     for axis, n in sizes.items():
         if shape.seq % n:
+            seq_short = True
             why.append(f"the sequence length {shape.seq} is not a multiple of mesh axis "
                        f"`{axis}` ({n})")
-        elif forced == "ulysses" and shape.kv_heads % n:
-            why.append(f"mesh axis `{axis}` ({n}) does not divide the {shape.kv_heads} kv heads")
-        elif forced in ("heads",) and shape.kv_heads % n:
+        elif forced in ("ulysses", "heads") and shape.kv_heads % n:
             why.append(f"mesh axis `{axis}` ({n}) does not divide the {shape.kv_heads} kv heads")
         elif forced == "batch" and shape.batch % n:
             why.append(f"mesh axis `{axis}` ({n}) does not divide the batch {shape.batch}")
-    fix = {"ulysses": "use `attention=\"ring\"` (any axis that divides the sequence) or a mesh "
-                      "axis that divides the kv heads",
-           "ring": "pad the sequence to a multiple of the axis size",
-           "heads": "use a mesh axis that divides the kv heads, or `attention=\"ring\"`",
-           "batch": "use a batch the mesh axis divides, or `attention=\"ring\"`"}.get(
-        forced, "choose another strategy")
+    if seq_short:
+        fix = "pad the sequence to a multiple of the axis size"
+    else:
+        fix = {"ulysses": f"use `{asked}=\"ring\"` (any axis that divides the sequence) or a "
+                          "mesh axis that divides the kv heads",
+               "heads": f"use a mesh axis that divides the kv heads, or `{asked}=\"ring\"`",
+               "batch": f"use a batch the mesh axis divides, or `{asked}=\"ring\"`"}.get(
+            forced, "choose another strategy")
     return (f"no `{forced}` attention strategy fits q [batch={shape.batch}, seq={shape.seq}, "
             f"heads={shape.heads}] with {shape.kv_heads} kv heads on mesh {sizes}: "
             f"{'; '.join(why) or 'no axis can take it'}. Fix: {fix}, or leave the strategy to "
-            "autopar (`attention=None`).")
+            f"autopar (`{asked}=None`).")
 
 
 STRATEGY_BUILDERS[attn.attention_fwd_p] = attention_strategies

@@ -231,6 +231,8 @@ def test_bad_requests_name_the_problem_and_the_fix():
     step, args = _abstract_step(1020, heads=8, kv_heads=8)
     with pytest.raises(autopar.AutoparError, match=r"1020 is not a multiple of mesh axis `x`"):
         autopar.plan(step, *args, mesh={"x": 8}, attention="ring", pipeline=None)
+    with pytest.raises(autopar.AutoparError, match=r"1020 is not a multiple.*Fix: pad the seq"):
+        autopar.plan(step, *args, mesh={"x": 8}, attention="ulysses", pipeline=None)
     step, args = _abstract_step(1024, heads=8, kv_heads=4)
     with pytest.raises(autopar.AutoparError, match=r"divide the 4 kv heads.*Fix: use a mesh "
                                                    r"axis that divides the kv heads"):
@@ -257,6 +259,16 @@ def test_bad_attention_inputs_are_refused_with_the_fix():
         autopar.attention(q.astype(jnp.int32), k.astype(jnp.int32), k.astype(jnp.int32))
     with pytest.raises(autopar.ArgumentError, match="`scale` must be a Python number"):
         jax.jit(lambda q, k, s: autopar.attention(q, k, k, scale=s))(q, k, 0.5)
+
+
+def test_a_strategy_forced_on_the_call_is_named_in_its_fix():
+    def loss(q, k):
+        return jnp.sum(autopar.attention(q, k, k, causal=True, strategy="ulysses") ** 2)
+
+    q, k = jnp.ones((2, 64, 8, 8)), jnp.ones((2, 64, 2, 8))
+    with pytest.raises(autopar.ArgumentError, match=r'Fix: use `strategy="ring"`.*`strategy=None`'):
+        autopar.plan(lambda q, k: autopar.value_and_grad(loss, argnums=(0, 1))(q, k), q, k,
+                     mesh={"x": 8}, pipeline=None)
 
 
 def test_attention_under_vmap_equals_plain_attention_and_plans():
