@@ -74,6 +74,10 @@ def compute_only_limit_s(fn, args, profile, dtype, devices: int, compiler_option
 
 
 def compile_baseline(fn, args, mesh, kind: str):
+    """Baseline ``kind``'s program, compiled (a context-parallel one, ``"ulysses"`` or
+    ``"ring"``, by :func:`baselines.compile_context_baseline`)."""
+    if kind in {k.value for k in baselines.ContextBaseline}:
+        return baselines.compile_context_baseline(fn, args, mesh, kind)
     return baselines.jit_baseline(fn, args, mesh, kind,
                                   **_baseline_kwargs(mesh, kind)).lower(*args).compile()
 
@@ -111,8 +115,10 @@ def compare(fn, args, mesh, *, hardware=None, kinds=None, plan=None, dtype=None,
       args: its example arguments, as a tuple (arrays or ``jax.ShapeDtypeStruct`` leaves).
       mesh: a ``jax.sharding.Mesh``, or axis name -> size.
       hardware: as :func:`autopar.plan`'s (default: this backend's profile).
-      kinds: the baselines to compile, by name (``"dp"``, ``"fsdp"``, ``"megatron"``, ...);
-        None: every baseline that applies to ``fn`` on ``mesh``.
+      kinds: the baselines to compile, by name (``"dp"``, ``"fsdp"``, ``"megatron"``, ...,
+        and the context-parallel ``"ulysses"`` and ``"ring"``, over every device, for a train
+        step ``fn(params, opt_state, batch) -> (params, opt_state, loss)``); None: every
+        baseline that applies to ``fn`` on ``mesh`` (not the context-parallel ones).
       plan: a plan of ``fn`` on ``mesh`` already made; None: plans it here.
       dtype: the compute dtype whose peak rate prices the flops, the same for every program;
         None prices them at the program's own dtypes (its most common floating dtype), so a

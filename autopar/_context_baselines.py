@@ -101,9 +101,24 @@ def context_shardings(args, mesh: Mesh):
     return (*[jax.tree.map(state, a) for a in head], jax.tree.map(batch, last))
 
 
+def _check_train_step(fn, args) -> None:
+    """ArgumentError unless ``fn(params, opt_state, batch)`` returns ``(params, opt_state,
+    loss)``: the baselines keep the new state in the state's shardings."""
+    out = jax.eval_shape(fn, *args) if len(args) == 3 else None
+    structure = jax.tree.structure
+    if not (isinstance(out, tuple) and len(out) == 3 and structure(out[0]) == structure(args[0])
+            and structure(out[1]) == structure(args[1])):
+        raise ArgumentError(
+            "the context-parallel baselines (ulysses, ring) take a train step "
+            "`fn(params, opt_state, batch) -> (params, opt_state, loss)`; this function's "
+            "arguments or results are not of that form. Compare it with the other baselines "
+            "(`kinds=` without 'ulysses' and 'ring').")
+
+
 def compile_context_baseline(fn, args, mesh, kind: ContextBaseline | str):
     """``fn(params, opt_state, batch) -> (params, opt_state, loss)`` compiled as ``kind``'s
     hand-written context-parallel program on every device of ``mesh`` (nothing runs)."""
+    _check_train_step(fn, args)
     cp = one_axis_mesh(mesh)
     specs = context_shardings(args, cp)
     named = jax.tree.map(lambda s: NamedSharding(cp, s), specs,

@@ -353,3 +353,23 @@ def test_a_sequence_parallel_region_keeps_the_other_axes_splits(attention, dtype
     assert any("heads(" in label or "batch(" in label for label in plan.stats["attention"])
     predicted, compiled = plan.validate()["wire_bytes"]
     assert 0.8 * compiled <= predicted <= 1.5 * compiled, (predicted, compiled)
+
+
+def test_the_context_parallel_baselines_compute_the_step_and_compare_takes_them():
+    import dataclasses
+
+    import optax
+
+    from autopar import baselines
+    from autopar.models import gpt
+    config = dataclasses.replace(gpt.TINY, seq=64, batch=2, hidden=64, heads=8, layers=2)
+    step, args = gpt.make_train_step(config, value_and_grad=autopar.value_and_grad,
+                                     tx=optax.sgd(0.1))
+    want = jax.jit(step)(*args)
+    for kind in ("ulysses", "ring"):
+        _close(baselines.compile_context_baseline(step, args, {"seq": 8}, kind)(*args), want)
+    _, measured, _ = autopar.compare(step, args, {"seq": 8}, kinds=["ring"], pipeline=None)
+    assert set(measured) == {"autopar", "ring"}
+    with pytest.raises(autopar.ArgumentError, match=r"train step `fn\(params, opt_state, batch\)"):
+        baselines.compile_context_baseline(lambda p, b: step(p, args[1], b)[2],
+                                           (args[0], args[2]), {"seq": 8}, "ring")
