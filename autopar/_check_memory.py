@@ -70,10 +70,12 @@ def check_compiled_memory(plan: Plan, budget_bytes: float,
 
 def _over(budget_bytes: float, said: str, more: str, rounds: list) -> InfeasiblePlanError:
     """The error, with the rounds checked as its ``memory_checks``."""
+    predicted_fit = all(r["predicted_bytes"] <= budget_bytes for r in rounds)
+    why = (f", though they fit it as autopar predicts memory ({said}; XLA's buffer assignment "
+           "keeps more than the memory model counts)" if predicted_fit else f" ({said})")
     error = InfeasiblePlanError(
         f"no plan autopar found compiles within `memory_budget` = {_mib(budget_bytes)} per "
-        f"device, though they fit it as autopar predicts memory ({said}; XLA's buffer "
-        f"assignment keeps more than the memory model counts).{more} Raise `memory_budget`, "
-        "or pass `check_memory=False` to take the plan as predicted.")
+        f"device{why}.{more} Raise `memory_budget`, or pass `check_memory=False` to take the "
+        "plan as predicted.")
     error.memory_checks = rounds
     return error

@@ -40,3 +40,14 @@ def test_plans_that_keep_compiling_over_raise_with_every_round(monkeypatch):
                                             lambda target: _plan(target / MIB),
                                             lambda msg: None)
     assert len(info.value.memory_checks) == _check_memory.CHECK_MEMORY_ROUNDS + 1
+
+
+@pytest.mark.parametrize("predicted_mib", [10.1, 14.0])
+def test_the_error_says_the_plans_fit_as_predicted_only_where_they_did(monkeypatch,
+                                                                       predicted_mib):
+    monkeypatch.setattr(_check_memory, "compiled_peak", lambda plan: 15 * MIB)
+    with pytest.raises(InfeasiblePlanError) as info:
+        _check_memory.check_compiled_memory(_plan(predicted_mib), 12.05 * MIB,
+                                            lambda target: _plan(predicted_mib),
+                                            lambda msg: None)
+    assert ("though they fit it as autopar predicts" in str(info.value)) == (predicted_mib < 12)
