@@ -620,7 +620,7 @@ def main(argv=None) -> int:
             raise
         if debug:
             traceback.print_exc()
-        print(f"autopar: error: {_one_line(e)}", file=sys.stderr)
+        print(f"autopar: error: {_one_line(e, debug)}", file=sys.stderr)
         return 2 if isinstance(e, AutoparError) else 1
 
 
@@ -638,9 +638,10 @@ def _silence_stdout() -> None:
         pass
 
 
-def _one_line(e: Exception) -> str:
+def _one_line(e: Exception, debug: bool = False) -> str:
     """The message of ``e``, as a user reads it: an AutoparError's own, anything else (a
-    failure in autopar or the runtime) named by its type, with where to look further."""
+    failure in autopar or the runtime) named by its type, with where to look further
+    (``debug``: the traceback is shown above it already)."""
     if isinstance(e, AutoparError):
         return str(e)
     if isinstance(e, MemoryError):
@@ -653,8 +654,9 @@ def _one_line(e: Exception) -> str:
     text = " ".join(str(e).split())
     if len(text) > 300:
         text = text[:300] + " ..."
-    return (f"{type(e).__name__}: {text} (unexpected; rerun with --debug for the "
-            "traceback, and report it if it comes from autopar)")
+    rerun = "the traceback is above" if debug else "rerun with --debug for the traceback"
+    return (f"{type(e).__name__}: {text} (unexpected; {rerun}, and report it if it comes "
+            "from autopar)")
 
 
 if __name__ == "__main__":

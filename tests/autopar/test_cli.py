@@ -168,3 +168,11 @@ def test_report_passes_pipeline_and_overlap_to_plan(flags, pipeline, overlap, mo
     else:
         assert got == pipeline
     assert seen["overlap"] is overlap
+
+
+def test_an_unexpected_error_points_to_debug_only_without_it():
+    from autopar.cli import _one_line
+    error = RuntimeError("boom")
+    assert "rerun with --debug" in _one_line(error)
+    assert "rerun with --debug" not in _one_line(error, debug=True)
+    assert "traceback is above" in _one_line(error, debug=True)
