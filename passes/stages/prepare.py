@@ -242,6 +242,13 @@ def _check_operands(stack: split.Stack, per_example) -> tuple[bool, ...]:
                                 "the code before the layer stack").outputs
     consts, carry = states[: stack.num_consts], states[stack.num_consts]
     xs = states[stack.num_consts + 1:]
+    if carry is None:
+        raise PipelineError(
+            "the layer stack's carried activation is computed from no batch argument (one not "
+            "differentiated, whose leading axis is the batch): an argument the loss is "
+            "differentiated by (its `argnums`) counts as parameters, so an input taken a "
+            "gradient of is not split into microbatches. Differentiate by the parameters "
+            "only, or plan with `pipeline=None`.")
     if carry != 0:
         raise PipelineError(
             "the layer stack's carried activation does not have the batch (the leading axis of "

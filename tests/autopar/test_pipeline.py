@@ -517,6 +517,19 @@ def test_a_per_layer_operand_the_layers_never_read_runs_1f1b():
     _close(run(*args)(*args), jax.value_and_grad(loss_fn)(*args))
 
 
+def test_an_input_taken_a_gradient_of_is_named_as_why_no_batch_reaches_the_stack():
+    def loss_fn(params, x, y):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, params)
+        return jnp.mean((h - y) ** 2)
+
+    args = (jnp.ones((4, 16, 16)) / 8, jnp.ones((16, 16)), jnp.zeros((16, 16)))
+    run = _pipelined(autopar.value_and_grad(loss_fn, argnums=(0, 1)),
+                     autopar.Pipeline(schedule="1f1b", microbatches=4),
+                     _mesh({"stage": 4, "data": 2}))
+    with pytest.raises(PipelineError, match=r"computed from no batch argument.*`argnums`"):
+        run(*args)
+
+
 def _loss_with_aux(params, x, y):
     """A plain-jax stack whose loss returns, besides its mean, a sum and a mean over
     examples, an integer count, a per-example array and a value that ignores the batch."""
