@@ -97,9 +97,13 @@ def _mesh_from_json(record) -> Mesh:
     ids = record.get("device_ids")
     if ids is None:
         return as_auto_mesh(dict(zip(names, sizes)))
-    if (not isinstance(ids, list) or not all(map(_is_int, ids))
-            or len(ids) != math.prod(sizes) or len(set(ids)) != len(ids)):
+    if not isinstance(ids, list) or not all(map(_is_int, ids)) or len(set(ids)) != len(ids):
         raise _bad("mesh.device_ids", ids)
+    if len(ids) != math.prod(sizes):
+        raise PlanFormatError(
+            f"the plan's mesh {dict(zip(names, sizes))} has {math.prod(sizes)} devices but "
+            f"names {len(ids)} device ids; a plan written by plan.save(path) never holds both; "
+            "save the plan again")
     devices = {d.id: d for d in jax.devices()}
     missing = [i for i in ids if i not in devices]
     if missing:

@@ -266,6 +266,13 @@ def test_load_of_a_broken_inner_field(tmp_path, saved, where, value):
     assert isinstance(info.value, (PlanFormatError, MeshError))
 
 
+def test_load_of_a_mesh_whose_sizes_disagree_with_its_devices_says_so(tmp_path, saved):
+    doc = json.loads(json.dumps(saved))
+    doc["mesh"]["axis_sizes"] = [4, 4]
+    with pytest.raises(PlanFormatError, match=r"has 16 devices but names 8 device ids"):
+        autopar.Plan.load(_write(tmp_path, doc))
+
+
 def test_load_of_a_folder_or_a_missing_file(tmp_path):
     with pytest.raises(PlanFormatError, match="not a regular file|cannot read"):
         autopar.Plan.load(tmp_path)
