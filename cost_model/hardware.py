@@ -61,7 +61,8 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 names with numpy)
 import numpy as np
 
-from autopar.errors import HardwareWarning, MeshError, ProfileError, UnknownHardwareError
+from autopar.errors import (HardwareWarning, MeshError, ProfileError, UnknownHardwareError,
+                            warn)
 
 __all__ = [
     "PROFILE_FORMAT_VERSION",
@@ -1348,4 +1349,11 @@ def axis_levels(
         fits = profile.axis_fits(axis)
         if fits:
             result[axis] = dataclasses.replace(result[axis], fits=fits)
+    measured = sorted({fit[0] for fit in profile.collective_fits})
+    if measured and not any(profile.axis_fits(axis) for axis in names):
+        warn(f"hardware profile {profile.name!r} measured collectives over mesh axes "
+             f"{', '.join(measured)}, and this mesh's axes ({', '.join(names)}) are none of "
+             "them: its collectives are priced from the profile's link levels instead. Name the "
+             "axes as they were profiled, or profile this mesh (`autopar profile`).",
+             HardwareWarning)
     return result

@@ -112,3 +112,15 @@ def test_fit_recovers_known_parameters_and_refuses_flat_timings():
     assert got_bandwidth == pytest.approx(bandwidth, rel=1e-6)
     with pytest.raises(ProfileError, match="widen the message range"):
         fit_alpha_beta(kind, n, wires, np.full(5, 1e-3) - wires * 1e-11)
+
+
+def test_a_mesh_with_none_of_the_profiled_axes_warns(measured):
+    prof, _ = measured
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    with pytest.warns(autopar.HardwareWarning, match=r"measured collectives over mesh axes "
+                                                     r"data, model.*\(x, y\) are none of them"):
+        axis_levels(jax.make_mesh((2, 4), ("x", "y"), axis_types=auto), prof)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autopar.HardwareWarning)
+        axis_levels(jax.make_mesh((4, 2), ("model", "data"), axis_types=auto), prof)
