@@ -14,11 +14,19 @@ _OWN = tuple(os.path.realpath(os.path.join(os.path.dirname(__file__), d)) + os.s
              for d in ("", "passes", "cost_model"))
 
 
+def _skipped(frame) -> bool:
+    """A frame of autopar's, or of jax's (tracing the user's function, between theirs and
+    autopar's code it calls)."""
+    path = os.path.realpath(frame.f_code.co_filename)
+    return path.startswith(_OWN) or f"{os.sep}jax{os.sep}" in path \
+        or f"{os.sep}jaxlib{os.sep}" in path
+
+
 def warn(message: str, category: type[Warning]) -> None:
-    """``warnings.warn`` attributed to the first caller outside autopar (the user's line),
-    however deep in autopar it is raised."""
+    """``warnings.warn`` attributed to the first caller outside autopar and jax (the user's
+    line), however deep in autopar it is raised."""
     level, frame = 2, sys._getframe(1)
-    while frame is not None and os.path.realpath(frame.f_code.co_filename).startswith(_OWN):
+    while frame is not None and _skipped(frame):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
 
