@@ -746,7 +746,11 @@ class Parallelized:
             return
         self._replan_warned = True
         before = dict(same[-1][2][1])
-        changed = next(((i, before.get(i), v) for i, v in leaves if before.get(i) != v), None)
+        try:
+            changed = next(((i, before.get(i), v) for i, v in leaves
+                            if not before.get(i) == v), None)
+        except Exception:  # noqa: BLE001 (a static leaf whose == is not a bool: not named)
+            changed = None
         where = "" if changed is None else (
             f" (argument leaf {changed[0]}: {changed[1]!r}, now {changed[2]!r})")
         warn(
