@@ -12,13 +12,21 @@ import warnings
 #: in from the repository's top level), for :func:`warn`.
 _OWN = tuple(os.path.realpath(os.path.join(os.path.dirname(__file__), d)) + os.sep
              for d in ("", "passes", "cost_model"))
+_MODELS = os.path.realpath(os.path.join(os.path.dirname(__file__), "models")) + os.sep
+
+
+def autopar_file(path: str, models: bool = True) -> bool:
+    """Whether ``path`` is a file of autopar's code (of its bundled models too, unless
+    ``models`` is False)."""
+    path = os.path.realpath(path)
+    return path.startswith(_OWN) and (models or not path.startswith(_MODELS))
 
 
 def _skipped(frame) -> bool:
     """A frame of autopar's, or of jax's (tracing the user's function, between theirs and
     autopar's code it calls)."""
-    path = os.path.realpath(frame.f_code.co_filename)
-    return path.startswith(_OWN) or f"{os.sep}jax{os.sep}" in path \
+    path = frame.f_code.co_filename
+    return autopar_file(path) or f"{os.sep}jax{os.sep}" in path \
         or f"{os.sep}jaxlib{os.sep}" in path
 
 

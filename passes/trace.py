@@ -24,7 +24,7 @@ from jax.extend.core import primitives as P
 
 from autopar._compat import primitives, scan_counts
 from autopar._mesh import off_explicit_mesh, on_explicit_axes
-from autopar.errors import ArgumentError, AutoparError, TracingError
+from autopar.errors import ArgumentError, AutoparError, TracingError, autopar_file
 from autopar.passes import attention_match
 from autopar.passes.ir import Graph, NodeKind
 from autopar.passes.rules import info_of
@@ -100,10 +100,6 @@ def trace(fn: Callable, args: tuple) -> Traced:
     return from_jaxpr(unwrap_jit(closed), in_tree, out_tree, tuple(out_leaves))
 
 
-_AUTOPAR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_OWN_DIRS = tuple(os.path.realpath(os.path.join(_AUTOPAR_DIR, d)) + os.sep
-                  for d in ("", "passes", "cost_model"))
-_MODELS_DIR = os.path.realpath(os.path.join(_AUTOPAR_DIR, "models")) + os.sep
 _JAX_DIRS = tuple(os.path.dirname(os.path.realpath(m.__file__)) + os.sep for m in (jax, jaxlib))
 
 
@@ -116,7 +112,7 @@ def _autopar_frame(e: BaseException) -> str | None:
         path = os.path.realpath(frame.f_code.co_filename)
         if not path.startswith(_JAX_DIRS):
             last = (path, line)
-    if last is None or not last[0].startswith(_OWN_DIRS) or last[0].startswith(_MODELS_DIR):
+    if last is None or not autopar_file(last[0], models=False):
         return None
     return f"{os.path.basename(last[0])}:{last[1]}"
 
