@@ -29,10 +29,10 @@ from jax.sharding import PartitionSpec as P
 
 from autopar.cost_model.hardware import axis_levels
 from autopar.passes.estimate import by_kind
+from autopar.passes.ir import itemsize
 from autopar.passes.stages import split
 from autopar.passes.stages.prepare import Inner, Post
 from autopar.passes.stages.search import Forward, LayerPlan
-from autopar.passes.ir import itemsize
 from autopar.passes.strategies import wire_itemsize
 
 #: The ILP time limit of one layer's plan (the layer is small; it rarely needs it).

@@ -22,12 +22,16 @@ def autopar_file(path: str, models: bool = True) -> bool:
     return path.startswith(_OWN) and (models or not path.startswith(_MODELS))
 
 
+def jax_file(path: str) -> bool:
+    """Whether ``path`` is a file of jax's or jaxlib's (frames between the user's function
+    and the code of autopar's it calls while jax traces it)."""
+    return f"{os.sep}jax{os.sep}" in path or f"{os.sep}jaxlib{os.sep}" in path
+
+
 def _skipped(frame) -> bool:
-    """A frame of autopar's, or of jax's (tracing the user's function, between theirs and
-    autopar's code it calls)."""
+    """A frame of autopar's or of jax's."""
     path = frame.f_code.co_filename
-    return autopar_file(path) or f"{os.sep}jax{os.sep}" in path \
-        or f"{os.sep}jaxlib{os.sep}" in path
+    return autopar_file(path) or jax_file(path)
 
 
 def warn(message: str, category: type[Warning]) -> None:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jaxlib
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
@@ -24,7 +23,8 @@ from jax.extend.core import primitives as P
 
 from autopar._compat import primitives, scan_counts
 from autopar._mesh import off_explicit_mesh, on_explicit_axes
-from autopar.errors import ArgumentError, AutoparError, TracingError, autopar_file
+from autopar.errors import (ArgumentError, AutoparError, TracingError, autopar_file,
+                            jax_file)
 from autopar.passes import attention_match
 from autopar.passes.ir import Graph, NodeKind
 from autopar.passes.rules import info_of
@@ -100,9 +100,6 @@ def trace(fn: Callable, args: tuple) -> Traced:
     return from_jaxpr(unwrap_jit(closed), in_tree, out_tree, tuple(out_leaves))
 
 
-_JAX_DIRS = tuple(os.path.dirname(os.path.realpath(m.__file__)) + os.sep for m in (jax, jaxlib))
-
-
 def _autopar_frame(e: BaseException) -> str | None:
     """``file:line`` of the innermost frame of ``e``'s traceback outside jax (below the trace
     that caught it), where that frame is autopar's own code (not its bundled models), else
@@ -110,7 +107,7 @@ def _autopar_frame(e: BaseException) -> str | None:
     last = None
     for frame, line in list(traceback.walk_tb(e.__traceback__))[1:]:
         path = os.path.realpath(frame.f_code.co_filename)
-        if not path.startswith(_JAX_DIRS):
+        if not jax_file(path):
             last = (path, line)
     if last is None or not autopar_file(last[0], models=False):
         return None
