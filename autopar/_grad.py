@@ -92,7 +92,9 @@ def _pipelined(fun: Callable, args: tuple, argnums, has_aux: bool, context) -> C
     """``fun`` with the same inputs and outputs, its layer stack pipelined."""
     flat, tree = jax.tree.flatten(args)
     picked = {argnums} if isinstance(argnums, int) else set(argnums)
-    is_param = [i in picked for i, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
+    arg_index = [i for i, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
+    is_param = [i in picked for i in arg_index]
+    _check_batch_argnums(context.settings.batch_argnums, picked, len(args))
     out_tree = []
 
     def flat_fun(*leaves):
@@ -101,8 +103,8 @@ def _pipelined(fun: Callable, args: tuple, argnums, has_aux: bool, context) -> C
         out_tree[:] = [treedef]
         return out_leaves
 
-    prep = prepare.prepare(flat_fun, flat, is_param, context.request(), context.mesh, has_aux,
-                           context.plan_layer, context.plan_post)
+    prep = prepare.prepare(flat_fun, flat, is_param, arg_index, context.request(),
+                           context.mesh, has_aux, context.plan_layer, context.plan_post)
     context.chosen.append(prep.choice())
     run = emit.pipelined(prep, context.mesh)
 
@@ -111,3 +113,23 @@ def _pipelined(fun: Callable, args: tuple, argnums, has_aux: bool, context) -> C
         return jax.tree.unflatten(out_tree[0], list(outs))
 
     return pipelined
+
+
+def _check_batch_argnums(batch_argnums, picked: set[int], n_args: int) -> None:
+    """``Pipeline(batch_argnums=...)`` names positional arguments of the loss that are not
+    differentiated."""
+    if batch_argnums is None:
+        return
+    beyond = [i for i in batch_argnums if i >= n_args]
+    if beyond:
+        raise ArgumentError(
+            f"`Pipeline(batch_argnums={batch_argnums})` names argument {beyond[0]}, but the "
+            f"loss is called with {n_args} positional arguments (numbered from 0); name "
+            "those that hold the batch.")
+    both = sorted(picked & set(batch_argnums))
+    if both:
+        raise ArgumentError(
+            f"`Pipeline(batch_argnums={batch_argnums})` names argument {both[0]}, which the "
+            "loss is differentiated by (its `argnums`); a batch argument is split into "
+            "microbatches and is not differentiated. Name only the arguments that hold the "
+            "batch.")

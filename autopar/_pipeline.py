@@ -38,6 +38,11 @@ class Pipeline:
         microbatches: how many microbatches the batch is split into (must divide it).
         schedule: one of ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``.
         virtual_stages: model chunks per device (``"interleaved"`` only).
+        batch_argnums: which positional arguments of the loss (the function given to
+            ``autopar.value_and_grad``) hold the batch, split into microbatches on their
+            leading axis (an int or a tuple). None (the default): every argument not
+            differentiated whose arrays lead with the batch's size; name them where another
+            argument (a shared table, say) happens to have as many rows.
     """
 
     axis: str = "stage"
@@ -45,6 +50,7 @@ class Pipeline:
     microbatches: int | None = None
     schedule: str | None = None
     virtual_stages: int | None = None
+    batch_argnums: int | tuple[int, ...] | None = None
 
     def __post_init__(self):
         if not isinstance(self.axis, str) or not self.axis:
@@ -56,6 +62,8 @@ class Pipeline:
                                       or value < 1):
                 raise ArgumentError(f"`Pipeline({name}={value!r})` must be a positive integer "
                                     "or None (autopar chooses).")
+        if self.batch_argnums is not None:
+            object.__setattr__(self, "batch_argnums", _argnums(self.batch_argnums))
         if self.schedule is not None and self.schedule not in {s.value for s in Schedule}:
             raise ArgumentError(f"`Pipeline(schedule={self.schedule!r})` is not a schedule; "
                                 f"use one of {_NAMES}, or None (autopar chooses).")
@@ -72,7 +80,24 @@ class Pipeline:
     def request(self) -> StageRequest:
         """The request the stage pass reads."""
         return StageRequest(axis=self.axis, stages=self.stages, microbatches=self.microbatches,
-                            schedule=self.schedule_kind, virtual_stages=self.virtual_stages)
+                            schedule=self.schedule_kind, virtual_stages=self.virtual_stages,
+                            batch_argnums=self.batch_argnums)
+
+
+def _argnums(value) -> tuple[int, ...]:
+    """``batch_argnums`` as a sorted tuple of distinct argument positions."""
+    items = (value,) if isinstance(value, int) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        items = (None,)
+    if not items or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                            for i in items):
+        raise ArgumentError(
+            f"`Pipeline(batch_argnums={value!r})` must be the position of a positional argument "
+            "of the loss, or a tuple of them (non-negative integers), for example "
+            "`batch_argnums=(1, 2)`.")
+    return tuple(sorted(set(items)))
 
 
 @dataclass(eq=False)  # hashed by identity: it keys jax's trace caches (see _TRACE_KEY)

@@ -107,6 +107,12 @@ MSG_MIXES = (
     "computed from the batch, an op that indexes across examples). Compute it per example, "
     "or {fix}."
 )
+MSG_ON_SUM = (
+    "`{op}` acts on a sum over the batch's examples in {where} (a division by a count or a "
+    "total weight computed from the batch, say), so the loss is not a fixed weighted sum over "
+    "examples and splitting the batch into microbatches would change it. Divide by a constant "
+    "(a static batch size), or {fix}."
+)
 #: MSG_MIXES's other fix: in the layers no schedule microbatches exactly; in the loss GPipe
 #: does (it computes the loss on the whole batch).
 FIX_IN_LAYERS = "plan without a pipeline (`pipeline=None`)"
@@ -183,8 +189,13 @@ def _eqn(eqn, states, result: Analysis, where: str) -> list:
             result.n_terms += 1
             return [BatchSum(((result.n_terms - 1, 1.0),))]
         fix = FIX_IN_LAYERS if result.mode is Mode.BODY else FIX_IN_LOSS
-        raise PipelineError(MSG_MIXES.format(op=name, where=where, fix=fix)) from None
+        raise MixesError(MSG_MIXES.format(op=name, where=where, fix=fix)) from None
     return [out] * n_out
+
+
+class MixesError(PipelineError):
+    """A refusal because the code mixes examples (:data:`MSG_MIXES`, :data:`MSG_ON_SUM`); the
+    stage pass adds which arguments it took for the batch."""
 
 
 class _Mixes(Exception):
@@ -342,7 +353,7 @@ def _batch_sum(eqn, states, result: Analysis, where: str) -> BatchSum:
     """Rules for an equation with a batch-sum operand (mode LOSS only produces them)."""
     name = eqn.primitive.name
     sums = [s for s in states if isinstance(s, BatchSum)]
-    fail = PipelineError(MSG_MIXES.format(op=name, where=where, fix=FIX_IN_LOSS))
+    fail = MixesError(MSG_ON_SUM.format(op=name, where=where, fix=FIX_IN_LOSS))
     if name not in _SCALE_OPS:
         raise fail
     if name in ("add", "sub"):

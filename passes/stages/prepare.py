@@ -8,9 +8,10 @@ schedules that compute the loss per microbatch) the loss is a fixed sum over exa
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import jax
@@ -35,6 +36,7 @@ class StageRequest:
     schedule: Schedule | None = None
     activation_budget_bytes: float | None = None  # per device, for the search's activations
     virtual_stages: int | None = None             # interleaved only
+    batch_argnums: tuple[int, ...] | None = None  # the loss's batch arguments; None: inferred
 
 
 class Aux(enum.Enum):
@@ -145,13 +147,14 @@ class Prepared:
             inner=self.inner, post=self.post)
 
 
-def prepare(fun: Callable, flat_args, is_param: list[bool], request: StageRequest, mesh,
-            has_aux: bool,
+def prepare(fun: Callable, flat_args, is_param: list[bool], arg_index: list[int],
+            request: StageRequest, mesh, has_aux: bool,
             plan_layer: Callable[[split.Stack], search.LayerPlan] | None = None,
             plan_post: Callable[[split.Stack, tuple[bool, ...]], Post] | None = None
             ) -> Prepared:
     """Check ``fun`` (a function of ``flat_args``) and the request against ``mesh``, and
-    settle what the request left open: with ``plan_layer`` (one layer traced on one
+    settle what the request left open (``arg_index``: the loss's positional argument each
+    of ``flat_args`` is a leaf of, for ``request.batch_argnums``): with ``plan_layer`` (one layer traced on one
     microbatch -> its plan over the other mesh axes), by the stage search (:mod:`.search`);
     without, the default microbatch count and 1f1b where it is exact. ``plan_post`` (the
     code after the stack traced on one microbatch -> its plan over the other mesh axes) plans
@@ -168,8 +171,15 @@ def prepare(fun: Callable, flat_args, is_param: list[bool], request: StageReques
             "or leave it None.")
     full = split.find_stack(split.trace(fun, flat_args), is_param)
     batch = _batch_size(full)
-    per_example = tuple(not p and np.ndim(a) >= 1 and np.shape(a)[0] == batch
-                        for a, p in zip(flat_args, is_param, strict=True))
+    per_example = _per_example(flat_args, is_param, arg_index, request.batch_argnums, batch)
+    with _naming_batch(per_example, arg_index, request.batch_argnums, batch):
+        return _settled(fun, flat_args, is_param, request, stages, has_aux, plan_layer,
+                        plan_post, full, batch, per_example)
+
+
+def _settled(fun, flat_args, is_param, request, stages, has_aux, plan_layer, plan_post, full,
+             batch, per_example) -> Prepared:
+    """:func:`prepare` once the stack and the batch arguments are found."""
     batch_consts = _check_operands(full, per_example)
     if full.layers < stages:
         raise PipelineError(
@@ -223,6 +233,44 @@ def prepare(fun: Callable, flat_args, is_param: list[bool], request: StageReques
                     axis=request.axis, stages=stages, microbatches=chosen.microbatches,
                     schedule=chosen.schedule, loss_weight=weight, virtual_stages=virtual,
                     priced=chosen, post=post, batch_consts=batch_consts, aux=aux)
+
+
+def _per_example(flat_args, is_param, arg_index, batch_argnums, batch: int
+                 ) -> tuple[bool, ...]:
+    """Per flat input, whether it is a batch argument's leaf (split into microbatches on its
+    leading axis): a leaf of ``batch_argnums``, which must lead with the batch, or without
+    them every leaf not differentiated whose leading axis has the batch's size."""
+    if batch_argnums is None:
+        return tuple(not p and np.ndim(a) >= 1 and np.shape(a)[0] == batch
+                     for a, p in zip(flat_args, is_param, strict=True))
+    for a, i in zip(flat_args, arg_index, strict=True):
+        if i in batch_argnums and (np.ndim(a) < 1 or np.shape(a)[0] != batch):
+            raise PipelineError(
+                f"`Pipeline(batch_argnums={batch_argnums})` names argument {i} of the loss, "
+                f"which holds an array of shape {tuple(np.shape(a))}: a batch argument's arrays "
+                f"lead with the batch ({batch} examples, the layer stack's carried "
+                "activation's leading size). Name only the arguments that hold the batch.")
+    return tuple(i in batch_argnums for i in arg_index)
+
+
+@contextlib.contextmanager
+def _naming_batch(per_example, arg_index, batch_argnums, batch: int) -> Iterator[None]:
+    """Without ``batch_argnums``, a refusal because the code mixes examples also names the
+    arguments taken for the batch by their size (one may be a table with as many rows), and
+    ``batch_argnums``."""
+    try:
+        yield
+    except batch_axes.MixesError as e:
+        if batch_argnums is not None:
+            raise
+        taken = ", ".join(str(i) for i in sorted({i for i, p in zip(arg_index, per_example,
+                                                                   strict=True) if p}))
+        raise PipelineError(
+            f"{e} autopar split arguments {taken} of the loss into microbatches: each argument "
+            f"not differentiated whose arrays lead with {batch} rows (the batch's size) is "
+            "taken for a batch argument. If one of them is not (a table shared by every "
+            "example, say), name the batch arguments: `autopar.Pipeline(batch_argnums=...)`."
+        ) from None
 
 
 def _batch_size(stack: split.Stack) -> int:

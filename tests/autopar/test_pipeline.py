@@ -99,6 +99,9 @@ def test_outside_a_pipeline_value_and_grad_is_jax_s():
     (dict(stages=True), "stages=True"),
     (dict(axis=""), "mesh axis name"),
     (dict(schedule="1f1b", virtual_stages=2), "interleaved"),
+    (dict(batch_argnums=-1), "batch_argnums=-1.*non-negative"),
+    (dict(batch_argnums=()), "batch_argnums=\\(\\)"),
+    (dict(batch_argnums="x"), "batch_argnums='x'"),
 ])
 def test_pipeline_settings_are_validated(kwargs, match):
     with pytest.raises(ArgumentError, match=match):
@@ -455,7 +458,7 @@ def _weighted_loss(config):
 
 
 def test_a_loss_normalized_by_a_batch_count_is_refused_by_1f1b():
-    with pytest.raises(PipelineError, match="`max` mixes examples"):
+    with pytest.raises(PipelineError, match="`max` acts on a sum over the batch's examples"):
         _trace(CONFIG, autopar.Pipeline(schedule="1f1b"), loss_fn=_weighted_loss(CONFIG))
 
 
@@ -515,6 +518,46 @@ def test_a_per_layer_operand_the_layers_never_read_runs_1f1b():
                      autopar.Pipeline(schedule="1f1b", microbatches=4),
                      _mesh({"stage": 4, "data": 2}), "1f1b")
     _close(run(*args)(*args), jax.value_and_grad(loss_fn)(*args))
+
+
+def _table_loss(params, x, y, table):
+    """A plain-jax stack that reads row 0 of a table shared by every example."""
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w + table[:1]), None), x, params["layers"])
+    return jnp.mean((h @ params["head"] - y) ** 2)
+
+
+def test_a_shared_table_with_the_batch_s_rows_is_named_by_batch_argnums():
+    """A table as long as the batch is taken for a batch argument, and the refusal says so;
+    ``batch_argnums`` names the batch and the step matches one device."""
+    rng = np.random.default_rng(0)
+    args = ({"layers": jnp.asarray(rng.normal(0, 0.2, (4, 16, 16)), jnp.float32),
+             "head": jnp.asarray(rng.normal(0, 0.1, (16, 4)), jnp.float32)},
+            jnp.asarray(rng.normal(size=(16, 16)), jnp.float32), jnp.zeros((16, 4)),
+            jnp.asarray(rng.normal(size=(16, 16)), jnp.float32))
+    mesh = _mesh({"stage": 4, "data": 2})
+    step = autopar.value_and_grad(_table_loss)
+    inferred = _pipelined(step, autopar.Pipeline(schedule="1f1b", microbatches=4), mesh)
+    with pytest.raises(PipelineError, match=r"`slice` mixes examples.*split arguments 1, 2, 3 "
+                                            r"of the loss.*batch_argnums"):
+        inferred(*args)
+    named = _pipelined(step, autopar.Pipeline(schedule="1f1b", microbatches=4,
+                                              batch_argnums=(1, 2)), mesh, "1f1b")
+    _close(named(*args)(*args), jax.value_and_grad(_table_loss)(*args))
+
+
+@pytest.mark.parametrize("batch_argnums, error, match", [
+    (4, ArgumentError, "names argument 4, but the loss is called with 4 positional"),
+    ((0, 1), ArgumentError, "argument 0, which the loss is differentiated by"),
+    (3, PipelineError, r"argument 3 of the loss, which holds an array of shape \(8, 16\)"),
+])
+def test_batch_argnums_that_name_no_batch_are_refused(batch_argnums, error, match):
+    args = ({"layers": jnp.ones((4, 16, 16)) / 16, "head": jnp.ones((16, 4))},
+            jnp.ones((16, 16)), jnp.zeros((16, 4)), jnp.ones((8, 16)))
+    run = _pipelined(autopar.value_and_grad(_table_loss),
+                     autopar.Pipeline(microbatches=4, batch_argnums=batch_argnums),
+                     _mesh({"stage": 4, "data": 2}))
+    with pytest.raises(error, match=match):
+        run(*args)
 
 
 def test_an_input_taken_a_gradient_of_is_named_as_why_no_batch_reaches_the_stack():
