@@ -108,10 +108,11 @@ MSG_MIXES = (
     "or {fix}."
 )
 MSG_ON_SUM = (
-    "`{op}` acts on a sum over the batch's examples in {where} (a division by a count or a "
-    "total weight computed from the batch, say), so the loss is not a fixed weighted sum over "
-    "examples and splitting the batch into microbatches would change it. Divide by a constant "
-    "(a static batch size), or {fix}."
+    "`{op}` acts on a sum over the batch's examples in {where} other than by scaling it by a "
+    "constant or adding another such sum (a division by a count or a total weight computed "
+    "from the batch, batch statistics, a constant term), so the loss is not a fixed weighted "
+    "sum over examples and splitting the batch into microbatches would change it. Scale sums "
+    "over examples by constants only (a static batch size), or {fix}."
 )
 #: MSG_MIXES's other fix: in the layers no schedule microbatches exactly; in the loss GPipe
 #: does (it computes the loss on the whole batch).
