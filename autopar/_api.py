@@ -66,14 +66,10 @@ def _paths_of(tree) -> tuple[str, ...]:
 
 
 def _state_ties(traced) -> list[tuple[int, int]]:
-    """Outputs that replace an input (same path in the result as in the arguments, same shape
-    and dtype), such as new parameters and optimizer state: they keep the input's sharding."""
-    ins = {p: (i, a) for i, (p, a) in enumerate(zip(_paths(traced.in_tree), traced.in_avals))}
-    ties = []
-    for o, (p, a) in enumerate(zip(_paths(traced.out_tree), traced.out_avals)):
-        if p in ins and (ins[p][1].shape, ins[p][1].dtype) == (a.shape, a.dtype):
-            ties.append((o, ins[p][0]))
-    return ties
+    """Outputs that replace an input (:func:`autopar._axis_roles.state_ties`): they keep the
+    input's sharding."""
+    return _axis_roles.state_ties(list(zip(_paths(traced.in_tree), traced.in_avals)),
+                                  list(zip(_paths(traced.out_tree), traced.out_avals)))
 
 
 def _baseline_seeds(example_args, jax_mesh, sizes):
@@ -201,7 +197,8 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         a solve first, the best plan found so far is kept and a ``SolverFallbackWarning``
         says the plan may depend on the machine.
       tie_state: results that replace an argument (same pytree path, shape and dtype, such as
-        new parameters) keep that argument's sharding.
+        new parameters; or, where no result sits at an argument's path, the first argument's
+        path inside it, as ``state = step(state)`` returns) keep that argument's sharding.
       axis_level_overrides: e.g. ``{"data": "dcn"}``: which interconnect a mesh axis crosses.
       baseline_seeds: also plan by propagation from each hand-written baseline's input
         shardings that applies (data parallel, FSDP, Megatron, expert parallel; see

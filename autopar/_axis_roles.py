@@ -69,6 +69,28 @@ def roles(axis_names: Sequence[str], batch_axes=None) -> AxisRoles:
     return AxisRoles(given, tuple(a for a in axis_names if a not in given), True)
 
 
+def state_ties(ins: Sequence[tuple[str, object]], outs: Sequence[tuple[str, object]]
+               ) -> list[tuple[int, int]]:
+    """(output, input) index pairs of the results that replace an argument, such as new
+    parameters and optimizer state; ``ins`` and ``outs``: each leaf's key path and value
+    (anything with a shape and a dtype). A result replaces the argument at its own path with
+    its shape and dtype: ``(state, loss) = step(state, batch)``. Where no result sits at an
+    argument's path, the step returns its first argument's new value, alone or in a structure
+    of its own: a result at ``['w']`` (or a bare array) replaces ``[0]['w']`` (``[0]``), as in
+    ``state = step(state)`` and ``params = update(params, grads)``."""
+    by_path = {p: (i, a) for i, (p, a) in enumerate(ins)}
+
+    def ties_at(prefix: str) -> list[tuple[int, int]]:
+        found = []
+        for o, (p, a) in enumerate(outs):
+            i, b = by_path.get(prefix + p, (None, None))
+            if i is not None and (tuple(b.shape), b.dtype) == (tuple(a.shape), a.dtype):
+                found.append((o, i))
+        return found
+
+    return ties_at("") or ties_at("[0]")
+
+
 def batch_leaves(traced, ties: Sequence[tuple[int, int]]) -> list[int]:
     """Flat input indices of the batch: the leaves (rank >= 1) of every argument after the
     first that no result replaces (``ties``: (output, input) pairs; new parameters and

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from autopar._axis_roles import state_ties
 from autopar._cache import dtype_name
 from autopar._layers import flat_donation
 from autopar._plan import Plan, in_sharding
@@ -159,12 +160,10 @@ class Program:
         self.compiled_once = False
         # Leaves no result replaces (the batch): a host array there stays one (as_planned).
         graph = plan._details[0]
-        out_shapes = [tuple(graph.values[graph.nodes[n].ins[0]].shape)
-                      for n in graph.output_nodes]
-        replaced = set(zip(plan.out_paths, out_shapes))
-        self.host_ok = frozenset(i for i, (p, a) in enumerate(zip(plan.in_paths,
-                                                                   plan._arg_avals))
-                                 if (p, tuple(a.shape)) not in replaced)
+        outs = [graph.values[graph.nodes[n].ins[0]] for n in graph.output_nodes]
+        replaced = {i for _, i in state_ties(list(zip(plan.in_paths, plan._arg_avals)),
+                                             list(zip(plan.out_paths, outs)))}
+        self.host_ok = frozenset(range(len(plan.in_paths))) - replaced
 
     def fast(self, leaves: list):
         """Run on ``leaves`` of the planned tree, placed as the first call placed them

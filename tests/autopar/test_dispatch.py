@@ -105,6 +105,34 @@ def test_fresh_jax_arrays_and_python_ints_compile_once(caplog):
         assert int(state[1]) == 3
 
 
+def _decay(state):
+    return {"w": jnp.tanh(state["w"] @ state["w"].T)[:, :8] * 0.5, "b": state["b"] + 1.0}
+
+
+@pytest.mark.parametrize("fn, state", [
+    (_decay, {"w": np.ones((16, 8), np.float32), "b": np.zeros((16,), np.float32)}),
+    (lambda x: jnp.tanh(x @ x.T)[:, :8], np.ones((16, 8), np.float32)),
+])
+def test_a_step_that_returns_its_one_argument_keeps_its_sharding_and_compiles_once(
+        caplog, fn, state):
+    """``state = step(state)`` returns the state alone, at paths without the argument's
+    ``[0]``: each result replaces its argument, so it keeps the argument's sharding and a host
+    state fed back as jax arrays compiles once."""
+    plan = autopar.plan(fn, state, mesh={"data": 8}, verbose=False)
+    assert (jax.tree.leaves(plan.out_shardings) == jax.tree.leaves(plan.in_shardings))
+    step = autopar.parallelize(fn, mesh={"data": 8}, verbose=False)
+    want = state
+    for _ in range(3):
+        want = fn(want)
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        for _ in range(3):
+            state = step(state)
+    compiles = [r for r in caplog.records if r.getMessage().startswith("Compiling jit(")]
+    assert len(compiles) == 1, [r.getMessage()[:80] for r in compiles]
+    for got, expected in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
+        np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
 def test_a_float_that_changes_every_call_warns_on_the_third_plan():
     """A Python float is static: a scheduled learning rate plans each step again; the third
     plan of the same arrays says so, once, naming the leaf."""
