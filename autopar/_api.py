@@ -767,6 +767,10 @@ class Parallelized:
             full.update(zip(dynamic_pos, jax.tree_util.tree_unflatten(split.tree, leaves)))
             return fn(*(full[i] for i in range(n_args)), **dict(static_kw))
         bound.__name__ = bound.__qualname__ = getattr(fn, "__name__", "fn")  # its errors
+        # jax's errors name the file and line of inspect.unwrap(fun): fn's, not this wrapper's;
+        # the signature stays bound's own (plan() checks the arguments against it)
+        bound.__signature__ = inspect.signature(bound)
+        bound.__wrapped__ = fn
 
         p = self._plan(bound, split.dynamic_tree(), (static, static_kw), sig)
         donate = tuple(dynamic_pos.index(i) for i in self._donate_argnums if i in dynamic_pos)

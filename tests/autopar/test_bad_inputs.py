@@ -477,7 +477,8 @@ def _returns_text(w, x):
     (lambda: autopar.plan(_returns_text, *ARGS, mesh=MESH), "`_returns_text`.*str"),
     (lambda: autopar.plan(fn, ARGS[0], mesh=MESH), "`fn`.*missing 1 required"),
     (lambda: autopar.plan(fn, ARGS[0], jnp.ones((8, 15)), mesh=MESH), "`fn`.*dot_general"),
-    (lambda: autopar.parallelize(_returns_text, mesh=MESH)(*ARGS), "`_returns_text`.*str"),
+    (lambda: autopar.parallelize(_returns_text, mesh=MESH)(*ARGS),
+     r"`_returns_text`.*_returns_text at .*test_bad_inputs\.py:\d+.*str"),
 ])
 def test_a_function_that_fails_to_trace_is_named(call, words):
     """The user's own error comes out as a TracingError naming their function, with their
