@@ -37,7 +37,7 @@ from autopar.passes.estimate import estimate, plan_collectives
 from autopar.cost_model.hardware import axis_levels, get_profile
 from autopar.cost_model.hlo import program_peak_bytes
 from autopar.passes.annotate import flatten_hints, to_spec
-from autopar.passes.attention import STRATEGIES as ATTENTION_STRATEGIES
+from autopar.passes.attention import parse_strategy as parse_attention
 from autopar.passes.backend_options import as_options, choose
 from autopar.passes.sequence_parallel import attention_labels
 from autopar.passes.emit import compiler_option_notes
@@ -106,10 +106,8 @@ def _baseline_seeds(example_args, jax_mesh, sizes):
 
 
 def _attention_option(attention):
-    if attention is not None and attention not in ATTENTION_STRATEGIES:
-        raise ArgumentError(f"`attention={attention!r}` is not an attention strategy; use one "
-                            f"of {', '.join(map(repr, ATTENTION_STRATEGIES))} or None "
-                            "(autopar chooses per layer).")
+    if attention is not None:
+        parse_attention(attention, "attention")
     return attention
 
 
@@ -251,8 +249,10 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         the batch, with a ``note`` when the plan splits it over other axes.
       attention: how every attention node is split (``autopar.attention``, or attention
         autopar recognizes; see ``docs/context_parallel.md``): ``"ulysses"``, ``"ring"``,
-        ``"heads"``, ``"batch"`` or ``"replicated"``; None (the default): the ILP chooses per
-        layer. ``ArgumentError`` when the shapes or the mesh cannot take the one asked.
+        ``"heads"``, ``"batch"`` or ``"replicated"``, over axes the ILP chooses; with the
+        mesh axes named as the report writes them, over those: ``"ring(seq)"``,
+        ``"ulysses(seq) + ring(data)"``. None (the default): the ILP chooses per layer.
+        ``ArgumentError`` when the shapes or the mesh cannot take the one asked.
       exportable: True: a plan whose program is the one plain ``jax.jit(fn,
         in_shardings=plan.in_shardings, out_shardings=plan.out_shardings)`` compiles (XLA's
         propagation decides every intermediate value), so ``plan.to_python`` takes it home

@@ -206,5 +206,7 @@ def check(graph, strats, choice, leaves: Sequence[int], axis_roles: AxisRoles,
         out["note"] = (f"the batch is split over {on}, {how} {names} as the axis names "
                        f"say: predicted faster (batch_axes=({keep},) pins the inputs' batch there)")
     elif axis_roles.batch and not split and math.prod(sizes[a] for a in axis_roles.batch) > 1:
-        out["note"] = "the batch is not split: replicated work is predicted faster"
+        names = ", ".join(f"`{a}`" for a in axis_roles.batch)
+        out["note"] = (f"the batch is not split over {names} as the axis names say: the plan "
+                       "gives those axes other work, or replicates, as predicted faster")
     return out

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,40 @@ from autopar.errors import ArgumentError
 
 #: Strategies :func:`attention` (``strategy=``) and ``autopar.plan(attention=...)`` may force.
 STRATEGIES = ("ulysses", "ring", "heads", "batch", "replicated")
+#: A strategy's spelling: kinds joined by "+", each with the mesh axes it runs over if named.
+STRATEGY_SYNTAX = ('"ulysses", "ring", "heads", "batch" or "replicated"; with the mesh axes '
+                   'named, as the report writes them: "ring(seq)", "ulysses(seq) + ring(data)"')
+
+
+def parse_strategy(text: str, name: str = "strategy") -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``text`` (a forced attention strategy, the argument ``name``) as its terms: (kind, the
+    mesh axes named for it, empty when none). ``"ring"``: a ring over an axis autopar
+    chooses; ``"ring(seq)"``: over ``seq``; ``"ulysses(a,b) + ring(c)"``: both. ArgumentError
+    where it does not read."""
+    def bad(why: str) -> ArgumentError:
+        return ArgumentError(f"`{name}={text!r}` is not an attention strategy ({why}); use "
+                             f"{STRATEGY_SYNTAX}, or None (autopar chooses).")
+
+    if not isinstance(text, str):
+        raise bad(f"a {type(text).__name__}, not a string")
+    terms, seen = [], set()
+    for part in text.split("+"):
+        match = re.fullmatch(r"\s*(\w+)\s*(?:\(([^()]*)\))?\s*", part)
+        if match is None or match[1] not in STRATEGIES:
+            raise bad(f"`{part.strip()}` names no strategy")
+        kind = match[1]
+        axes = tuple(a.strip() for a in match[2].split(",")) if match[2] is not None else ()
+        if match[2] is not None and not all(axes):
+            raise bad(f"`{part.strip()}` names an empty axis")
+        if kind == "ring" and len(axes) > 1:
+            raise bad("a ring runs over one mesh axis")
+        if kind == "replicated" and (axes or text.count("+")):
+            raise bad("`replicated` takes no axes and no other kind")
+        if kind in seen or seen & set(axes):
+            raise bad(f"`{part.strip()}` repeats a kind or an axis")
+        seen |= {kind, *axes}
+        terms.append((kind, axes))
+    return tuple(terms)
 #: At most this many keys per block of the kernels' online softmax.
 BLOCK_K = 8192
 #: At most this many float32 scores per block (batch x heads x block x block): 512 MiB.
@@ -313,7 +348,8 @@ def attention(q, k, v, kv_mask=None, *, causal: bool = False, scale: float | Non
         causal: query ``i`` attends keys ``j <= i`` (``q`` and ``k`` of one length).
         scale: the scores' factor (default ``1 / sqrt(head_dim)``).
         strategy: force how autopar splits it: ``"ulysses"``, ``"ring"``, ``"heads"``,
-            ``"batch"`` or ``"replicated"`` (None: the planner chooses; see
+            ``"batch"`` or ``"replicated"``, or with the mesh axes named, ``"ring(seq)"``,
+            ``"ulysses(seq) + ring(data)"`` (None: the planner chooses; see
             ``docs/context_parallel.md``).
 
     Returns:
@@ -369,9 +405,8 @@ def _check(q, k, v, kv_mask, causal, strategy) -> None:
             f"may be attended; got {kv_mask.dtype}{list(kv_mask.shape)}. From an additive mask "
             "(0 to keep, a large negative number to drop), pass `mask == 0`; from a 1/0 mask, "
             "`mask > 0`.")
-    if strategy is not None and strategy not in STRATEGIES:
-        raise ArgumentError(f"`strategy={strategy!r}` is not an attention strategy; use one of "
-                            f"{', '.join(map(repr, STRATEGIES))} or None (autopar chooses).")
+    if strategy is not None:
+        parse_strategy(strategy)
 
 
 def reference(q, k, v, kv_mask=None, *, causal: bool = False, scale: float | None = None):

@@ -68,13 +68,26 @@ def _allowed(roles: tuple[str, ...]) -> bool:
     return roles.count(_G) <= 1 and not (_U in roles and _H in roles)
 
 
-def _forced(roles: tuple[str, ...], forced: str | None) -> bool:
-    if forced is None:
-        return True
-    return {"ulysses": _U in roles, "ring": _G in roles,
-            "heads": _H in roles and not set(roles) & {_U, _G},
-            "batch": set(roles) <= {_B, _R} and _B in roles,
-            "replicated": set(roles) == {_R}}[forced]
+_ROLE = {"ulysses": _U, "ring": _G, "heads": _H, "batch": _B}
+#: A kind forced alone, without axes: the roles it allows.
+_ALONE = {"ulysses": lambda roles: _U in roles, "ring": lambda roles: _G in roles,
+          "heads": lambda roles: _H in roles and not set(roles) & {_U, _G},
+          "batch": lambda roles: set(roles) <= {_B, _R} and _B in roles,
+          "replicated": lambda roles: set(roles) == {_R}}
+
+
+def _forced(by_axis: dict[str, str], forced) -> bool:
+    """Whether the roles hold every term of ``forced`` (:func:`attention.parse_strategy`):
+    with axes named, exactly those axes take the kind's role; a kind alone without axes
+    allows what :data:`_ALONE` says, one of several is present."""
+    roles = tuple(by_axis.values())
+    for kind, axes in forced:
+        if axes:
+            if {a for a, r in by_axis.items() if r == _ROLE[kind]} != set(axes):
+                return False
+        elif not (_ALONE[kind](roles) if len(forced) == 1 else _ROLE[kind] in roles):
+            return False
+    return True
 
 
 def _specs(roles: dict[str, str], backward: bool):
@@ -96,13 +109,15 @@ def attention_strategies(node, graph, mesh: MeshContext) -> list[Strategy]:
     forced strategy (the node's ``strategy`` or the plan's ``attention``) when one is."""
     shape = _shape(node, mesh)
     forced = node.params.get("strategy") or mesh.attention
+    per_call = bool(node.params.get("strategy"))
+    terms = _terms(forced, mesh.axis_names, per_call)
     sizes = dict(mesh.axis_sizes)
     dtype = node.in_avals[0][1]
     out = []
     for roles in itertools.product((_R, _B, _H, _U, _G), repeat=len(mesh.axis_names)):
-        if not (_allowed(roles) and _forced(roles, forced)):
-            continue
         by_axis = dict(zip(mesh.axis_names, roles))
+        if not (_allowed(roles) and _forced(by_axis, terms)):
+            continue
         split = _split(by_axis, sizes)
         if not split_work_exact(shape, split) or any(
                 sizes[a] == 1 and r != _R for a, r in by_axis.items()):
@@ -116,9 +131,22 @@ def attention_strategies(node, graph, mesh: MeshContext) -> list[Strategy]:
                             sum(c.time_s(mesh.levels) for c in cost.collectives),
                             cost.collectives, rewrite, cost.scratch_bytes))
     if not out:
-        raise ArgumentError(_no_strategy_message(shape, forced, sizes,
-                                                 per_call=bool(node.params.get("strategy"))))
+        raise ArgumentError(_no_strategy_message(shape, forced, terms, sizes, per_call))
     return out
+
+
+def _terms(forced: str | None, axis_names, per_call: bool) -> tuple:
+    """``forced`` read (:func:`attention.parse_strategy`), its axes checked against the
+    mesh's."""
+    if forced is None:
+        return ()
+    name = "strategy" if per_call else "attention"
+    terms = attn.parse_strategy(forced, name)
+    unknown = [a for _, axes in terms for a in axes if a not in axis_names]
+    if unknown:
+        raise ArgumentError(f"`{name}={forced!r}` names mesh axis `{unknown[0]}`, which the mesh "
+                            f"lacks (its axes: {', '.join(axis_names)}); name one of them.")
+    return terms
 
 
 def _kernel_block(shape: AttentionShape, split: AttentionSplit) -> int:
@@ -142,21 +170,26 @@ def _rewrite(split: AttentionSplit, manual: tuple[str, ...], batch: tuple[str, .
                                   ("batch", batch), ("heads", heads)))
 
 
-def _no_strategy_message(shape: AttentionShape, forced, sizes, per_call: bool) -> str:
+def _no_strategy_message(shape: AttentionShape, forced: str, terms, sizes,
+                         per_call: bool) -> str:
     """Why no strategy of the ``forced`` kind fits, and the fix for that reason: the
-    sequence's length where an axis does not divide it, else the kind's own constraint
-    (``per_call``: forced by ``autopar.attention(strategy=...)``, else by the plan's
-    ``attention=``)."""
+    sequence's length where an axis (one named, if any are) does not divide it, else the
+    kind's own constraint (``per_call``: forced by ``autopar.attention(strategy=...)``, else
+    by the plan's ``attention=``)."""
     asked = "strategy" if per_call else "attention"
+    kind = terms[0][0] if len(terms) == 1 else None
+    named = {a for _, axes in terms for a in axes}
     why, seq_short = [], False
     for axis, n in sizes.items():
+        if named and axis not in named:
+            continue
         if shape.seq % n:
             seq_short = True
             why.append(f"the sequence length {shape.seq} is not a multiple of mesh axis "
                        f"`{axis}` ({n})")
-        elif forced in ("ulysses", "heads") and shape.kv_heads % n:
+        elif kind in ("ulysses", "heads") and shape.kv_heads % n:
             why.append(f"mesh axis `{axis}` ({n}) does not divide the {shape.kv_heads} kv heads")
-        elif forced == "batch" and shape.batch % n:
+        elif kind == "batch" and shape.batch % n:
             why.append(f"mesh axis `{axis}` ({n}) does not divide the batch {shape.batch}")
     if seq_short:
         fix = "pad the sequence to a multiple of the axis size"
@@ -165,7 +198,7 @@ def _no_strategy_message(shape: AttentionShape, forced, sizes, per_call: bool) -
                           "mesh axis that divides the kv heads",
                "heads": f"use a mesh axis that divides the kv heads, or `{asked}=\"ring\"`",
                "batch": f"use a batch the mesh axis divides, or `{asked}=\"ring\"`"}.get(
-            forced, "choose another strategy")
+            kind, "choose another strategy")
     return (f"no `{forced}` attention strategy fits q [batch={shape.batch}, seq={shape.seq}, "
             f"heads={shape.heads}] with {shape.kv_heads} kv heads on mesh {sizes}: "
             f"{'; '.join(why) or 'no axis can take it'}. Fix: {fix}, or leave the strategy to "

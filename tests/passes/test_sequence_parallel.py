@@ -162,6 +162,45 @@ def test_a_ulysses_group_of_several_axes_equals_plain_attention(shape, ulysses, 
     _close(jax.jit(sequence_parallel.backward_region(reg))(q, k, v, mask, o, lse, w), vjp(w))
 
 
+@pytest.mark.parametrize("attention, want", [
+    ("ring(seq)", ["ring(seq)"]),
+    ("ulysses(seq) + ring(data)", ["ulysses(seq)", "ring(data)"]),
+    ("ring(data) + heads(seq)", ["ring(data)", "heads(seq)"]),
+])
+def test_attention_forced_over_named_axes_runs_there_and_equals_one_device(attention, want,
+                                                                            monkeypatch):
+    """``attention=`` in the report's spelling puts each kind on the axes it names (Ulysses
+    inside a ring among them) and the step computes what one device computes."""
+    monkeypatch.setattr(attn, "BLOCK_K", 32)
+    loss, params, x = _projected_loss(2, 256, 4, 2, True, _padding(2, 256))
+
+    def step(p, x):
+        return autopar.value_and_grad(loss)(p, x)
+
+    plan = autopar.plan(step, params, x, mesh={"data": 2, "seq": 4}, attention=attention,
+                        pipeline=None)
+    for label in plan.stats["attention"]:
+        assert all(w in label for w in want), (label, want)
+    if "ring(data)" in want:   # `data` carries the sequence, not the batch its name suggests
+        assert "gives those axes other work" in plan.stats["axis_roles"]["note"]
+    _close(plan.jit()(params, x), jax.jit(jax.value_and_grad(loss))(params, x))
+
+
+@pytest.mark.parametrize("attention, match", [
+    ("ring(data,seq)", "a ring runs over one mesh axis"),
+    ("ring + replicated", "`replicated` takes no axes and no other kind"),
+    ("ring(seq) + ulysses(seq)", "repeats a kind or an axis"),
+    ("ring(", "`ring\\(` names no strategy"),
+    ("ring()", "names an empty axis"),
+    ("ring(cp)", "names mesh axis `cp`, which the mesh lacks"),
+])
+def test_attention_over_named_axes_that_cannot_be_is_refused(attention, match):
+    step, args = _abstract_step(1024, heads=8, kv_heads=8)
+    with pytest.raises(autopar.ArgumentError, match=match):
+        autopar.plan(step, *args, mesh={"data": 2, "seq": 4}, attention=attention,
+                     pipeline=None)
+
+
 def test_the_long_context_llama_on_2x4_splits_attention_over_the_whole_mesh():
     """32k tokens, GQA 32/8, batch 2 on (2, 4) (the long-context suite's case, planned from
     shapes): Ulysses over ``model`` in both passes, and ``data`` splitting the attention too,
