@@ -23,7 +23,9 @@ the plain axis again; one that cuts into the batch factor mixes.
 Literals outside batch-sum scaling are collected in traversal order: two traces of the same
 code at two batch sizes must agree on them, or the code depends on the batch size itself. So
 must the shapes of random numbers drawn from a key no example owns (dropout from the step's
-key): drawn at a microbatch's shape they are other numbers than the whole batch's draw.
+key): drawn at a microbatch's shape they are other numbers than the whole batch's draw. Keys
+that hold the batch (one per example, drawn from under ``jax.vmap``) are followed like any
+value: each example's numbers come from its own key, whatever the microbatch.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ _NOT_ELEMENTWISE = frozenset({
     "reduce_window_max", "reduce_window_min", "select_and_scatter_add",
     "select_and_gather_add", "conv_general_dilated", "split", "argsort", "reduce",
     "pallas_call", "ffi_call", "custom_call", "pure_callback", "io_callback"})
+#: Primitives of a key array whose result adds trailing axes per key (the key's axes lead).
+_KEYS_TO_MORE = frozenset({"random_bits", "random_split", "random_unwrap"})
 #: Primitives that draw random numbers at their result's shape.
 _DRAWS = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
 _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
@@ -122,8 +126,10 @@ FIX_IN_LOSS = ("pipeline with `autopar.Pipeline(schedule=\"gpipe\")` (which comp
 MSG_DRAWS = (
     "random numbers are drawn in {where} (`{op}`: dropout, say) at a shape that includes the "
     "batch, from a key no example owns: a microbatch would draw other numbers than the batch "
-    "does, and the step would not compute what it computes on one device. Drop the random "
-    "draw from there, or {fix}."
+    "does, and the step would not compute what it computes on one device. Draw from "
+    "per-example keys instead (`keys = jax.random.split(key, batch)` passed as a batch "
+    "argument, and `jax.vmap` over them and the examples), drop the random draw from there, "
+    "or {fix}."
 )
 
 
@@ -252,6 +258,13 @@ def _axis(eqn, states) -> int:
     if name in _ALONG:
         a, along = _agree(states), params[_ALONG[name]]
         if a in (along if isinstance(along, tuple) else (along,)):
+            raise _Mixes
+        return a
+    if name in _KEYS_TO_MORE:   # per-key results on trailing axes: each example's own key
+        return _agree(states)
+    if name == "random_wrap":   # key data's trailing axis becomes the key
+        a = _agree(states)
+        if a == len(shapes[0]) - 1:
             raise _Mixes
         return a
     if name == "dot_general":

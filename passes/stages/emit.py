@@ -315,10 +315,10 @@ def _one_f_one_b_tick(prep: Prepared, kinds, rows: int) -> Callable:
                 c["d_mbs"], jnp.where(ok_b & (s == 0), dx, c["d_mbs"][j_b]), j_b, 0)
             out["bwd"] = lax.ppermute(dx, axis, bwd_pairs)
             out["d_xs"] = masked_add(c["d_xs"], d_xs, ok_b)
-            # a const that holds the batch: this microbatch's rows of its gradient
+            # a float const that holds the batch: this microbatch's rows of its gradient
             out["d_consts"] = [
-                lax.dynamic_update_index_in_dim(a, jnp.where(ok_b, d, a[j_b]), j_b, 0) if b
-                else masked_add(a, d, ok_b)
+                lax.dynamic_update_index_in_dim(a, jnp.where(ok_b, d, a[j_b]), j_b, 0)
+                if b and _is_float(a) else masked_add(a, d, ok_b)
                 for a, d, b in zip(c["d_consts"], d_consts, batch_flags, strict=True)]
         return out
 

@@ -497,8 +497,39 @@ def test_dropout_from_one_key_is_refused_where_microbatches_would_draw_other_num
         _close(run(*args)(*args), jax.value_and_grad(loss_fn)(*args))
         return
     with pytest.raises(PipelineError, match=f"random numbers are drawn in the "
-                                            f"{'scanned layers' if where == 'layers' else 'loss'}"):
+                                            f"{'scanned layers' if where == 'layers' else 'loss'}"
+                                            ".*per-example keys"):
         run(*args)
+
+
+def _per_example_dropout_loss(params, x, y, keys):
+    """Dropout from one key per example (a batch argument), in the layers and after them."""
+    def drop(key, h):
+        return jnp.where(jax.random.bernoulli(key, 0.8, h.shape), h / 0.8, 0.0)
+
+    def body(h, w):
+        return jax.vmap(drop)(jax.vmap(lambda k: jax.random.fold_in(k, 3))(keys),
+                              jnp.tanh(h @ w)), None
+    h, _ = jax.lax.scan(body, x, params["layers"])
+    return jnp.mean((jax.vmap(drop)(keys, h) @ params["head"] - y) ** 2)
+
+
+@pytest.mark.parametrize("schedule, legacy", [("gpipe", False), ("1f1b", True),
+                                              ("1f1b", False), ("interleaved", False)])
+def test_dropout_from_per_example_keys_pipelines_and_matches_one_device(schedule, legacy):
+    """Each example's numbers come from its own key whatever the microbatch, so dropout
+    drawn from per-example keys (typed or raw uint32) pipelines under every schedule that
+    takes values made from the batch."""
+    rng = np.random.default_rng(0)
+    key = jax.random.PRNGKey(42) if legacy else jax.random.key(42)
+    args = ({"layers": jnp.asarray(rng.normal(0, 0.2, (8, 16, 16)), jnp.float32),
+             "head": jnp.asarray(rng.normal(0, 0.1, (16, 4)), jnp.float32)},
+            jnp.asarray(rng.normal(size=(16, 16)), jnp.float32), jnp.zeros((16, 4)),
+            jax.random.split(key, 16))
+    run = _pipelined(autopar.value_and_grad(_per_example_dropout_loss),
+                     autopar.Pipeline(schedule=schedule, microbatches=4),
+                     _mesh({"stage": 4, "data": 2}), schedule)
+    _close(run(*args)(*args), jax.value_and_grad(_per_example_dropout_loss)(*args))
 
 
 def test_a_per_layer_operand_the_layers_never_read_runs_1f1b():
