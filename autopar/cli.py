@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import inspect
 import math
 import os
 import re
@@ -182,11 +183,11 @@ def _load_target(target: str):
     module = _target_module(where, name)
     if not hasattr(module, name):
         raise CLIError(f"`{where}` has no `{name}`; it should define a zero-argument function "
-                       "returning (fn, example_args_tuple)")
+                       f"returning (fn, example_args_tuple){_defined(module)}")
     factory = getattr(module, name)
-    if not callable(factory):
-        raise CLIError(f"`{name}` in `{where}` is not callable; it should be a zero-argument "
-                       "function returning (fn, example_args_tuple)")
+    if not callable(factory) or inspect.isclass(factory):
+        raise CLIError(f"`{name}` in `{where}` is not a function; it should be a zero-argument "
+                       f"function returning (fn, example_args_tuple){_defined(module)}")
     with _users_code(f"`{name}()` in `{where}`"):
         made = factory()
     if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])
@@ -195,6 +196,21 @@ def _load_target(target: str):
                        f"{_describe(made)}")
     _check_traces(made, f"`{name}()`'s function")
     return made
+
+
+def _defined(module) -> str:
+    """``; its zero-argument functions: a, b`` (the targets ``module`` may hold), or nothing
+    when it has none."""
+    def zero_argument(f) -> bool:
+        try:
+            return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                       for p in inspect.signature(f).parameters.values())
+        except (TypeError, ValueError):
+            return False
+
+    names = sorted(n for n, f in vars(module).items()
+                   if inspect.isfunction(f) and not n.startswith("_") and zero_argument(f))
+    return f"; its zero-argument functions: {', '.join(names)}" if names else ""
 
 
 def _describe(made) -> str:

@@ -41,9 +41,14 @@ def test_report_writes_json_and_html(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["report", "nope.py:f", "--mesh", "data=8"], "no file `nope.py`"),
-    (["report", f"{TARGETS}:missing", "--mesh", "data=8"], "has no `missing`"),
-    (["report", f"{TARGETS}:__all__", "--mesh", "data=8"], "not callable"),
+    (["report", f"{TARGETS}:missing", "--mesh", "data=8"],
+     "has no `missing`; it should define a zero-argument function returning (fn, "
+     "example_args_tuple); its zero-argument functions: gpt_pipelined, gpt_realistic, "
+     "gpt_tiny, mlp_wide"),
+    (["report", f"{TARGETS}:__all__", "--mesh", "data=8"], "not a function"),
     (["report", "autopar.models.targets:missing", "--mesh", "data=8"], "has no `missing`"),
+    (["report", "autopar.models.targets:gpt", "--mesh", "data=8"],
+     "`gpt` in `autopar.models.targets` is not a function"),
     (["report", "no_such_module_here:f", "--mesh", "data=8"], "no file or module"),
     (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=64", "--simulate-devices", "8"],
      "xla_force_host_platform_device_count"),
