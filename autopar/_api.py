@@ -683,6 +683,7 @@ class Parallelized:
         self.plans_loaded = 0    # plans taken from the disk cache
         self._disk = PlanCache(cache_dir) if cache_dir is not None else None
         self._replan_warned = False
+        self._positions = _keyword_positions(fn)
 
     def _split(self, args, kwargs):
         if not kwargs and not self._static_argnums:
@@ -690,7 +691,8 @@ class Parallelized:
         unknown = sorted(set(kwargs) - set(self._static_argnames))
         if unknown:
             raise ArgumentError(f"keyword argument(s) {unknown} of `{self.__name__}` are not "
-                                "static: pass arrays positionally, or name them in "
+                                "static, nor the parameters right after those passed by "
+                                "position: pass arrays positionally, or name them in "
                                 "static_argnames")
         static = tuple((i, args[i]) for i in self._static_argnums if i < len(args))
         static_kw = tuple(sorted(kwargs.items()))
@@ -702,7 +704,21 @@ class Parallelized:
         return static, static_kw, tuple(a for i, a in enumerate(args)
                                         if i not in self._static_argnums)
 
+    def _bound_by_position(self, args, kwargs) -> tuple[tuple, dict]:
+        """Keyword arguments that are not static and name the parameters right after the
+        positional ones (``step(state, batch=batch)``), moved to their positions, as the
+        function binds them."""
+        if not kwargs:
+            return args, kwargs
+        args, kwargs = list(args), dict(kwargs)
+        for name in self._positions[len(args):]:
+            if name is None or name not in kwargs or name in self._static_argnames:
+                break
+            args.append(kwargs.pop(name))
+        return tuple(args), kwargs
+
     def __call__(self, *args, **kwargs):
+        args, kwargs = self._bound_by_position(args, kwargs)
         static, static_kw, dynamic = self._split(args, kwargs)
         leaves, tree = jax.tree_util.tree_flatten(dynamic)
         last = self._last
@@ -805,6 +821,17 @@ class Parallelized:
         return p
 
 
+def _keyword_positions(fn: Callable) -> tuple[str | None, ...]:
+    """The name of each positional parameter of ``fn`` that may be passed by keyword (None
+    for a positional-only one); empty where ``fn`` has no signature to read."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name if p.kind is p.POSITIONAL_OR_KEYWORD else None for p in params
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
 def _static_arguments(fn: Callable, argnums: tuple, argnames: tuple) -> tuple[tuple, tuple]:
     """``argnums`` and ``argnames`` completed from ``fn``'s signature, as ``jax.jit`` does: a
     static parameter is static whether it is passed by position or by keyword."""
@@ -849,8 +876,9 @@ def parallelize(fn: Callable | None = None, *, mesh, static_argnums=(), static_a
         or ``"data=2,model=4"``.
       static_argnums / static_argnames: arguments that are Python values (hashable), not
         arrays: part of the signature, as in ``jax.jit`` (either names a parameter passed by
-        position or by keyword). Other keyword arguments are refused: pass arrays by
-        position.
+        position or by keyword). An array passed by keyword to the parameter right after
+        those passed by position (``step(state, batch=batch)``) is taken as passed by
+        position; other keyword arguments are refused: pass arrays by position.
       donate_argnums: positional arguments whose buffers the program may reuse for its
         results (e.g. params and optimizer state in a train step), as in ``jax.jit``. The
         plan records them (``plan.donate_argnums``, among the non-static arguments) and its

@@ -62,6 +62,22 @@ def test_a_static_argument_is_static_by_position_or_by_keyword():
         assert float(jax.jit(g, static_argnums=(1,))(x, power=2)) == float(f(x, power=2))
 
 
+def test_an_array_passed_by_keyword_after_the_positional_ones_is_bound_by_position():
+    """``step(w, x=x)`` and ``step(w, x)`` share one plan and compute what the function
+    does; an array for a keyword-only parameter is refused with the fix."""
+    def step(w, x, *, scale=1.0):
+        return w - 0.1 * jnp.mean(jnp.tanh(x @ w)) * scale
+
+    f = autopar.parallelize(step, mesh={"data": 8})
+    w, x = jnp.eye(16), jnp.arange(128.0).reshape(8, 16) / 128
+    np.testing.assert_allclose(f(w, x=x), step(w, x), rtol=1e-6)
+    np.testing.assert_allclose(f(w, x), step(w, x), rtol=1e-6)
+    np.testing.assert_allclose(f(w=w, x=x), step(w, x), rtol=1e-6)
+    assert f.plans_made == 1
+    with pytest.raises(ArgumentError, match=r"\['scale'\] .* pass arrays positionally"):
+        f(w, x, scale=jnp.float32(2.0))
+
+
 def test_donated_arguments_are_consumed():
     @autopar.parallelize(mesh={"data": 8}, donate_argnums=0)
     def update(w, g):
