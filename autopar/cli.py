@@ -320,20 +320,35 @@ def _count(least: int):
     return parse
 
 
-def check_outputs(*outputs: tuple[str | None, str, str]) -> None:
+def check_outputs(*outputs: tuple[str | None, str, str], reads: tuple[str, ...] = ()) -> None:
     """A CLIError, before any work, unless every given ``(path, flag, example file name)`` can
-    be written (:func:`check_writable`) and no two name the same file. A None path is not
-    given."""
+    be written (:func:`check_writable`), no two name the same file, and none names a file the
+    command ``reads`` (its target's file, a profile). A None path is not given."""
     seen: dict[str, str] = {}
+    read = {os.path.realpath(r) for r in reads if r and os.path.isfile(r)}
     for path, flag, example in outputs:
-        if not path:
+        if path is None:
             continue
+        if not path.strip():
+            raise CLIError(f"`{flag}` was given an empty path; give a file path such as "
+                           f"{example}, or leave `{flag}` out")
+        if os.path.realpath(path) in read:
+            raise CLIError(f"`{flag} {path}` names a file this command reads (the target or "
+                           "the hardware profile); writing it would replace it: give the "
+                           f"output its own path, such as {example}")
         check_writable(path, flag, example)
         key = os.path.realpath(path)
         if key in seen:
             raise CLIError(f"`{seen[key]}` and `{flag} {path}` name the same file: give each "
                            "output its own path")
         seen[key] = f"{flag} {path}"
+
+
+def _reads(args) -> tuple[str, ...]:
+    """The files a command reads that an output must not replace: the target's file and a
+    hardware profile given as a path."""
+    target = getattr(args, "target", None)
+    return (target.rpartition(":")[0] if target else "", getattr(args, "hardware", None) or "")
 
 
 def check_writable(path: str, flag: str, example: str = "plan.json") -> None:
@@ -429,7 +444,8 @@ _REMAT = {"auto": True, "off": False, "dots_saveable": "dots_saveable",
 
 def cmd_report(args) -> int:
     mesh = parse_mesh_spec(args.mesh)
-    check_outputs((args.json, "--json", "plan.json"), (args.html, "--html", "plan.html"))
+    check_outputs((args.json, "--json", "plan.json"), (args.html, "--html", "plan.html"),
+                  reads=_reads(args))
     _start_devices(args.simulate_devices, mesh)
     import autopar
     from autopar.cost_model.hardware import get_profile
@@ -468,7 +484,7 @@ def cmd_report(args) -> int:
 def cmd_export(args) -> int:
     """Plan FILE.py:NAME and write the plan as a standalone module for plain ``jax.jit``."""
     mesh = parse_mesh_spec(args.mesh)
-    check_outputs((args.out, "--out", "plan_specs.py"))
+    check_outputs((args.out, "--out", "plan_specs.py"), reads=_reads(args))
     _start_devices(args.simulate_devices, mesh)
     import autopar
     from autopar._report import hardware_words, mesh_words
@@ -496,7 +512,7 @@ def cmd_export(args) -> int:
 # ----- profile
 def cmd_profile(args) -> int:
     mesh = parse_mesh_spec(args.mesh)
-    check_outputs((args.out, "--out", "profile.json"))
+    check_outputs((args.out, "--out", "profile.json"), reads=_reads(args))
     if args.min_bytes > args.max_bytes:
         raise CLIError(f"`--min-bytes {args.min_bytes}` is over `--max-bytes {args.max_bytes}`: "
                        "give a smallest message no larger than the largest")
