@@ -21,7 +21,7 @@ from autopar._compat import backends_initialized
 from autopar._mesh import SIMULATE_FLAG, simulate_cpu_devices
 from autopar._meshspec import parse_mesh_spec
 from autopar._sizes import parse_bytes
-from autopar.errors import AutoparError, CLIError, HardwareWarning
+from autopar.errors import AutoparError, AutoparWarning, CLIError, HardwareWarning
 
 #: Each ILP solve's safety-net time limit, as ``autopar.plan(time_limit_s=...)`` defaults it.
 _TIME_LIMIT_S = 300.0
@@ -640,7 +640,8 @@ def main(argv=None) -> int:
     argv = [a for a in argv if a != "--debug"]
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        with _warnings_as_lines(from_command_line and not debug):
+            return args.run(args)
     except KeyboardInterrupt:
         print("autopar: interrupted", file=sys.stderr)
         return 130
@@ -654,6 +655,31 @@ def main(argv=None) -> int:
             traceback.print_exc()
         print(f"autopar: error: {_one_line(e, debug)}", file=sys.stderr)
         return 2 if isinstance(e, AutoparError) else 1
+
+
+@contextlib.contextmanager
+def _warnings_as_lines(on: bool):
+    """With ``on``, each of autopar's warnings is one line on stderr, ``autopar: warning:
+    <Category>: <message>``, once per command, not Python's file, line and source
+    (``--debug`` keeps those)."""
+    if not on:
+        yield
+        return
+    shown, said = warnings.showwarning, set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, AutoparWarning):
+            return shown(message, category, filename, lineno, file, line)
+        text = f"{category.__name__}: {' '.join(str(message).split())}"
+        if text not in said:
+            said.add(text)
+            print(f"autopar: warning: {text}", file=file or sys.stderr)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 def _silence_stdout() -> None:

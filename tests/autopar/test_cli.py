@@ -185,3 +185,19 @@ def test_an_unexpected_error_points_to_debug_only_without_it():
     assert "rerun with --debug" in _one_line(error)
     assert "rerun with --debug" not in _one_line(error, debug=True)
     assert "traceback is above" in _one_line(error, debug=True)
+
+
+def test_autopar_s_warnings_are_one_line_once_on_the_command_line(capsys):
+    import warnings
+
+    from autopar import cli
+    from autopar.errors import HardwareWarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        with cli._warnings_as_lines(True):
+            for _ in range(2):
+                warnings.warn("a profile\n  measured elsewhere", HardwareWarning)
+            with pytest.warns(UserWarning, match="not autopar's"):  # shown as Python shows it
+                warnings.warn("not autopar's", UserWarning)
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["autopar: warning: HardwareWarning: a profile measured elsewhere"]
