@@ -126,10 +126,12 @@ def _mesh_from_dict(axes: dict[str, int]) -> Mesh:
         raise MeshError(f"mesh {axes} needs {need} devices but {len(devices)} "
                         f"{devices[0].platform} device(s) exist. {SIMULATE_HINT}")
     if need != len(devices):
+        cli = (f"drop {SIMULATE_FLAG} from XLA_FLAGS and pass --simulate-devices {need}"
+               if SIMULATE_FLAG in os.environ.get("XLA_FLAGS", "")
+               else f"--simulate-devices {need}")
         raise MeshError(f"mesh {axes} covers {need} devices but {len(devices)} exist: make the "
                         f"sizes multiply to {len(devices)}, or pass a jax.sharding.Mesh over the "
-                        f"devices you want to use (with the CLI on simulated devices: "
-                        f"--simulate-devices {need})")
+                        f"devices you want to use (with the CLI on simulated devices: {cli})")
     return Mesh(np.array(devices).reshape(tuple(axes.values())), tuple(axes),
                 axis_types=(AxisType.Auto,) * len(axes))
 

@@ -49,15 +49,32 @@ def _simulate(n: int, asked: str) -> None:
 
 
 def _start_devices(simulate: int, mesh: dict[str, int]) -> None:
-    """Before jax starts: ``--simulate-devices N``'s devices or, with none asked and
-    JAX_PLATFORMS=cpu, as many CPU devices as ``mesh`` needs."""
+    """Before jax starts: ``--simulate-devices N``'s devices or, with none asked, as many CPU
+    devices as ``mesh`` needs where jax will run on the CPU (JAX_PLATFORMS=cpu, or unset on a
+    machine with no GPU or TPU plugin for jax)."""
+    platforms = os.environ.get("JAX_PLATFORMS")
     if simulate:
         _simulate(simulate, f"--simulate-devices {simulate}")
-    elif os.environ.get("JAX_PLATFORMS") == "cpu":
+    elif platforms == "cpu" or (not platforms and not _accelerator_plugins()):
         with warnings.catch_warnings():  # not asked for: too few devices is the mesh's error
             warnings.simplefilter("ignore", HardwareWarning)
             simulate_cpu_devices(math.prod(mesh.values()))
     _jax_starts()
+
+
+def _accelerator_plugins() -> list[str]:
+    """The GPU and TPU backends jax would find (its ``jax_plugins`` packages and entry points,
+    and ``libtpu``), read without starting jax."""
+    import importlib.metadata
+    import importlib.util
+    import pkgutil
+    found = [e.name for e in importlib.metadata.entry_points(group="jax_plugins")]
+    spec = importlib.util.find_spec("jax_plugins")
+    if spec is not None and spec.submodule_search_locations:
+        found += [m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)]
+    if importlib.util.find_spec("libtpu") is not None:
+        found.append("libtpu")
+    return found
 
 
 def _jax_starts() -> None:
@@ -553,7 +570,8 @@ def _add_planning_arguments(parser: argparse.ArgumentParser) -> None:
                              "depend on load)")
     parser.add_argument("--simulate-devices", type=_count(1), default=0, metavar="N",
                         help="run on N simulated CPU devices (default: the devices present; "
-                             "with JAX_PLATFORMS=cpu, as many as the mesh needs)")
+                             "where jax runs on the CPU (no GPU or TPU plugin installed, or "
+                             "JAX_PLATFORMS=cpu), as many as the mesh needs)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
