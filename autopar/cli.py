@@ -719,7 +719,7 @@ def _one_line(e: Exception, debug: bool = False) -> str:
     failure in autopar or the runtime) named by its type, with where to look further
     (``debug``: the traceback is shown above it already)."""
     if isinstance(e, AutoparError):
-        return str(e)
+        return _with_flags(str(e))
     if isinstance(e, MemoryError):
         return ("out of host memory: plan on abstract arguments (jax.ShapeDtypeStruct), a "
                 "smaller model, or a machine with more memory")
@@ -733,6 +733,21 @@ def _one_line(e: Exception, debug: bool = False) -> str:
     rerun = "the traceback is above" if debug else "rerun with --debug for the traceback"
     return (f"{type(e).__name__}: {text} (unexpected; {rerun}, and report it if it comes "
             "from autopar)")
+
+
+#: Python spellings of plan()'s options that error messages suggest, and each one's flag.
+_FLAGS = ((re.compile(r"`pipeline=None`"), "`--pipeline off`"),
+          (re.compile(r"`(?:autopar\.)?Pipeline\((\w+)=\\?\"?([\w-]+)\\?\"?\)`"),
+           r"`\1=\2` in `--pipeline`"),
+          (re.compile(r"`overlap=False`"), "`--no-overlap`"))
+
+
+def _with_flags(text: str) -> str:
+    """``text`` with each of plan()'s options it suggests followed by its flag:
+    "`pipeline=None` (CLI: `--pipeline off`)"."""
+    for pattern, flag in _FLAGS:
+        text = pattern.sub(lambda m, flag=flag: f"{m[0]} (CLI: {m.expand(flag)})", text)
+    return text
 
 
 if __name__ == "__main__":

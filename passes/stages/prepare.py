@@ -207,7 +207,7 @@ def _settled(fun, flat_args, is_param, request, stages, has_aux, plan_layer, pla
                 f"program traced on one example can lose its batch axis (a dimension of size 1 "
                 f"squeezed or broadcast), so autopar could not prove the microbatches exact. "
                 f"Use at most {batch // 2} microbatches (for example "
-                f"{_default_microbatches(batch, stages)}).") from e
+                f"{_default_microbatches(batch, stages)}). On one example: {e}") from e
         if virtual > 1 and micro_n < stages:
             raise PipelineError(
                 f"the interleaved schedule needs at least as many microbatches as stages "

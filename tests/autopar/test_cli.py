@@ -78,6 +78,9 @@ def test_report_writes_json_and_html(tmp_path):
     (["report", f"{TARGETS}:gpt_pipelined", "--mesh", "stage=4,data=2", "--pipeline",
       "axis=stage,schedule=1f1b,microbatches=8", "--simulate-devices", "8", "--no-baselines"],
      "leaves one example a microbatch"),
+    (["report", f"{TARGETS}:gpt_pipelined", "--mesh", "stage=4,data=2", "--pipeline",
+      "axis=stage,schedule=1f1b,microbatches=8", "--simulate-devices", "8", "--no-baselines"],
+     "On one example: `gather` mixes examples"),
     (["report", f"{TARGETS}:gpt_tiny", "--mesh", "stage=4,data=2", "--pipeline", "stage",
       "--simulate-devices", "8", "--no-baselines"], "autopar.value_and_grad"),
 ])
@@ -202,3 +205,10 @@ def test_autopar_s_warnings_are_one_line_once_on_the_command_line(capsys):
                 warnings.warn("not autopar's", UserWarning)
     err = capsys.readouterr().err.splitlines()
     assert err == ["autopar: warning: HardwareWarning: a profile measured elsewhere"]
+
+
+def test_errors_give_the_flag_beside_each_plan_option_they_suggest():
+    from autopar import cli
+    text = cli._with_flags('plan with `pipeline=None`, or `Pipeline(schedule="gpipe")`')
+    assert text == ('plan with `pipeline=None` (CLI: `--pipeline off`), or '
+                    '`Pipeline(schedule="gpipe")` (CLI: `schedule=gpipe` in `--pipeline`)')
