@@ -538,7 +538,7 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
              "logical_axes": logical_names(example_args), "overlap": overlap,
              "rewrites": _rewrites(graph, strats, choice),
              "axis_roles": _axis_roles.check(graph, strats, choice, batch_of(traced), axis_roles,
-                                             sizes)}
+                                             sizes, searched=search)}
     device = jax_mesh.devices.flat[0]
     option_notes = choose(profile, device, compiler_option_notes(graph, device.platform))
     stats["compiler_options"] = [n.to_dict() for n in option_notes]

@@ -182,10 +182,12 @@ def pin_batch(specs: list, traced, leaves: Sequence[int], batch: tuple[str, ...]
 
 
 def check(graph, strats, choice, leaves: Sequence[int], axis_roles: AxisRoles,
-          sizes: dict[str, int]) -> dict:
+          sizes: dict[str, int], searched: bool = True) -> dict:
     """``plan.stats["axis_roles"]``: the roles, the axes the program splits the batch over
     (the leading dim of each batch leaf as its readers take it), and a ``note`` when a
-    non-batch axis splits it while the mesh names batch axes."""
+    non-batch axis splits it while the mesh names batch axes (``searched``: the plan was
+    chosen as predicted fastest, not propagated from the annotations alone)."""
+    why = "as predicted faster" if searched else "as the annotations propagate (search=False)"
     values = {graph.nodes[graph.input_nodes[i]].outs[0]: graph.input_nodes[i] for i in leaves}
     split: set[str] = set()
     for node in values.values():
@@ -204,9 +206,9 @@ def check(graph, strats, choice, leaves: Sequence[int], axis_roles: AxisRoles,
         keep = ", ".join(repr(a) for a in axis_roles.batch)
         how = ("not only over" if split & set(axis_roles.batch) else "instead of over")
         out["note"] = (f"the batch is split over {on}, {how} {names} as the axis names "
-                       f"say: predicted faster (batch_axes=({keep},) pins the inputs' batch there)")
+                       f"say, {why} (batch_axes=({keep},) pins the inputs' batch there)")
     elif axis_roles.batch and not split and math.prod(sizes[a] for a in axis_roles.batch) > 1:
         names = ", ".join(f"`{a}`" for a in axis_roles.batch)
         out["note"] = (f"the batch is not split over {names} as the axis names say: the plan "
-                       "gives those axes other work, or replicates, as predicted faster")
+                       f"gives those axes other work, or replicates, {why}")
     return out

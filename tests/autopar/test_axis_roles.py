@@ -115,3 +115,10 @@ def test_batch_axes_keep_the_batch_inside_scanned_layers():
     pinned = autopar.plan(step, *args, mesh=mesh, hardware="h100", verbose=False,
                           batch_axes="data")
     assert batch_splits(pinned) == {("data",)}
+
+
+def test_a_propagated_plan_s_note_says_it_was_propagated_not_predicted():
+    step, args = mlp_train_step, mlp_args()
+    plan = autopar.plan(step, *args, mesh={"data": 8}, search=False, verbose=False)
+    assert plan.stats["axis_roles"]["note"].endswith(
+        "or replicates, as the annotations propagate (search=False)")
