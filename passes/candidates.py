@@ -36,7 +36,7 @@ def candidate_starts(labels: dict[int, str], seeds: dict[str, dict[int, Spec]] |
                      annotations_alone: bool = True) -> list[tuple[str, dict | None]]:
     """:func:`propagated_plans`'s plans to make: (name, ``extra`` for
     ``passes.fixed.seed``) each."""
-    return ([("propagated", None)] if labels and annotations_alone else []) + [
+    return ([("propagated (annotations)", None)] if labels and annotations_alone else []) + [
         (f"propagated ({name})", extra) for name, extra in (seeds or {}).items()]
 
 
