@@ -97,13 +97,13 @@ _REAL_HARDWARE = """
 On real hardware:
   This demo ran on simulated CPU devices, with costs from the `{hardware}` profile. On a TPU or
   GPU host, leave XLA_FLAGS and JAX_PLATFORMS unset and wrap your own step:
-    step = autopar.parallelize(train_step, mesh={mesh_dict}, hardware='h100',
+    step = autopar.parallelize(train_step, mesh={mesh_dict}, hardware={hardware!r},
                                donate_argnums=(0, 1))
   with a mesh as large as your device count. Built-in profiles: {profiles}.
   Or measure this machine: autopar profile --mesh {mesh_flag} --out profile.json,
   then pass --hardware profile.json (hardware='profile.json').
   To explain a plan at real sizes first (it compiles from shapes; nothing runs):
-    autopar report {targets}:gpt_realistic --mesh {mesh_flag} --hardware h100 --html plan.html"""
+    autopar report {targets}:gpt_realistic --mesh {mesh_flag} --hardware {hardware} --html plan.html"""
 
 
 def _real_hardware_hint(hardware: str, mesh: dict[str, int]) -> str:

@@ -212,3 +212,10 @@ def test_errors_give_the_flag_beside_each_plan_option_they_suggest():
     text = cli._with_flags('plan with `pipeline=None`, or `Pipeline(schedule="gpipe")`')
     assert text == ('plan with `pipeline=None` (CLI: `--pipeline off`), or '
                     '`Pipeline(schedule="gpipe")` (CLI: `schedule=gpipe` in `--pipeline`)')
+
+
+def test_the_demo_s_advice_names_the_profile_it_ran_with():
+    from autopar import cli
+    hint = cli._real_hardware_hint("my_cluster.json", {"data": 4, "model": 2})
+    assert "hardware='my_cluster.json'" in hint and "--hardware my_cluster.json" in hint
+    assert hint.count("h100") == 1   # only among the built-in profiles
