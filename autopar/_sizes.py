@@ -17,7 +17,10 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*",
                      text)
     unit = m and BYTE_UNITS.get(m.group(2).lower() or "b")
-    if not unit or float(m.group(1)) * unit < 1:
+    if unit and float(m.group(1)) * unit < 1:
+        raise ValueError(f"`{text}` is less than one byte: give a positive size, such as "
+                         "40GiB, 512MiB or 64GB")
+    if not unit:
         raise ValueError(f"`{text}` is not a size: give bytes or a number with a unit, such as "
                          "40GiB, 512MiB or 64GB")
     return int(float(m.group(1)) * unit)

@@ -233,7 +233,8 @@ def _defined(module) -> str:
 def _describe(made) -> str:
     if isinstance(made, tuple):
         return "(" + ", ".join(type(x).__name__ for x in made) + ")"
-    return f"a {type(made).__name__}"
+    name = type(made).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def _check_traces(made, what: str) -> None:
@@ -635,10 +636,10 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--base", default=None,
                       help="built-in profile for what is not measured (default: this backend's)")
     prof.add_argument("--min-bytes", type=_count(1), default=2**10,
-                      help="smallest message (bytes)")
+                      help="smallest message (bytes; default 1024)")
     prof.add_argument("--max-bytes", type=_count(1), default=2**26,
-                      help="largest message (bytes)")
-    prof.add_argument("--repeats", type=_count(1), default=5, help="timed runs per measurement")
+                      help="largest message (bytes; default 64 MiB)")
+    prof.add_argument("--repeats", type=_count(1), default=5, help="timed runs per measurement (default 5)")
     prof.add_argument("--simulate-devices", type=_count(1), default=0, metavar="N",
                       help="run on N simulated CPU devices")
     prof.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -14,10 +14,15 @@ def test_sizes(text, nbytes):
     assert parse_bytes(text) == nbytes
 
 
-@pytest.mark.parametrize("text", ["0", "x", "12x", "-1GiB", "GiB", "0.1", "", "1e-3", "e9",
-                                  "4 GiB B"])
+@pytest.mark.parametrize("text", ["x", "12x", "-1GiB", "GiB", "", "e9", "4 GiB B"])
 def test_what_is_not_a_size_says_what_to_write(text):
     with pytest.raises(ValueError, match="is not a size: give bytes or a number with a unit"):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize("text", ["0", "0.1", "1e-3", "0GiB"])
+def test_a_size_under_one_byte_is_refused_as_such(text):
+    with pytest.raises(ValueError, match="is less than one byte: give a positive size"):
         parse_bytes(text)
 
 
