@@ -14,6 +14,7 @@ Read from the chosen shardings and how the program uses each parameter:
 from __future__ import annotations
 
 import enum
+import re
 from collections import Counter
 from dataclasses import dataclass
 
@@ -245,22 +246,41 @@ def _activation_note(plan, sizes, roles: dict) -> str | None:
 
 
 def _input_lines(plan, sizes) -> list[str]:
-    """The inputs outside every layer (the batch, counters), grouped by how they are split."""
+    """The inputs outside every layer (the batch, counters, a model's other state), grouped by
+    how they are split; the leading dim is called the batch in the arguments after the first
+    (the state), as ``batch_axes`` has it."""
     names, _ = input_layers(plan._in_tree, [a.shape for a in plan._arg_avals])
     shardings = jax.tree_util.tree_leaves(plan.in_shardings)
     said: dict[str, list[str]] = {}
     for path, name, s, aval in zip(plan.in_paths, names, shardings, plan._arg_avals):
         if name is not None or not aval.shape:
             continue
+        lead = "dim 0" if path.startswith("[0]") else "batch"
         dims = [(d, _axes(e)) for d, e in enumerate(s.spec) if _axes(e)]
-        words = ", ".join(("batch" if d == 0 else f"dim {d}") + " over "
+        words = ", ".join((lead if d == 0 else f"dim {d}") + " over "
                           + " x ".join(f"{a}({sizes[a]})" for a in axes)
                           for d, axes in dims) or "replicated"
         said.setdefault(words, []).append(path)
     if not said:
         return []
-    return ["inputs: " + "; ".join(f"{', '.join(paths)} {words}"
+    return ["inputs: " + "; ".join(f"{_paths_text(paths)} {words}"
                                    for words, paths in said.items())]
+
+
+def _paths_text(paths: list[str], most: int = 4) -> str:
+    """``paths`` joined, or past ``most`` of them, the key path they share and their count
+    (``[0]['batch_stats'] (24 arrays)``), else the first few and how many more."""
+    if len(paths) <= most:
+        return ", ".join(paths)
+    keys = [re.findall(r"\[[^\]]*\]", p) for p in paths]
+    shared = []
+    for parts in zip(*keys):
+        if len(set(parts)) > 1:
+            break
+        shared.append(parts[0])
+    if shared:
+        return f"{''.join(shared)} ({len(paths)} arrays)"
+    return f"{', '.join(paths[:most - 1])} and {len(paths) - most + 1} more"
 
 
 def _optimizer_lines(plan, sizes) -> list[str]:

@@ -78,7 +78,7 @@ def _fmt_bytes(n: float) -> str:
 def _axes_of(spec) -> str:
     names = [a for entry in spec if entry is not None
              for a in (entry if isinstance(entry, tuple) else (entry,))]
-    return "+".join(names) if names else "replicated"
+    return f"over {'+'.join(names)}" if names else "replicated"
 
 
 def _per_device(shape, spec, sizes: dict) -> tuple:
@@ -89,10 +89,16 @@ def _per_device(shape, spec, sizes: dict) -> tuple:
     return tuple(out)
 
 
+def _params(tree):
+    """The parameters in a plan's first argument: its ``params`` collection where it holds
+    flax variables (``{"params": ..., "batch_stats": ...}``), else all of it."""
+    return tree["params"] if isinstance(tree, dict) and "params" in tree else tree
+
+
 def sharded_count(plan) -> tuple[int, int]:
     """(parameters sharded, parameters) of a plan whose first argument is the parameters."""
     import jax
-    specs = [s.spec for s in jax.tree_util.tree_leaves(plan.in_shardings[0])]
+    specs = [s.spec for s in jax.tree_util.tree_leaves(_params(plan.in_shardings[0]))]
     return sum(1 for s in specs if any(e is not None for e in s)), len(specs)
 
 
@@ -115,14 +121,14 @@ def plan_summary(plan, params, planning_s: float, top: int = 6, baseline=None) -
                      f"{_fmt_s(b.step_time_s)}, peak memory {_fmt_bytes(b.peak_memory_bytes)} "
                      f"({b.step_time_s / e.step_time_s:.2f}x the time, "
                      f"{b.peak_memory_bytes / max(e.peak_memory_bytes, 1):.2f}x the memory)")
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    specs = jax.tree_util.tree_leaves(plan.in_shardings[0])
+    leaves = jax.tree_util.tree_flatten_with_path(_params(params))[0]
+    specs = jax.tree_util.tree_leaves(_params(plan.in_shardings[0]))
     rows = sorted(((math.prod(leaf.shape), jax.tree_util.keystr(path), tuple(leaf.shape),
                     s.spec) for (path, leaf), s in zip(leaves, specs)), key=lambda r: -r[0])
     sharded, total = sharded_count(plan)
     lines.append(f"  parameters: {sharded} of {total} sharded; the largest:")
     width = max(len(r[1]) for r in rows[:top])
-    lines += [f"    {path:<{width}}  {shape!s:<16} {pspec_text(spec):<22} over {_axes_of(spec):<11} "
+    lines += [f"    {path:<{width}}  {shape!s:<16} {pspec_text(spec):<22} {_axes_of(spec):<16} "
               f"per device {_per_device(shape, spec, sizes)}"
               for _, path, shape, spec in rows[:top]]
     return "\n".join(lines)

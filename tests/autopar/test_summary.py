@@ -203,3 +203,24 @@ def test_logically_partitioned_parameters_are_said_as_plain_ones():
     assert plan.summary().splitlines()[:2] == [
         "down: row-parallel over model(4), batch over data(2)",
         "up: column-parallel over model(4), batch over data(2)"]
+
+
+def test_inputs_outside_the_layers_call_the_state_s_leading_dim_dim_0_and_group_long_lists():
+    from jax.sharding import PartitionSpec as P
+
+    from autopar._summary import _paths_text
+
+    def step(state, x):   # flax variables: parameters, and statistics of no layer
+        stats = {k: v + jnp.mean(x) for k, v in state["stats"].items()}
+        return {"params": state["params"], "stats": stats}, jnp.sum(x @ state["params"]["w"])
+
+    stats = {f"s{i}": jnp.ones((8,)) for i in range(6)}
+    state = {"params": {"w": jnp.ones((4, 4))}, "stats": stats}
+    plan = autopar.plan(step, state, jnp.ones((8, 4)), mesh={"data": 8}, verbose=False,
+                        in_shardings=({"params": None, "stats": {k: P("data") for k in stats}},
+                                      P("data")))
+    line = next(x for x in plan.summary().splitlines() if x.startswith("inputs:"))
+    assert "[0]['stats'] (6 arrays) dim 0 over data(8)" in line, line
+    assert "[1] batch over data(8)" in line, line
+    assert _paths_text(["[0]['a']", "[1]['b']", "[2]", "[3]", "[4]"]) == (
+        "[0]['a'], [1]['b'], [2] and 2 more")
