@@ -241,12 +241,14 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         ``plan.stats["overlap"]`` records it; the report names each rewritten op.
       batch_axes: the mesh axes that carry the batch (a name or names): the leading dim of
         every batch argument (each argument after the first that no result replaces) is
-        split over them, unless ``in_shardings`` says otherwise, and the layers' matmuls take
-        their activations' batch split over them, whatever that costs. Default None: by the axis
-        names, as a tie break only: among plans predicted equally fast, the batch goes on
-        axes named ``data``, ``batch``, ``dp`` or ``fsdp``, and model dims on ``model``,
-        ``tensor``, ``tp`` or ``expert``. ``plan.stats["axis_roles"]`` says which axes split
-        the batch, with a ``note`` when the plan splits it over other axes.
+        split over them, unless ``in_shardings`` says otherwise, and every op that reads a
+        batch argument, and every layer's matmul, pays ten times the plan's lower bound for
+        taking the batch split otherwise: it stays there unless leaving saves more than that.
+        Default None: by the axis names, as a tie break only: among plans predicted equally
+        fast, the batch goes on axes named ``data``, ``batch``, ``dp`` or ``fsdp``, and model
+        dims on ``model``, ``tensor``, ``tp`` or ``expert``. ``plan.stats["axis_roles"]`` says
+        which axes the program's ops take the batch split over, with a ``note`` when those
+        are not the batch axes.
       attention: how every attention node is split (``autopar.attention``, or attention
         autopar recognizes; see ``docs/context_parallel.md``): ``"ulysses"``, ``"ring"``,
         ``"heads"``, ``"batch"`` or ``"replicated"``, over axes the ILP chooses; with the

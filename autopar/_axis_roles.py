@@ -105,9 +105,10 @@ def batch_leaves(traced, ties: Sequence[tuple[int, int]]) -> list[int]:
 
 
 #: With ``batch_axes=`` given, a reader of the batch that takes it split otherwise costs this
-#: many tie-break units (``passes.ilp.PREFERENCE``): about a tenth of the largest cost, a
-#: request the plan pays for rather than a tie break.
-EXPLICIT_WEIGHT = 1e4
+#: many tie-break units (``passes.ilp.PREFERENCE``): ten times the plan's lower bound (or
+#: its largest cost), a request the plan pays for. At a tenth (1e4) a small MLP on
+#: ``{data: 8}`` gathered its batch and replicated every matmul, though ``batch_axes="data"``.
+EXPLICIT_WEIGHT = 1e6
 
 
 def preferences(graph, leaves: Sequence[int], axis_roles: AxisRoles,
@@ -184,31 +185,35 @@ def pin_batch(specs: list, traced, leaves: Sequence[int], batch: tuple[str, ...]
 def check(graph, strats, choice, leaves: Sequence[int], axis_roles: AxisRoles,
           sizes: dict[str, int], searched: bool = True) -> dict:
     """``plan.stats["axis_roles"]``: the roles, the axes the program splits the batch over
-    (the leading dim of each batch leaf as its readers take it), and a ``note`` when a
+    (the leading dim of each batch leaf as its readers take it: an input split over ``data``
+    that every reader gathers is not split), and a ``note`` when a
     non-batch axis splits it while the mesh names batch axes (``searched``: the plan was
     chosen as predicted fastest, not propagated from the annotations alone)."""
     why = "as predicted faster" if searched else "as the annotations propagate (search=False)"
     values = {graph.nodes[graph.input_nodes[i]].outs[0]: graph.input_nodes[i] for i in leaves}
     split: set[str] = set()
-    for node in values.values():
-        own = strats[node][choice[node]].out_specs[0]
-        split.update(own.dims[0] if own.rank else ())
+    read: set[int] = set()
     for reader in graph.nodes:
         for pos, v in enumerate(reader.ins):
             if v in values:
+                read.add(v)
                 spec = strats[reader.id][choice[reader.id]].in_specs[pos]
                 split.update(spec.dims[0] if spec is not None and spec.rank else ())
+    for v, node in values.items():   # a leaf no op reads: as it arrives
+        own = strats[node][choice[node]].out_specs[0]
+        split.update(own.dims[0] if v not in read and own.rank else ())
     out = {**axis_roles.to_dict(), "batch_split_over": sorted(split)}
     others = sorted(a for a in split if a not in axis_roles.batch)
+    names = ", ".join(f"`{a}`" for a in axis_roles.batch)
+    asked = "batch_axes says" if axis_roles.explicit else "the axis names say"
     if axis_roles.batch and others:
         on = " x ".join(f"{a}({sizes[a]})" for a in others)
-        names = ", ".join(f"`{a}`" for a in axis_roles.batch)
         keep = ", ".join(repr(a) for a in axis_roles.batch)
         how = ("not only over" if split & set(axis_roles.batch) else "instead of over")
-        out["note"] = (f"the batch is split over {on}, {how} {names} as the axis names "
-                       f"say, {why} (batch_axes=({keep},) pins the inputs' batch there)")
+        pin = "" if axis_roles.explicit else (
+            f" (batch_axes=({keep},) pins the inputs' batch there)")
+        out["note"] = f"the batch is split over {on}, {how} {names} as {asked}, {why}{pin}"
     elif axis_roles.batch and not split and math.prod(sizes[a] for a in axis_roles.batch) > 1:
-        names = ", ".join(f"`{a}`" for a in axis_roles.batch)
-        out["note"] = (f"the batch is not split over {names} as the axis names say: the plan "
-                       f"gives those axes other work, or replicates, {why}")
+        out["note"] = (f"the batch is not split over {names} as {asked}: the plan gives those "
+                       f"axes other work, or replicates, {why}")
     return out

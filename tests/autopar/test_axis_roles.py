@@ -122,3 +122,28 @@ def test_a_propagated_plan_s_note_says_it_was_propagated_not_predicted():
     plan = autopar.plan(step, *args, mesh={"data": 8}, search=False, verbose=False)
     assert plan.stats["axis_roles"]["note"].endswith(
         "or replicates, as the annotations propagate (search=False)")
+
+
+def test_batch_axes_keeps_a_small_mlp_data_parallel_and_the_stats_say_where_the_batch_went():
+    """At 1e4 tie-break units a read, this step gathered its batch and replicated every
+    matmul under ``batch_axes="data"``, while the stats said the batch was split over data."""
+    rng = np.random.default_rng(0)
+    p = {"w1": rng.normal(0, .1, (64, 256)).astype(np.float32),
+         "w2": rng.normal(0, .1, (256, 64)).astype(np.float32)}
+    x = rng.normal(size=(16, 64)).astype(np.float32)
+
+    def step(p, x):
+        loss, g = jax.value_and_grad(
+            lambda p: jnp.mean((jax.nn.relu(x @ p["w1"]) @ p["w2"]) ** 2))(p)
+        return jax.tree.map(lambda a, b: a - .1 * b, p, g), loss
+
+    plan = autopar.plan(step, p, x, mesh={"data": 8}, batch_axes="data", hardware="h100",
+                        verbose=False)
+    text = plan.jit().lower(p, x).compile().as_text()
+    assert "all-gather(" not in text and "f32[2,256]" in text   # each device: 2 examples
+    assert plan.stats["axis_roles"]["batch_split_over"] == ["data"]
+    gathered = autopar.plan(step, p, x, mesh={"data": 8}, hardware="h100", verbose=False,
+                            in_shardings=(None, jax.sharding.PartitionSpec("data")))
+    # unasked, the plan replicates this tiny step: its readers take the batch whole
+    assert gathered.stats["axis_roles"]["batch_split_over"] == []
+    assert "not split over `data` as the axis names say" in gathered.stats["axis_roles"]["note"]
