@@ -292,11 +292,13 @@ def _check_operands(stack: split.Stack, per_example) -> tuple[bool, ...]:
     xs = states[stack.num_consts + 1:]
     if carry is None:
         raise PipelineError(
-            "the layer stack's carried activation is computed from no batch argument (one not "
-            "differentiated, whose leading axis is the batch): an argument the loss is "
-            "differentiated by (its `argnums`) counts as parameters, so an input taken a "
-            "gradient of is not split into microbatches. Differentiate by the parameters "
-            "only, or plan with `pipeline=None`.")
+            "the layer stack's carried activation is computed from no batch argument of the "
+            "loss (one it is not differentiated by, whose leading axis is the batch): only the "
+            "loss's own arguments are split into microbatches, so a batch the loss reads from "
+            "an enclosing function is not, nor one in its `argnums` (those count as "
+            "parameters). Pass the batch to the loss as an argument "
+            "(`autopar.value_and_grad(loss_fn)(params, batch)`) and differentiate by the "
+            "parameters only, or plan with `pipeline=None`.")
     if carry != 0:
         raise PipelineError(
             "the layer stack's carried activation does not have the batch (the leading axis of "

@@ -604,6 +604,21 @@ def test_an_input_taken_a_gradient_of_is_named_as_why_no_batch_reaches_the_stack
         run(*args)
 
 
+def test_a_batch_read_from_a_closure_is_named_as_why_no_batch_reaches_the_stack():
+    def step(params, x, y):
+        def loss_fn(params):   # the batch from the enclosing step, as flax examples write it
+            h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, params)
+            return jnp.mean((h - y) ** 2)
+        return autopar.value_and_grad(loss_fn)(params)
+
+    args = (jnp.ones((4, 16, 16)) / 8, jnp.ones((16, 16)), jnp.zeros((16, 16)))
+    run = _pipelined(step, autopar.Pipeline(schedule="1f1b", microbatches=4),
+                     _mesh({"stage": 4, "data": 2}))
+    with pytest.raises(PipelineError, match=r"reads from an enclosing function.*Pass the batch "
+                                            r"to the loss as an argument"):
+        run(*args)
+
+
 def _loss_with_aux(params, x, y):
     """A plain-jax stack whose loss returns, besides its mean, a sum and a mean over
     examples, an integer count, a per-example array and a value that ignores the batch."""
