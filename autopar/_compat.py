@@ -11,6 +11,7 @@ _PRIVATE_PRIMITIVES = {
     "reshard_p": ("jax._src.pjit",),
     "random_wrap_p": ("jax._src.prng", "jax._src.random.prng"),
     "random_unwrap_p": ("jax._src.prng", "jax._src.random.prng"),
+    "random_clone_p": ("jax._src.random.core", "jax._src.prng"),
     "custom_vjp_call_jaxpr_p": ("jax._src.custom_derivatives",),
     "shard_map_p": ("jax._src.shard_map", "jax.experimental.shard_map"),
 }

@@ -17,7 +17,7 @@ def random_bits(ctx: RuleContext, **_):
                    (d,) * len(ctx.out_shapes)) for d in range(rank)]
 
 
-@register(*primitives("random_wrap_p", "random_unwrap_p"), P.random_seed_p, P.random_fold_in_p,
-          P.random_split_p)
+@register(*primitives("random_wrap_p", "random_unwrap_p", "random_clone_p"), P.random_seed_p,
+          P.random_fold_in_p, P.random_split_p)
 def key_ops(ctx: RuleContext, **_):
     return []  # keys are tiny: kept replicated

@@ -36,3 +36,18 @@ def test_every_primitive_of_an_example_train_step_has_a_rule(name, scan):
     fn, args = module.make_train_step(config, abstract=True)
     _, fallbacks = build_strategies(trace(fn, args).graph, _mesh_context())
     assert not fallbacks, f"no sharding rule for {sorted(fallbacks)}"
+
+
+def test_a_scan_that_splits_its_rngs_has_every_rule():
+    """``nn.scan(split_rngs={"dropout": True})`` clones the key (``random_clone``)."""
+    import jax
+    import jax.numpy as jnp
+
+    def step(key, x):
+        keys = jax.random.split(jax.random.clone(key), 4)
+        h, _ = jax.lax.scan(lambda h, k: (h * jax.random.uniform(k, h.shape), None), x, keys)
+        return jnp.sum(h)
+
+    args = (jax.random.key(0), jax.ShapeDtypeStruct((8, 4), jnp.float32))
+    _, fallbacks = build_strategies(trace(step, args).graph, _mesh_context())
+    assert not fallbacks, f"no sharding rule for {sorted(fallbacks)}"
