@@ -186,9 +186,9 @@ def check(graph, strats, choice, leaves: Sequence[int], axis_roles: AxisRoles,
           sizes: dict[str, int], searched: bool = True) -> dict:
     """``plan.stats["axis_roles"]``: the roles, the axes the program splits the batch over
     (the leading dim of each batch leaf as its readers take it: an input split over ``data``
-    that every reader gathers is not split), and a ``note`` when a
-    non-batch axis splits it while the mesh names batch axes (``searched``: the plan was
-    chosen as predicted fastest, not propagated from the annotations alone)."""
+    that every reader gathers is not split), and a ``note`` when a non-batch axis splits it,
+    or none does, while the mesh names batch axes (``searched``: the plan was chosen as
+    predicted fastest, not propagated from the annotations alone)."""
     why = "as predicted faster" if searched else "as the annotations propagate (search=False)"
     values = {graph.nodes[graph.input_nodes[i]].outs[0]: graph.input_nodes[i] for i in leaves}
     split: set[str] = set()
