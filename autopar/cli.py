@@ -103,7 +103,8 @@ On real hardware:
   Or measure this machine: autopar profile --mesh {mesh_flag} --out profile.json,
   then pass --hardware profile.json (hardware='profile.json').
   To explain a plan at real sizes first (it compiles from shapes; nothing runs):
-    autopar report {targets}:gpt_realistic --mesh {mesh_flag} --hardware {hardware} --html plan.html"""
+    autopar report {targets}:gpt_realistic --mesh {mesh_flag} --hardware {hardware} \\
+      --html plan.html"""
 
 
 def _real_hardware_hint(hardware: str, mesh: dict[str, int]) -> str:
@@ -350,12 +351,12 @@ def check_outputs(*outputs: tuple[str | None, str, str], reads: tuple[str, ...] 
         if not path.strip():
             raise CLIError(f"`{flag}` was given an empty path; give a file path such as "
                            f"{example}, or leave `{flag}` out")
-        if os.path.realpath(path) in read:
+        key = os.path.realpath(path)
+        if key in read:
             raise CLIError(f"`{flag} {path}` names a file this command reads (the target or "
                            "the hardware profile); writing it would replace it: give the "
                            f"output its own path, such as {example}")
         check_writable(path, flag, example)
-        key = os.path.realpath(path)
         if key in seen:
             raise CLIError(f"`{seen[key]}` and `{flag} {path}` name the same file: give each "
                            "output its own path")
@@ -639,7 +640,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="smallest message (bytes; default 1024)")
     prof.add_argument("--max-bytes", type=_count(1), default=2**26,
                       help="largest message (bytes; default 64 MiB)")
-    prof.add_argument("--repeats", type=_count(1), default=5, help="timed runs per measurement (default 5)")
+    prof.add_argument("--repeats", type=_count(1), default=5,
+                      help="timed runs per measurement (default 5)")
     prof.add_argument("--simulate-devices", type=_count(1), default=0, metavar="N",
                       help="run on N simulated CPU devices")
     prof.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -738,8 +740,8 @@ def _one_line(e: Exception, debug: bool = False) -> str:
 
 #: Python spellings of plan()'s options that error messages suggest, and each one's flag.
 _FLAGS = ((re.compile(r"`pipeline=None`"), "`--pipeline off`"),
-          (re.compile(r"`(?:autopar\.)?Pipeline\((\w+)=\\?\"?([\w-]+)\\?\"?\)`"),
-           r"`\1=\2` in `--pipeline`"),
+          (re.compile(r"`(?:autopar\.)?Pipeline\((" + "|".join(_PIPELINE_FIELDS)
+                      + r")=\\?\"?([\w-]+)\\?\"?\)`"), r"`\1=\2` in `--pipeline`"),
           (re.compile(r"`overlap=False`"), "`--no-overlap`"))
 
 

@@ -66,6 +66,8 @@ def parse_strategy(text: str, name: str = "strategy") -> tuple[tuple[str, tuple[
         seen |= {kind, *axes}
         terms.append((kind, axes))
     return tuple(terms)
+
+
 #: At most this many keys per block of the kernels' online softmax.
 BLOCK_K = 8192
 #: At most this many float32 scores per block (batch x heads x block x block): 512 MiB.

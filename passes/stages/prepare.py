@@ -154,8 +154,9 @@ def prepare(fun: Callable, flat_args, is_param: list[bool], arg_index: list[int]
             ) -> Prepared:
     """Check ``fun`` (a function of ``flat_args``) and the request against ``mesh``, and
     settle what the request left open (``arg_index``: the loss's positional argument each
-    of ``flat_args`` is a leaf of, for ``request.batch_argnums``): with ``plan_layer`` (one layer traced on one
-    microbatch -> its plan over the other mesh axes), by the stage search (:mod:`.search`);
+    of ``flat_args`` is a leaf of, for ``request.batch_argnums``): with ``plan_layer`` (one
+    layer traced on one microbatch -> its plan over the other mesh axes), by the stage
+    search (:mod:`.search`);
     without, the default microbatch count and 1f1b where it is exact. ``plan_post`` (the
     code after the stack traced on one microbatch -> its plan over the other mesh axes) plans
     the head and loss that 1F1B and ZB-H1 run inside their region, and prices them."""
