@@ -1,7 +1,7 @@
 """autopar.passes.highs.solve_milp solves the LP relaxation first: an integral optimum of it is
 taken (and the warm start's cutoff is never asked for); from a fractional one, a dive (the
-integral variables fixed) whose plan is within the gap of it is taken; else the MIP runs, with
-the cutoff. A plan over a given cutoff is never returned."""
+integral variables fixed, under the cutoff) whose plan is within the gap of it is taken; else
+the MIP runs, with the cutoff. A plan over a given cutoff is never returned."""
 
 import numpy as np
 import pytest
@@ -48,13 +48,44 @@ def test_a_fractional_relaxation_runs_the_mip_with_the_cutoff():
     assert list(np.round(res.x)) == [0.0, 1.0] and res.fun == -2.0
 
 
-def test_a_dive_within_the_gap_is_taken_without_the_mip():
-    asked = []
+def _counting_milps(monkeypatch) -> dict:
+    """{"dive": [its objective_bound per run], "mip": [...]}, filled as solve_milp runs."""
+    real, runs = scipy.optimize.milp, {"dive": [], "mip": []}
+
+    def milp(c, *, integrality, bounds, constraints, options):
+        if np.any(integrality):  # the MIP's bounds are scalars, the dive's per variable
+            runs["mip" if np.size(bounds.ub) == 1 else "dive"].append(
+                options.get("objective_bound"))
+        return real(c, integrality=integrality, bounds=bounds, constraints=constraints,
+                    options=options)
+    monkeypatch.setattr(scipy.optimize, "milp", milp)
+    return runs
+
+
+def test_a_dive_within_the_gap_is_taken_without_the_mip(monkeypatch):
+    runs = _counting_milps(monkeypatch)
     # The relaxation: -2.5 (x0 = 0.5). The dive fixes x1 = 1 and finds x0 = 0: -2, within
-    # a 30% gap of -2.5 (not within the default 0.1%, as the test above shows).
+    # a 30% gap of -2.5 (not within the default 0.1%, as the test above shows). The dive
+    # asks for the cutoff (none here).
+    asked = []
     res, _ = solve_milp(*_ilp(1.5), time_limit_s=10, gap=0.3, cutoff=lambda: asked.append(1))
     assert res.message == DIVE_MESSAGE and list(np.round(res.x)) == [0.0, 1.0]
-    assert res.fun == -2.0 and asked == [] and res.ending is SolveStatus.OPTIMAL
+    assert res.fun == -2.0 and asked == [1] and res.ending is SolveStatus.OPTIMAL
+    assert runs == {"dive": [None], "mip": []}
+
+
+def test_a_dive_looks_under_the_cutoff_and_the_mip_follows_when_it_finds_none(monkeypatch):
+    """The dive's -2 does not beat a warm start's -2.2: HiGHS prunes it under that cutoff
+    (rather than finding it and dropping it after), and the MIP runs under the same cutoff."""
+    runs = _counting_milps(monkeypatch)
+    asked = []
+
+    def cutoff():
+        asked.append(1)
+        return -2.2
+    res, _ = solve_milp(*_ilp(1.5), time_limit_s=10, gap=0.3, cutoff=cutoff)
+    assert res.x is None and asked == [1]  # asked for once, for the dive and the MIP
+    assert runs == {"dive": [-2.2], "mip": [-2.2]}
 
 
 def test_above_the_size_limit_a_dive_outside_the_gap_is_the_answer_without_the_mip(monkeypatch):
