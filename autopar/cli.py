@@ -421,15 +421,21 @@ def write_output(path: str, flag: str, text: str) -> None:
         f.write(text)
 
 
-#: ``--pipeline``'s fields, as ``autopar.Pipeline`` takes them: name -> whether an integer.
-_PIPELINE_FIELDS = {"axis": False, "stages": True, "microbatches": True, "schedule": False,
-                    "virtual_stages": True}
+def _positions(text: str) -> tuple[int, ...]:
+    """``batch_argnums``'s value in ``--pipeline``: argument positions joined by ``+``."""
+    return tuple(_count(0)(part) for part in text.split("+"))
+
+
+#: ``--pipeline``'s fields, as ``autopar.Pipeline`` takes them: name -> its value's parser.
+_PIPELINE_FIELDS = {"axis": str, "stages": _count(1), "microbatches": _count(1),
+                    "schedule": str, "virtual_stages": _count(1), "batch_argnums": _positions}
 
 
 def _pipeline_option(text: str) -> str | dict:
     """``--pipeline``'s value: ``auto``, ``off``, or the fields of an ``autopar.Pipeline``
-    as ``axis=stage,schedule=1f1b,microbatches=8`` (a first field without ``=`` is the
-    axis). Fields are checked here; the ``Pipeline`` is made once jax may be imported."""
+    as ``axis=stage,schedule=1f1b,microbatches=8,batch_argnums=1+2`` (a first field without
+    ``=`` is the axis). Fields are checked here; the ``Pipeline`` is made once jax may be
+    imported."""
     if text in ("auto", "off"):
         return text
     fields: dict[str, str | int] = {}
@@ -442,7 +448,7 @@ def _pipeline_option(text: str) -> str | dict:
                 f"`{text}` is not auto, off or pipeline fields like "
                 f"axis=stage,schedule=1f1b,microbatches=8 (fields: "
                 f"{', '.join(_PIPELINE_FIELDS)})")
-        fields[name] = _count(1)(value) if _PIPELINE_FIELDS[name] else value
+        fields[name] = _PIPELINE_FIELDS[name](value)
     return fields
 
 
@@ -615,7 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="cut the step's scanned layers into pipeline stages: auto (when its "
                           "compiled program is faster; the default, as plan()), off, or "
                           "autopar.Pipeline's fields, e.g. axis=stage,schedule=1f1b,"
-                          "microbatches=8 (the loss must be marked with "
+                          "microbatches=8,batch_argnums=1+2 (the loss must be marked with "
                           "autopar.value_and_grad)")
     rep.add_argument("--no-overlap", action="store_true",
                      help="no rewrite that hides communication behind compute (collective "
@@ -741,7 +747,7 @@ def _one_line(e: Exception, debug: bool = False) -> str:
 #: Python spellings of plan()'s options that error messages suggest, and each one's flag.
 _FLAGS = ((re.compile(r"`pipeline=None`"), "`--pipeline off`"),
           (re.compile(r"`(?:autopar\.)?Pipeline\((" + "|".join(_PIPELINE_FIELDS)
-                      + r")=\\?\"?([\w-]+)\\?\"?\)`"), r"`\1=\2` in `--pipeline`"),
+                      + r")=\\?\"?([\w.+-]+)\\?\"?\)`"), r"`\1=\2` in `--pipeline`"),
           (re.compile(r"`overlap=False`"), "`--no-overlap`"))
 
 

@@ -74,6 +74,8 @@ def test_report_writes_json_and_html(tmp_path):
     (["report", f"{TARGETS}:gpt_pipelined", "--mesh", "stage=4,data=2", "--pipeline",
       "stage,microbatches=0"], "`0` is not an integer of at least 1"),
     (["report", f"{TARGETS}:gpt_pipelined", "--mesh", "stage=4,data=2", "--pipeline",
+      "stage,batch_argnums=1+y"], "`y` is not an integer of at least 0"),
+    (["report", f"{TARGETS}:gpt_pipelined", "--mesh", "stage=4,data=2", "--pipeline",
       "stage,schedule=2f2b", "--simulate-devices", "8"], "is not a schedule"),
     (["report", f"{TARGETS}:gpt_pipelined", "--mesh", "stage=4,data=2", "--pipeline",
       "axis=stage,schedule=1f1b,microbatches=8", "--simulate-devices", "8", "--no-baselines"],
@@ -160,6 +162,7 @@ def test_report_pipelines_the_marked_step_as_asked(tmp_path):
     (["--pipeline", "off", "--no-overlap"], None, False),
     (["--pipeline", "node,schedule=interleaved,virtual_stages=2"],
      {"axis": "node", "schedule": "interleaved", "virtual_stages": 2}, True),
+    (["--pipeline", "node,batch_argnums=2+1"], {"axis": "node", "batch_argnums": (1, 2)}, True),
 ])
 def test_report_passes_pipeline_and_overlap_to_plan(flags, pipeline, overlap, monkeypatch):
     """``--pipeline`` and ``--no-overlap`` become ``plan(pipeline=..., overlap=...)``."""
@@ -212,6 +215,9 @@ def test_errors_give_the_flag_beside_each_plan_option_they_suggest():
     text = cli._with_flags('plan with `pipeline=None`, or `Pipeline(schedule="gpipe")`')
     assert text == ('plan with `pipeline=None` (CLI: `--pipeline off`), or '
                     '`Pipeline(schedule="gpipe")` (CLI: `schedule=gpipe` in `--pipeline`)')
+    text = cli._with_flags("name them: `autopar.Pipeline(batch_argnums=...)`.")
+    assert text == ("name them: `autopar.Pipeline(batch_argnums=...)` "
+                    "(CLI: `batch_argnums=...` in `--pipeline`).")
 
 
 def test_the_demo_s_advice_names_the_profile_it_ran_with():
