@@ -211,7 +211,8 @@ def _pipeline_search_lines(plan) -> list[str]:
     if list(plan.stats.get("pipeline_search") or {}) == ["none"]:
         return ["", "Pipeline search (pipeline=\"auto\"): no axis was tried, as none is on a "
                     "slower link than the mesh's fastest and the plan without a pipeline fits; "
-                    "pass pipeline=autopar.Pipeline(axis=...) to pipeline over one anyway."]
+                    "pass pipeline=autopar.Pipeline(axis=...) (CLI: --pipeline AXIS) to "
+                    "pipeline over one anyway."]
     if not found:
         return []
     lines = ["", "Pipeline search (pipeline=\"auto\"; predicted, and the compiled program "

@@ -205,6 +205,21 @@ def test_logically_partitioned_parameters_are_said_as_plain_ones():
         "up: column-parallel over model(4), batch over data(2)"]
 
 
+def test_only_inputs_of_the_batch_s_size_lead_with_the_batch():
+    """The batch's size is the leading size most later arguments share, the larger on a tie:
+    two seeds split beside a batch of 16 are not called a batch."""
+    from jax.sharding import PartitionSpec as P
+
+    def step(w, seeds, x):
+        return jnp.sum(x @ w) + jnp.sum(seeds)
+
+    plan = autopar.plan(step, jnp.ones((4, 4)), jnp.ones((2,)), jnp.ones((16, 4)),
+                        mesh={"data": 2, "model": 4}, verbose=False,
+                        in_shardings=(None, P("data"), P("data")))
+    line = next(x for x in plan.summary().splitlines() if x.startswith("inputs:"))
+    assert "[1] dim 0 over data(2)" in line and "[2] batch over data(2)" in line, line
+
+
 def test_inputs_outside_the_layers_call_the_state_s_leading_dim_dim_0_and_group_long_lists():
     from jax.sharding import PartitionSpec as P
 
