@@ -120,6 +120,7 @@ def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: floa
             dived = None  # the cutoff asks for better
         if dived is not None:  # the MIP looks for a better plan than the dive's
             cutoff = float(costs @ dived.x)
+            options.update(PROVING_OPTIONS)
         if cutoff is not None:
             options["objective_bound"] = cutoff
         options["time_limit"] = max(time_limit_s - (time.perf_counter() - start),
@@ -204,6 +205,12 @@ DIVE_UNPROVEN_MESSAGE = "time limit (the plan of a dive from the LP relaxation)"
 #: The message of a solve that took a dive's plan without the MIP (``Work.mip_max_nonzeros``),
 #: or found none under a given cutoff that way.
 LARGE_DIVE_MESSAGE = "the plan of a dive from the LP relaxation (no MIP at this size)"
+#: HiGHS's options for a MIP after a dive's plan, which is then its cutoff: no root heuristic
+#: that solves a sub-MIP (RINS, RENS, root reduced costs). These ILPs' dives find their
+#: optimum or near it, and most of such a MIP's time went to those heuristics: see
+#: docs/solver_notes.md.
+PROVING_OPTIONS = {"mip_heuristic_run_rins": False, "mip_heuristic_run_rens": False,
+                   "mip_heuristic_run_root_reduced_cost": False}
 #: The share of a solve's time limit a dive (:func:`_from_relaxation`) may take (a safety
 #: net: the dive is bounded by ``Work.mip_nodes``).
 DIVE_SHARE = 0.25

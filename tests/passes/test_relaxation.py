@@ -15,6 +15,7 @@ from autopar.passes.highs import (
     DIVE_MESSAGE,
     DIVE_UNPROVEN_MESSAGE,
     LARGE_DIVE_MESSAGE,
+    PROVING_OPTIONS,
     RELAXATION_MESSAGE,
     Work,
     solve_milp,
@@ -124,14 +125,15 @@ def test_no_plan_over_a_given_cutoff_is_returned():
 
 def test_a_dive_outside_the_gap_stays_the_answer_when_the_mip_finds_none_better(monkeypatch):
     """The dive's -2 is 25% over the relaxation's -2.5, outside the 0.1% gap: the MIP looks for
-    a better plan, under the dive's objective. Here it finds none in its time (made so), and
-    the dive's plan is the answer, not proven optimal."""
+    a better plan, under the dive's objective and without sub-MIP heuristics. Here it finds
+    none in its time (made so), and the dive's plan is the answer, not proven optimal."""
     real = scipy.optimize.milp
     bounds_of_mips = []
 
     def milp(c, *, integrality, bounds, constraints, options):
         if np.any(integrality) and np.size(bounds.ub) == 1:  # the MIP, not the dive
             bounds_of_mips.append(options.get("objective_bound"))
+            assert options.items() >= PROVING_OPTIONS.items()  # no sub-MIP heuristics
             return scipy.optimize.OptimizeResult(x=None, fun=None, status=1,
                                                  message="Time limit reached")
         return real(c, integrality=integrality, bounds=bounds, constraints=constraints,
