@@ -255,11 +255,11 @@ def _from_relaxation(run, integer, options: dict, costs, gap: float, upper=None,
     lo = np.zeros(len(costs))
     hi = np.broadcast_to(np.asarray(1.0 if upper is None else upper, float), lo.shape).copy()
     lo[fixed] = hi[fixed] = np.round(relaxed.x[fixed])
-    bound = None if cutoff is None else cutoff()
+    beat = None if cutoff is None else cutoff()
     # Under a cutoff, HiGHS prunes what cannot beat it: a dive with no plan under it ends at
     # once (a tiny scanned LM on a 3-D mesh: 1.2 s, against 34 s to find a plan over it).
     dived = run(integer, {**options, "time_limit": left_s,
-                          **({} if bound is None else {"objective_bound": bound})},
+                          **({} if beat is None else {"objective_bound": beat})},
                 scipy.optimize.Bounds(lo, hi))
     if dived.x is None:
         return None, None
