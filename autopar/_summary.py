@@ -249,11 +249,13 @@ def _input_lines(plan, sizes) -> list[str]:
     """The inputs outside every layer (the batch, counters, a model's other state), grouped by
     how they are split; the leading dim is called the batch in the arguments after the first
     (the state), as ``batch_axes`` has it, where it has the batch's size: the leading size
-    most of those arguments' arrays have, the larger on a tie (a raw key's 2 is no batch)."""
+    most of those arguments' arrays outside the layers have, the larger on a tie (a raw key's
+    2 is no batch; optimizer state is in its layers)."""
     names, _ = input_layers(plan._in_tree, [a.shape for a in plan._arg_avals])
     shardings = jax.tree_util.tree_leaves(plan.in_shardings)
-    leads = Counter(aval.shape[0] for path, aval in zip(plan.in_paths, plan._arg_avals)
-                    if aval.shape and not path.startswith("[0]"))
+    leads = Counter(aval.shape[0] for path, name, aval in zip(plan.in_paths, names,
+                                                              plan._arg_avals)
+                    if name is None and aval.shape and not path.startswith("[0]"))
     batch = max(leads, key=lambda n: (leads[n], n), default=None)  # on a tie, the larger
     said: dict[str, list[str]] = {}
     for path, name, s, aval in zip(plan.in_paths, names, shardings, plan._arg_avals):

@@ -210,14 +210,17 @@ def test_only_inputs_of_the_batch_s_size_lead_with_the_batch():
     two seeds split beside a batch of 16 are not called a batch."""
     from jax.sharding import PartitionSpec as P
 
-    def step(w, seeds, x):
-        return jnp.sum(x @ w) + jnp.sum(seeds)
+    def step(params, opt_state, seeds, x):   # Adam's moments are in the layers, not counted
+        grads = jax.grad(lambda p: jnp.sum(x @ p["w"]) + jnp.sum(seeds))(params)
+        updates, opt_state = optax.adam(1e-3).update(grads, opt_state)
+        return optax.apply_updates(params, updates), opt_state
 
-    plan = autopar.plan(step, jnp.ones((4, 4)), jnp.ones((2,)), jnp.ones((16, 4)),
-                        mesh={"data": 2, "model": 4}, verbose=False,
-                        in_shardings=(None, P("data"), P("data")))
+    params = {"w": jnp.ones((4, 4))}
+    plan = autopar.plan(step, params, optax.adam(1e-3).init(params), jnp.ones((2,)),
+                        jnp.ones((16, 4)), mesh={"data": 2, "model": 4}, verbose=False,
+                        in_shardings=(None, None, P("data"), P("data")))
     line = next(x for x in plan.summary().splitlines() if x.startswith("inputs:"))
-    assert "[1] dim 0 over data(2)" in line and "[2] batch over data(2)" in line, line
+    assert "[2] dim 0 over data(2)" in line and "[3] batch over data(2)" in line, line
 
 
 def test_inputs_outside_the_layers_call_the_state_s_leading_dim_dim_0_and_group_long_lists():
