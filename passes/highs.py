@@ -96,8 +96,9 @@ def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: floa
         return cutoff
     # A dive the MIP follows looks only under the cutoff, as the MIP does; one without the
     # MIP after it (see Work) looks for any plan, which the cutoff then judges.
+    mip_follows = _nonzeros(A) <= work.mip_max_nonzeros
     res, dived = _from_relaxation(run, integer, options, costs, gap, upper,
-                                  resolved if _nonzeros(A) <= work.mip_max_nonzeros else None)
+                                  resolved if mip_follows else None)
     if (res is not None and cutoff is not None and not callable(cutoff)
             and float(costs @ res.x) > cutoff):
         # Over a given cutoff: an integral relaxation's optimum is the ILP's, so no plan
@@ -105,7 +106,7 @@ def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: floa
         res = (scipy.optimize.OptimizeResult(x=None, fun=None, status=2,
                                              message=CUTOFF_MESSAGE)
                if res.message == RELAXATION_MESSAGE else None)
-    if res is None and dived is not None and _nonzeros(A) > work.mip_max_nonzeros:
+    if res is None and dived is not None and not mip_follows:
         # No MIP at this size (see Work): the dive's plan, the same on any machine, unless a
         # given cutoff asks for better.
         over = (cutoff is not None and not callable(cutoff)
@@ -114,8 +115,7 @@ def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: floa
         res.status, res.message = LIMIT_STATUS, LARGE_DIVE_MESSAGE
         res.ending = SolveStatus.DIVE
     if res is None:
-        if callable(cutoff):
-            cutoff = cutoff()
+        cutoff = resolved()
         if dived is not None and cutoff is not None and float(costs @ dived.x) > cutoff:
             dived = None  # the cutoff asks for better
         if dived is not None:  # the MIP looks for a better plan than the dive's
