@@ -26,6 +26,7 @@ from autopar.errors import CLIError as CLIError
 from autopar.errors import HardwareWarning as HardwareWarning
 from autopar.errors import InfeasiblePlanError as InfeasiblePlanError
 from autopar.errors import MemoryBudgetWarning as MemoryBudgetWarning
+from autopar.errors import PlanCacheWarning as PlanCacheWarning
 from autopar.errors import MeshError as MeshError
 from autopar.errors import OtherProcessError as OtherProcessError
 from autopar.errors import PlanFormatError as PlanFormatError
@@ -40,6 +41,7 @@ from autopar.errors import StalePlanCacheWarning as StalePlanCacheWarning
 from autopar.errors import TracingError as TracingError
 from autopar.errors import UnknownHardwareError as UnknownHardwareError
 from autopar.errors import UnsupportedPrimitiveWarning as UnsupportedPrimitiveWarning
+from autopar.errors import UnusableCacheDirWarning as UnusableCacheDirWarning
 
 try:
     __version__ = _version("autopar")

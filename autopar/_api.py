@@ -887,7 +887,8 @@ def parallelize(fn: Callable | None = None, *, mesh, static_argnums=(), static_a
         peak memory estimate counts the reuse.
       cache_dir: a folder for an on-disk plan cache, so that a restarted program does not
         solve again (see ``autopar/_cache.py``); a corrupted or stale entry is ignored with a
-        ``StalePlanCacheWarning``.
+        ``StalePlanCacheWarning``, and a folder that cannot be written gives an
+        ``UnusableCacheDirWarning`` (the plan is not cached).
       plan_kwargs: those of :func:`plan` (``hardware``, ``in_shardings``, ...) but
         ``exportable``, applied to the non-static arguments.
 

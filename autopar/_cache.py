@@ -12,7 +12,9 @@ An entry is used only when it is this key's (its ``solved_under`` digest), it is
 checksum), its program is this one (the graph fingerprint) and its choice gives the plan it
 recorded (the predicted step time and peak). Anything else, or any I/O problem (a read-only
 folder, a folder or FIFO where an entry should be, a file too deeply nested to parse), is a
-:class:`StalePlanCacheWarning` and a fresh plan: never an exception in the user's step.
+warning and a fresh plan, never an exception in the user's step: a
+:class:`StalePlanCacheWarning` for an entry ignored, an :class:`UnusableCacheDirWarning` for a
+folder or an entry that cannot be made or written (the plan is then not cached).
 Opening an entry never blocks (``O_NONBLOCK``, then only regular files are read).
 """
 
@@ -33,7 +35,7 @@ from collections.abc import Callable
 import jax
 
 from autopar._mesh import on_explicit_axes
-from autopar.errors import AutoparError, StalePlanCacheWarning, warn
+from autopar.errors import AutoparError, StalePlanCacheWarning, UnusableCacheDirWarning, warn
 from autopar.passes.pipeline import Remat
 
 FORMAT_VERSION = 2
@@ -125,7 +127,7 @@ class PlanCache:
         except (OSError, ValueError) as e:
             self.usable = False
             warn(f"autopar: cannot use `cache_dir` {self.directory!r} ({e}); plans will not be "
-                 "cached: give a folder you can write to", StalePlanCacheWarning)
+                 "cached: give a folder you can write to", UnusableCacheDirWarning)
 
     def key(self, fn, mesh, hardware, signature, static, options: dict, args=()) -> str:
         """The entry's name: a digest of what the plan is solved under (see the module's
@@ -207,7 +209,7 @@ class PlanCache:
             tmp = None
         except (OSError, ValueError) as e:
             warn(f"autopar: cannot write the plan cache entry {self._path(key)} ({e}); this "
-                 "plan is not cached", StalePlanCacheWarning)
+                 "plan is not cached", UnusableCacheDirWarning)
         finally:
             if tmp is not None:
                 with contextlib.suppress(OSError):

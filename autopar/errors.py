@@ -67,7 +67,8 @@ class TracingError(ArgumentError):
 
 class PipelineError(ArgumentError):
     """A pipeline (``autopar.Pipeline``, ``autopar.value_and_grad`` under a pipelined plan) was
-    asked of a program, mesh or batch it cannot pipeline exactly; the message says what to change."""
+    asked of a program, mesh or batch it cannot pipeline exactly; the message says what to
+    change."""
 
 
 class UnknownHardwareError(AutoparError):
@@ -116,9 +117,19 @@ class ShardingConflictWarning(AutoparWarning):
     both sources."""
 
 
-class StalePlanCacheWarning(AutoparWarning):
-    """A plan cache entry was corrupted or stale and was ignored (the function is re-planned),
-    or the ``cache_dir`` cannot be made or written (plans are then not cached)."""
+class PlanCacheWarning(AutoparWarning):
+    """The on-disk plan cache (``cache_dir=``) did not serve this call; the step still runs.
+    Filter this class to silence both kinds below."""
+
+
+class StalePlanCacheWarning(PlanCacheWarning):
+    """A plan cache entry was corrupted, stale or unreadable and was ignored: the function is
+    planned afresh."""
+
+
+class UnusableCacheDirWarning(PlanCacheWarning):
+    """The ``cache_dir`` cannot be made, or an entry cannot be written in it: the plan is made
+    but not cached, so a restart plans again. Give a folder the program can write to."""
 
 
 class SolverFallbackWarning(AutoparWarning):

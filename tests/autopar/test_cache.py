@@ -1,6 +1,7 @@
 """The plan cache of ``autopar.parallelize(cache_dir=...)`` cannot be fooled and cannot crash a
-step: a corrupted, foreign, unreadable or odd entry, or an unusable folder, is a
-StalePlanCacheWarning and a fresh plan (``autopar/_cache.py``)."""
+step: a corrupted, foreign, unreadable or odd entry is a StalePlanCacheWarning and a fresh
+plan, and a folder that cannot be made or written an UnusableCacheDirWarning and a plan not
+cached (``autopar/_cache.py``)."""
 
 import json
 import os
@@ -17,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import autopar
 from autopar._cache import PlanCache, _checksum
 from autopar._mesh import as_auto_mesh
-from autopar.errors import StalePlanCacheWarning
+from autopar.errors import PlanCacheWarning, StalePlanCacheWarning, UnusableCacheDirWarning
 
 MESH = {"data": 2, "model": 4}
 W, X = jnp.ones((16, 16)) * 0.1, jnp.arange(32 * 16.0).reshape(32, 16) / 100
@@ -47,12 +48,15 @@ def _resealed(doc: dict) -> str:
     return json.dumps(doc)
 
 
-def _fresh_plan_with_a_warning(folder, want, match):
+def _fresh_plan_with_a_warning(folder, want, match, kinds=(StalePlanCacheWarning,)):
+    """A fresh plan, with warnings of exactly ``kinds`` (one matching ``match``)."""
     step = _step(folder)
-    with pytest.warns(StalePlanCacheWarning, match=match) as record:
+    with pytest.warns(PlanCacheWarning, match=match) as record:
         got = step(W, X)
+    cache_warnings = [w for w in record if issubclass(w.category, PlanCacheWarning)]
+    assert {w.category for w in cache_warnings} == set(kinds)
     # attributed to the caller's line (here), not to autopar's code
-    assert {w.filename for w in record if w.category is StalePlanCacheWarning} == {__file__}
+    assert {w.filename for w in cache_warnings} == {__file__}
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
     assert step.plans_made == 1 and step.plans_loaded == 0
 
@@ -122,11 +126,14 @@ def test_a_folder_or_fifo_in_place_of_the_entry_never_blocks(stored, tmp_path, k
     entry, want = stored
     path = tmp_path / entry.name
     path.mkdir() if kind == "folder" else os.mkfifo(path)
+    kinds = ((StalePlanCacheWarning, UnusableCacheDirWarning) if kind == "folder"
+             else (StalePlanCacheWarning,))
     failures = []
 
     def run():
         try:
-            _fresh_plan_with_a_warning(tmp_path, want, "cannot read|cannot write")
+            # the entry cannot be read (ignored); a fresh plan replaces a FIFO, not a folder
+            _fresh_plan_with_a_warning(tmp_path, want, "cannot read|cannot write", kinds)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             failures.append(e)
     thread = threading.Thread(target=run, daemon=True)
@@ -140,9 +147,9 @@ def test_a_folder_or_fifo_in_place_of_the_entry_never_blocks(stored, tmp_path, k
 def test_a_cache_dir_that_is_a_file_warns_and_the_step_still_runs(tmp_path):
     path = tmp_path / "not_a_folder"
     path.write_text("x")
-    with pytest.warns(StalePlanCacheWarning, match="cannot use `cache_dir`") as record:
+    with pytest.warns(UnusableCacheDirWarning, match="cannot use `cache_dir`") as record:
         step = _step(path)
-    assert record[0].filename == __file__
+    assert record[0].filename == __file__ and len(record) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         step(W, X)
@@ -156,8 +163,9 @@ def test_an_unwritable_folder_warns_and_the_step_still_runs(tmp_path, monkeypatc
         raise PermissionError(13, "Permission denied")
     step = _step(tmp_path)
     monkeypatch.setattr(tempfile, "mkstemp", refuse)
-    with pytest.warns(StalePlanCacheWarning, match="cannot write"):
+    with pytest.warns(UnusableCacheDirWarning, match="cannot write") as record:
         step(W, X)
+    assert not [w for w in record if issubclass(w.category, StalePlanCacheWarning)]
     assert step.plans_made == 1 and not list(tmp_path.glob("plan-*"))
 
 
