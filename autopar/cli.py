@@ -242,7 +242,9 @@ def _check_traces(made, what: str) -> None:
     """Traces the target's function on its example arguments (shapes only; nothing runs), so
     that the user's own error is reported as theirs before planning starts."""
     import jax
+    from autopar.passes.trace import check_args
     fn, example_args = made
+    check_args(example_args)  # autopar's own words for a leaf jax cannot trace
     with _users_code(f"tracing {what} with its example arguments"):
         jax.eval_shape(fn, *example_args)
 
@@ -727,8 +729,8 @@ def _one_line(e: Exception, debug: bool = False) -> str:
     """The message of ``e``, as a user reads it: an AutoparError's own, anything else (a
     failure in autopar or the runtime) named by its type, with where to look further
     (``debug``: the traceback is shown above it already)."""
-    if isinstance(e, AutoparError):
-        return _with_flags(str(e))
+    if isinstance(e, AutoparError):  # one line, even where it quotes the user's message
+        return " ".join(_with_flags(str(e)).split())
     if isinstance(e, MemoryError):
         return ("out of host memory: plan on abstract arguments (jax.ShapeDtypeStruct), a "
                 "smaller model, or a machine with more memory")

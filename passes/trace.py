@@ -71,7 +71,22 @@ def check_args(args) -> tuple[list, Any]:
                 f"example argument leaf `args{path}` is of type {type(leaf).__name__}, not an array. "
                 "Pass arrays or jax.ShapeDtypeStruct leaves; close over Python values in `fn`, "
                 "or mark them static with functools.partial.")
+        if _untraceable(leaf.dtype):
+            raise ArgumentError(
+                f"example argument leaf `args{path}` is an array of dtype {leaf.dtype}, which "
+                "jax cannot trace. Pass numeric or boolean arrays; close over other values in "
+                "`fn`, or mark them static with functools.partial.")
     return leaves, treedef
+
+
+def _untraceable(dtype) -> bool:
+    """A numpy dtype jax has no type for: objects, strings, bytes, dates, records (bfloat16
+    and the other ml_dtypes are kind "V" too, without fields)."""
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:  # a jax extended dtype (PRNG keys): jax's own
+        return False
+    return dtype.kind in "OSUMm" or dtype.fields is not None
 
 
 def trace(fn: Callable, args: tuple) -> Traced:

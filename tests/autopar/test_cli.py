@@ -120,6 +120,23 @@ def test_error_in_the_users_file_is_one_line(tmp_path, capsys):
     assert "ValueError: boom" in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("body,words", [
+    # the user's own message runs over two lines
+    ("def f():\n    raise ValueError('first line\\nsecond line')\n",
+     "ValueError: first line second line"),
+    # a leaf jax cannot trace: autopar's words, not jax's two-line ones
+    ("import numpy as np\ndef f():\n    return (lambda x, s: x), (np.ones(8), np.array(['a']))\n",
+     "example argument leaf `args[1]` is an array of dtype <U1"),
+], ids=["a message over two lines", "a string array leaf"])
+def test_an_error_that_spans_lines_is_one_line(tmp_path, capsys, body, words):
+    from autopar import cli
+    target = tmp_path / "target.py"
+    target.write_text(body)
+    assert cli.main(["report", f"{target}:f", "--mesh", "data=8"]) != 0
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_demo_trains_on_simulated_devices_and_points_at_real_hardware():
     r = _run("demo", "--no-baselines")
     assert r.returncode == 0, r.stderr

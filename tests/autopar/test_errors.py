@@ -4,6 +4,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -41,6 +42,20 @@ def test_more_devices_than_exist_says_how_to_simulate():
 def test_non_array_leaf_is_named():
     with pytest.raises(ArgumentError, match=r"args\[1\]\['lr'\]"):
         autopar.plan(lambda w, c: w * c["lr"], jnp.ones(8), {"lr": 0.1}, mesh={"data": 8})
+
+
+@pytest.mark.parametrize("leaf", [np.array(["a", "b"]), np.array([object()] * 2)],
+                         ids=["strings", "objects"])
+def test_an_array_jax_cannot_trace_is_named(leaf):
+    with pytest.raises(ArgumentError, match=r"args\[1\]` is an array of dtype"):
+        autopar.plan(lambda w, s: w, jnp.ones(8), leaf, mesh={"data": 8})
+
+
+def test_16_bit_floats_and_keys_are_arrays_jax_traces():
+    """bfloat16 (numpy kind "V", as every ml_dtype) and typed PRNG keys plan."""
+    plan = autopar.plan(lambda w, k: w * jax.random.uniform(k, w.shape, w.dtype),
+                        jnp.ones(8, jnp.bfloat16), jax.random.key(0), mesh={"data": 8})
+    assert plan.estimate.step_time_s > 0
 
 
 def test_unknown_hardware_lists_known_names():
