@@ -42,6 +42,7 @@ from autopar.errors import TracingError as TracingError
 from autopar.errors import UnknownHardwareError as UnknownHardwareError
 from autopar.errors import UnsupportedPrimitiveWarning as UnsupportedPrimitiveWarning
 from autopar.errors import UnusableCacheDirWarning as UnusableCacheDirWarning
+from autopar.errors import UnusedAnnotationWarning as UnusedAnnotationWarning
 
 try:
     __version__ = _version("autopar")

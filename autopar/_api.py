@@ -7,7 +7,6 @@ import functools
 import inspect
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -360,7 +359,7 @@ def _none_fits(programs: dict, budget: float, given: bool) -> list[str]:
         raise InfeasiblePlanError(
             f"{said}. Raise memory_budget, use more devices, or plan without "
             "`exportable=True`: a searched plan may pin shardings that hold less.")
-    warnings.warn(f"autopar: {said}; the fastest is kept.", MemoryBudgetWarning, stacklevel=4)
+    warn(f"autopar: {said}; the fastest is kept.", MemoryBudgetWarning)
     return list(programs)
 
 

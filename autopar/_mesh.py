@@ -17,9 +17,11 @@ from autopar._compat import backends_initialized
 from autopar._meshspec import parse_mesh_spec
 from autopar.errors import ArgumentError, HardwareWarning, MeshError
 
-SIMULATE_HINT = ("To simulate devices on CPU, set "
-                 "XLA_FLAGS=--xla_force_host_platform_device_count=N "
-                 "before jax is imported (with the CLI: --simulate-devices N).")
+def simulate_hint(n: int | str = "N") -> str:
+    """How to get ``n`` simulated CPU devices, in Python and on the command line."""
+    return (f"To simulate {n} devices on CPU, call autopar.simulate_cpu_devices({n}) before jax "
+            f"starts, or set XLA_FLAGS=--xla_force_host_platform_device_count={n} before jax is "
+            f"imported (with the CLI: --simulate-devices {n}).")
 
 
 def as_auto_mesh(mesh) -> Mesh:
@@ -124,14 +126,15 @@ def _mesh_from_dict(axes: dict[str, int]) -> Mesh:
     need = math.prod(axes.values())
     if need > len(devices):
         raise MeshError(f"mesh {axes} needs {need} devices but {len(devices)} "
-                        f"{devices[0].platform} device(s) exist. {SIMULATE_HINT}")
+                        f"{devices[0].platform} device(s) exist. {simulate_hint(need)}")
     if need != len(devices):
         cli = (f"drop {SIMULATE_FLAG} from XLA_FLAGS and pass --simulate-devices {need}"
-               if SIMULATE_FLAG in os.environ.get("XLA_FLAGS", "")
-               else f"--simulate-devices {need}")
-        raise MeshError(f"mesh {axes} covers {need} devices but {len(devices)} exist: make the "
-                        f"sizes multiply to {len(devices)}, or pass a jax.sharding.Mesh over the "
-                        f"devices you want to use (with the CLI on simulated devices: {cli})")
+               if _user_sets_count() else f"--simulate-devices {need}")
+        raise MeshError(f"mesh {axes} needs {need} devices but {len(devices)} "
+                        f"{devices[0].platform} device(s) exist: make the sizes multiply to "
+                        f"{len(devices)}, or pass a jax.sharding.Mesh over the devices you want "
+                        f"to use (on simulated CPU devices: {cli} on the command line, "
+                        f"autopar.simulate_cpu_devices({need}) before jax starts in Python)")
     return Mesh(np.array(devices).reshape(tuple(axes.values())), tuple(axes),
                 axis_types=(AxisType.Auto,) * len(axes))
 
@@ -162,6 +165,13 @@ def axis_sizes(mesh: Mesh) -> dict[str, int]:
 
 
 SIMULATE_FLAG = "--xla_force_host_platform_device_count"
+#: The device counts :func:`simulate_cpu_devices` wrote into XLA_FLAGS itself (not the user).
+_SET_HERE: list[int] = []
+
+
+def _user_sets_count() -> bool:
+    """Whether the user's XLA_FLAGS set the host device count (not autopar on their behalf)."""
+    return SIMULATE_FLAG in os.environ.get("XLA_FLAGS", "") and not _SET_HERE
 
 
 def simulate_cpu_devices(n: int) -> bool:
@@ -188,9 +198,14 @@ def simulate_cpu_devices(n: int) -> bool:
     if SIMULATE_FLAG in flags:
         kept = re.findall(re.escape(SIMULATE_FLAG) + r"=(\d+)", flags)
         if kept and int(kept[-1]) < n:
-            warnings.warn(f"autopar.simulate_cpu_devices({n}): XLA_FLAGS sets "
-                          f"{SIMULATE_FLAG}={kept[-1]}, which is kept; change it there.",
-                          HardwareWarning, stacklevel=2)
+            where = (f"an earlier autopar.simulate_cpu_devices({_SET_HERE[-1]}) set "
+                     f"{SIMULATE_FLAG}={kept[-1]} in XLA_FLAGS, which is kept: call it once, "
+                     "with the most devices you need" if _SET_HERE else
+                     f"XLA_FLAGS sets {SIMULATE_FLAG}={kept[-1]}, which is kept; change it "
+                     "there")
+            warnings.warn(f"autopar.simulate_cpu_devices({n}): {where}.", HardwareWarning,
+                          stacklevel=2)
         return False
     os.environ["XLA_FLAGS"] = f"{flags} {SIMULATE_FLAG}={n}".strip()
+    _SET_HERE.append(n)
     return True

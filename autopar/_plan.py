@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from autopar._mesh import (SIMULATE_HINT, as_auto_mesh, check_axis_name, mesh_text,
+from autopar._mesh import (as_auto_mesh, check_axis_name, mesh_text, simulate_hint,
                            on_explicit_axes)
 from autopar._layers import flat_donation, memory_over_program
 from autopar._export import plain_jit_check, write_module
@@ -109,7 +109,7 @@ def _mesh_from_json(record) -> Mesh:
     if missing:
         raise MeshError(f"the plan's mesh {dict(zip(names, sizes))} runs on devices {ids}, and "
                         f"device(s) {missing} do not exist here ({len(devices)} devices). "
-                        f"{SIMULATE_HINT}")
+                        f"{simulate_hint(len(ids))}")
     return Mesh(np.array([devices[i] for i in ids], dtype=object).reshape(sizes),
                 tuple(names), axis_types=(AxisType.Auto,) * len(names))
 

@@ -132,6 +132,11 @@ class UnusableCacheDirWarning(PlanCacheWarning):
     but not cached, so a restart plans again. Give a folder the program can write to."""
 
 
+class UnusedAnnotationWarning(AutoparWarning):
+    """A sharding annotation on the arguments is not used as a hint: flax logical axis names
+    with no ``logical_axis_rules`` to map them to mesh axes. The plan is made without it."""
+
+
 class SolverFallbackWarning(AutoparWarning):
     """The ILP found no solution in its time limit (a greedy plan is used instead), or none
     better than its warm start (that plan is used)."""

@@ -52,7 +52,6 @@ import json
 import math
 import os
 import re
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -1166,10 +1165,10 @@ def _profile_for_device(platform: str, device_kind: str) -> HardwareProfile:
                 f"(device_kind {device_kind!r}). Run `autopar profile` on this machine and pass "
                 f"the JSON file it writes as hardware='<file>.json', or pass the closest "
                 f"built-in name explicitly ({_known_list()})")
-        warnings.warn(
+        warn(
             f"autopar: no built-in hardware profile for {device_kind!r}; planning with the "
             f"nearest, {name!r}. Pass hardware= to choose, or measure this machine with "
-            "`autopar profile`.", HardwareWarning, stacklevel=4)
+            "`autopar profile`.", HardwareWarning)
     return _FACTORIES[name]()
 
 

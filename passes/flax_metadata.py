@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import functools
 import sys
-import warnings
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from autopar.errors import ShardingConflictWarning, ShardingHintError
+from autopar.errors import (ShardingConflictWarning, ShardingHintError,
+                            UnusedAnnotationWarning, warn)
 
 
 def _boxes():
@@ -63,10 +63,11 @@ def _linen_hint(box, rules) -> tuple[PartitionSpec | None, str]:
     rules = tuple(box.rules or rules or _context_rules())
     where = f"nn.with_logical_partitioning{names}"
     if not rules:
-        warnings.warn(f"autopar: {where} has no logical_axis_rules to map it to mesh axes; it "
-                      "is not used as a hint (flax leaves it unconstrained too). Pass "
-                      "`logical_axis_rules=[(logical, mesh_axis), ...]`.", UserWarning,
-                      stacklevel=5)
+        warn(f"autopar: {where} has no logical_axis_rules to map it to mesh axes; it is not "
+             "used as a hint (flax leaves it unconstrained too). Pass "
+             "`logical_axis_rules=[(logical, mesh_axis), ...]` to autopar.plan, or give the "
+             "box its rules (`nn.with_logical_partitioning(init, names, rules=...)`, which "
+             "the command line reads too).", UnusedAnnotationWarning)
         return None, where
     return nn.logical_to_mesh_axes(names, rules), f"{where} with logical_axis_rules"
 
@@ -129,10 +130,8 @@ def merge(explicit: list, meta: list[tuple[PartitionSpec | None, str]], paths: l
         if h is None and m is not None:
             h, label = m, f"{what} on args{path}"
         elif h is not None and m is not None and _normalized(h, rank) != _normalized(m, rank):
-            warnings.warn(
-                f"autopar: in_shardings{path} = {h} disagrees with {what} -> {m} on the same "
-                "argument; the explicit in_shardings hint wins.", ShardingConflictWarning,
-                stacklevel=4)
+            warn(f"autopar: in_shardings{path} = {h} disagrees with {what} -> {m} on the same "
+                 "argument; the explicit in_shardings hint wins.", ShardingConflictWarning)
         hints.append(h)
         labels.append(label)
     return hints, labels

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import math
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -27,7 +26,7 @@ from jax.sharding import Mesh
 
 from autopar._sizes import format_bytes
 from autopar.cost_model.spec import Spec
-from autopar.errors import MemoryBudgetWarning, RematWarning
+from autopar.errors import MemoryBudgetWarning, RematWarning, warn
 from autopar.passes import candidates
 from autopar.passes import sequence_parallel  # noqa: F401  (registers attention's strategies)
 from autopar.passes.annotate import annotate
@@ -402,15 +401,14 @@ def _forced_remat(state: _State) -> Remat | None:
         return None
     layers = forced.layers or tuple(residual_bytes(state.traced, forced.policy))
     if not layers and forced.layers is None:
-        warnings.warn(
+        warn(
             f"autopar: remat={forced.policy.value!r} asks to rematerialize every "
             "layer, but this program has none autopar can recompute. Layers are the "
             "top-level modules of the first argument (the parameters) of a differentiated "
             "train step, found at the top level of the program (or in one `jax.jit` of the "
             "whole function); a function without a backward pass, or whose backward pass is "
             "inside a nested `jax.jit`, has none. Planned without rematerialization: wrap "
-            "the layers in `jax.checkpoint` to recompute them.", RematWarning,
-            stacklevel=7)  # autopar.plan's frame
+            "the layers in `jax.checkpoint` to recompute them.", RematWarning)
     return Remat(layers, forced.policy) if layers else None
 
 
@@ -461,8 +459,7 @@ def _over_budget(plain: _State, searched: bool) -> _State:
         _scan_advice(traced) if o.remat and o.search else "")
     if o.strict_budget:
         raise error
-    warnings.warn(f"autopar: {error} The plan below ignores the default budget.",
-                  MemoryBudgetWarning, stacklevel=7)  # autopar._gc's wrapper of _plan_once
+    warn(f"autopar: {error} The plan below ignores the default budget.", MemoryBudgetWarning)
     return plain
 
 

@@ -35,9 +35,9 @@ ILP's choice otherwise) and a :class:`~autopar.errors.ShardingConflictWarning` n
 
 from __future__ import annotations
 
-import warnings
 
 from autopar.errors import ShardingConflictWarning
+from autopar.errors import warn as warn_user
 from autopar.cost_model.spec import Spec
 from autopar.passes.conflicts import find_conflicts
 from autopar.passes.fixed import (
@@ -178,7 +178,7 @@ def propagate(graph: Graph, strats: list[list[Strategy]], mesh: MeshContext,
     if warn:
         prop.conflicts = find_conflicts(graph, strats, prop, labels)
     for message in prop.conflicts:
-        warnings.warn(message, ShardingConflictWarning, stacklevel=3)
+        warn_user(message, ShardingConflictWarning)
     if complete:
         prop.choice = select(graph, strats, mesh, prop, ties)
     else:

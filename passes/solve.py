@@ -20,7 +20,7 @@ import numpy as np
 import scipy.optimize
 
 from autopar._sizes import format_bytes
-from autopar.errors import InfeasiblePlanError, SolverFallbackWarning
+from autopar.errors import InfeasiblePlanError, SolverFallbackWarning, warn
 from autopar.passes.at_rest import MAX_NODES as REST_MAX_NODES, rest_in_update_sharding
 from autopar.passes.background import Deferred
 from autopar.passes.dedup import Groups
@@ -80,7 +80,7 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
     progress(f"ILP with rings charged in full: a plan of makespan {makespans[1] * 1e3:.3f} ms "
              f"against {makespans[0] * 1e3:.3f}; " + ("taken" if shorter else "not taken"))
     for w in said if shorter else ():
-        warnings.warn(w.message, w.category, stacklevel=2)
+        warn(str(w.message), w.category)
     return dataclasses.replace(other if shorter else solution, solve_time_s=took_s,
                                rings_dropped=shorter)
 
@@ -235,10 +235,9 @@ def _keep_warm_start(res, start: tuple[np.ndarray, float], time_limit_s: float):
     within the cutoff's slack of it is as good: the tie breaks may prefer it."""
     proven = res.status == 2
     if not proven:
-        warnings.warn(f"autopar: the ILP found no plan better than the propagated one in "
-                      f"{time_limit_s:.0f}s ({res.message}); using that plan. Raise "
-                      "`time_limit_s` for a better one.", SolverFallbackWarning,
-                      stacklevel=4)
+        warn(f"autopar: the ILP found no plan better than the propagated one in "
+             f"{time_limit_s:.0f}s ({res.message}); using that plan. Raise `time_limit_s` for "
+             "a better one.", SolverFallbackWarning)
     return scipy.optimize.OptimizeResult(x=start[0], fun=start[1], status=0 if proven else 1,
                                          message="warm start", ending=SolveStatus.WARM_START)
 
@@ -247,10 +246,9 @@ def _greedy_solution(builder: IlpBuilder, budget: BudgetRows | None, res, took: 
                      time_limit_s: float) -> Solution:
     """The greedy plan, said, when the ILP found no solution in time."""
     graph, strats, groups, mesh = builder.g, builder.strats, builder.groups, builder.mesh
-    warnings.warn(f"autopar: the ILP found no solution in {time_limit_s:.0f}s "
-                  f"({res.message}); using a greedy plan (or a propagated one predicted "
-                  "faster, with baseline_seeds). Raise `time_limit_s` for a better one.",
-                  SolverFallbackWarning, stacklevel=4)
+    warn(f"autopar: the ILP found no solution in {time_limit_s:.0f}s ({res.message}); using "
+         "a greedy plan (or a propagated one predicted faster, with baseline_seeds). Raise "
+         "`time_limit_s` for a better one.", SolverFallbackWarning)
     choice = greedy(graph, strats, groups, mesh)
     fits = budget is None or plan_peak(graph, strats, choice, mesh)[0] <= budget.budget_bytes
     edges_before, edges_after = builder.edge_counts()

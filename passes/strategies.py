@@ -15,7 +15,6 @@ import enum
 import functools
 import itertools
 import math
-import warnings
 from dataclasses import dataclass
 
 import jax
@@ -23,7 +22,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from autopar._compat import scan_counts
-from autopar.errors import ShardingHintError
+from autopar.errors import ShardingHintError, warn
 from autopar.cost_model.collectives import CommStep, plan_redistribute, reduce_step, ring_steps
 from autopar.cost_model.compute import memory_bound_s, roofline_s
 from autopar.cost_model.hlo import CollectiveKind
@@ -564,9 +563,9 @@ def build_strategies(graph: Graph, mesh: MeshContext, keys: list[tuple] | None =
         if fallback:
             fallbacks[node.prim] = fallbacks.get(node.prim, 0) + 1
     for prim, count in sorted(fallbacks.items()):
-        warnings.warn(f"autopar: no sharding rule for primitive `{prim}` ({count} use(s)); "
-                      "planned replicated. The plan is correct but may be slow there.",
-                      UnsupportedPrimitiveWarning, stacklevel=3)
+        warn(f"autopar: no sharding rule for primitive `{prim}` ({count} use(s)); planned "
+             "replicated. The plan is correct but may be slow there.",
+             UnsupportedPrimitiveWarning)
     return all_strats, fallbacks
 
 

@@ -22,8 +22,9 @@ ARGS = (jnp.ones((16, 16)), jnp.ones((8, 16)))
 
 @pytest.mark.parametrize("mesh, match", [
     ({"data": 16}, "needs 16 devices but 8"),
-    ({"data": 3}, "covers 3 devices but 8 exist"),
-    ({"data": 2, "model": 2}, "covers 4 devices"),
+    ({"data": 3}, r"needs 3 devices but 8 cpu device\(s\) exist.*"
+                  r"autopar\.simulate_cpu_devices\(3\) before jax starts in Python"),
+    ({"data": 2, "model": 2}, "needs 4 devices"),
     ({}, "has no axes"),
     ({"data": 0}, "give a positive integer"),
     ("data=2,model", "malformed mesh"),
@@ -128,8 +129,9 @@ def test_unsupported_primitive_falls_back_replicated_and_is_reported():
     from autopar.errors import UnsupportedPrimitiveWarning
     fn = lambda x: jnp.linalg.cholesky(x @ x.T + 8 * jnp.eye(8)).sum()  # noqa: E731
     x = jnp.ones((8, 8))
-    with pytest.warns(UnsupportedPrimitiveWarning, match="cholesky"):
+    with pytest.warns(UnsupportedPrimitiveWarning, match="cholesky") as record:
         plan = autopar.plan(fn, x, mesh={"data": 8})
+    assert {w.filename for w in record} == {__file__}  # the user's line, not autopar's
     assert "cholesky" in plan.report()
     assert jnp.allclose(plan.jit()(x), fn(x), rtol=2e-3)
 
