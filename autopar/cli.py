@@ -434,12 +434,13 @@ _PIPELINE_FIELDS = {"axis": str, "stages": _count(1), "microbatches": _count(1),
 
 
 def _pipeline_option(text: str) -> str | dict:
-    """``--pipeline``'s value: ``auto``, ``off``, or the fields of an ``autopar.Pipeline``
-    as ``axis=stage,schedule=1f1b,microbatches=8,batch_argnums=1+2`` (a first field without
-    ``=`` is the axis). Fields are checked here; the ``Pipeline`` is made once jax may be
+    """``--pipeline``'s value: ``auto``, ``off`` (or ``none``, as ``pipeline=None``), or the
+    fields of an ``autopar.Pipeline`` as ``axis=stage,schedule=1f1b,microbatches=8,
+    batch_argnums=1+2`` (a first field without ``=`` is the axis; ``axis=none`` names an axis
+    called none). Fields are checked here; the ``Pipeline`` is made once jax may be
     imported."""
-    if text in ("auto", "off"):
-        return text
+    if text in ("auto", "off", "none"):
+        return "off" if text == "none" else text
     fields: dict[str, str | int] = {}
     for k, part in enumerate(text.split(",")):
         name, eq, value = (s.strip() for s in part.partition("="))
@@ -512,6 +513,7 @@ def cmd_export(args) -> int:
     """Plan FILE.py:NAME and write the plan as a standalone module for plain ``jax.jit``."""
     mesh = parse_mesh_spec(args.mesh)
     check_outputs((args.out, "--out", "plan_specs.py"), reads=_reads(args))
+    module = _module_name(args.out)
     _start_devices(args.simulate_devices, mesh)
     import autopar
     from autopar._report import hardware_words, mesh_words
@@ -531,9 +533,23 @@ def cmd_export(args) -> int:
     for line in text.splitlines():
         if line.startswith("Checked when written"):
             _say(line)
-    _say(f"wrote {args.out}: MESH, IN_SPECS, OUT_SPECS; run with jax.jit(fn, "
-         "in_shardings=m.in_shardings(mesh), out_shardings=m.out_shardings(mesh))")
+    _say(f"wrote {args.out}: run it with `import {module} as plan; mesh = plan.make_mesh(); "
+         "jax.jit(fn, in_shardings=plan.in_shardings(mesh), "
+         "out_shardings=plan.out_shardings(mesh))`")
     return 0
+
+
+def _module_name(path: str) -> str:
+    """The module name ``export --out PATH`` is imported by; a CLIError unless PATH is a
+    ``.py`` file whose name is one."""
+    import keyword
+    stem, ext = os.path.splitext(os.path.basename(path))
+    if ext != ".py" or not stem.isidentifier() or keyword.iskeyword(stem):
+        fixed = "_".join("".join(c if c.isalnum() else " " for c in stem).split()) or "plan"
+        fixed = fixed if fixed.isidentifier() and not keyword.iskeyword(fixed) else "plan_specs"
+        raise CLIError(f"`--out {path}` must be a Python module to import: a `.py` file whose "
+                       f"name is a Python identifier, such as {fixed}.py")
+    return stem
 
 
 # ----- profile
@@ -621,10 +637,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--pipeline", type=_pipeline_option, default="auto",
                      metavar="{auto,off,FIELDS}",
                      help="cut the step's scanned layers into pipeline stages: auto (when its "
-                          "compiled program is faster; the default, as plan()), off, or "
-                          "autopar.Pipeline's fields, e.g. axis=stage,schedule=1f1b,"
-                          "microbatches=8,batch_argnums=1+2 (the loss must be marked with "
-                          "autopar.value_and_grad)")
+                          "compiled program is faster; the default, as plan()), off (or "
+                          "none), or autopar.Pipeline's fields: an axis alone (stage), or "
+                          "axis=stage,schedule=1f1b,microbatches=8,batch_argnums=1+2 (the "
+                          "loss must be marked with autopar.value_and_grad)")
     rep.add_argument("--no-overlap", action="store_true",
                      help="no rewrite that hides communication behind compute (collective "
                           "matmul, weight prefetch), as plan(..., overlap=False)")

@@ -52,6 +52,11 @@ def test_report_writes_json_and_html(tmp_path):
      "`gpt` in `autopar.models.targets` is not a function"),
     (["export", f"{TARGETS}:gpt_tiny", "--mesh", "data=8", "--out", TARGETS],
      "names a file this command reads"),
+    (["export", f"{TARGETS}:gpt_tiny", "--mesh", "data=8", "--out", "my-plan.py"],
+     "must be a Python module to import: a `.py` file whose name is a Python identifier, "
+     "such as my_plan.py"),
+    (["export", f"{TARGETS}:gpt_tiny", "--mesh", "data=8", "--out", "plan.txt"],
+     "such as plan.py"),
     (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=8", "--html", ""],
      "`--html` was given an empty path"),
     (["report", "no_such_module_here:f", "--mesh", "data=8"], "no file or module"),
@@ -109,6 +114,13 @@ def test_report_plans_under_a_memory_budget(tmp_path):
     compiled = re.search(r"compiled +peak memory ([\d.]+) MiB per device", r.stdout)
     assert compiled and float(compiled.group(1)) <= 2.0, r.stdout
     assert json.loads(out.read_text())["estimate"]["peak_memory_bytes"] <= 2 * 2**20
+
+
+def test_a_mesh_the_simulated_devices_do_not_fit_names_the_flag_to_change():
+    """The CLI's own --simulate-devices set XLA_FLAGS: the fix is the flag, not XLA_FLAGS."""
+    r = _run("report", f"{TARGETS}:gpt_tiny", "--mesh", "data=3", "--simulate-devices", "8")
+    assert r.returncode == 2 and "--simulate-devices 3" in r.stderr, r.stderr
+    assert "from XLA_FLAGS" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_error_in_the_users_file_is_one_line(tmp_path, capsys):
@@ -177,6 +189,7 @@ def test_report_pipelines_the_marked_step_as_asked(tmp_path):
 @pytest.mark.parametrize("flags, pipeline, overlap", [
     ([], "auto", True),
     (["--pipeline", "off", "--no-overlap"], None, False),
+    (["--pipeline", "none"], None, True),  # as pipeline=None
     (["--pipeline", "node,schedule=interleaved,virtual_stages=2"],
      {"axis": "node", "schedule": "interleaved", "virtual_stages": 2}, True),
     (["--pipeline", "node,batch_argnums=2+1"], {"axis": "node", "batch_argnums": (1, 2)}, True),

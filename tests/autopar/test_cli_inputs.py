@@ -70,7 +70,7 @@ def test_export_names_the_hardware_profile_and_where_it_wrote(tmp_path, capsys):
                               "--simulate-devices", "8", "--quiet"], capsys)
     assert code == 0, err
     assert "hardware profile `cpu` (the default, this backend's" in stdout.splitlines()[0]
-    assert f"wrote {out}" in stdout
+    assert f"wrote {out}: run it with `import mlp_specs as plan; mesh = plan.make_mesh()" in stdout
     assert "on the `cpu` profile" in out.read_text()
 
 
