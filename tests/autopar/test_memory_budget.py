@@ -65,6 +65,10 @@ def test_impossible_budget_names_the_smallest_peak(wide_mlp):
     assert {"parameters", "optimizer state", "activations and temporaries"} <= set(names)
     assert f"dominated by {names[0]}" in str(err)
     assert sum(size for _, size in err.peak_breakdown) == err.smallest_peak_bytes
+    # "a budget of that fits as predicted"
+    fits = autopar.plan(fn, *args, mesh=MESH, hardware="h100",
+                        memory_budget=err.smallest_peak_bytes, check_memory=False)
+    assert fits.estimate.peak_memory_bytes <= err.smallest_peak_bytes
 
 
 def test_an_impossible_budget_names_arguments_by_position_outside_a_train_step():
