@@ -538,8 +538,10 @@ def _plan_once(fn: Callable, example_args, memory_budget, target_bytes=None, *, 
              "loss_marked": marked, "hardware_default": hardware is None,
              "logical_axes": logical_names(example_args), "overlap": overlap,
              "rewrites": _rewrites(graph, strats, choice),
-             "axis_roles": _axis_roles.check(graph, strats, choice, batch_of(traced), axis_roles,
-                                             sizes, searched=search)}
+             "axis_roles": _axis_roles.check(
+                 graph, strats, choice, batch_of(traced), axis_roles, sizes,
+                 made="searched" if search else "propagated" if pin_intermediates
+                 else "exported")}
     device = jax_mesh.devices.flat[0]
     option_notes = choose(profile, device, compiler_option_notes(graph, device.platform))
     stats["compiler_options"] = [n.to_dict() for n in option_notes]

@@ -182,14 +182,20 @@ def pin_batch(specs: list, traced, leaves: Sequence[int], batch: tuple[str, ...]
     return specs
 
 
+#: Why a plan splits the batch as it does, by how it was made, for the note of :func:`check`.
+WHY = {"searched": "as predicted faster",
+       "propagated": "as the annotations propagate (search=False)",
+       "exported": "as the fastest compiled program under plain jax.jit has it (exportable=True)"}
+
+
 def check(graph, strats, choice, leaves: Sequence[int], axis_roles: AxisRoles,
-          sizes: dict[str, int], searched: bool = True) -> dict:
+          sizes: dict[str, int], made: str = "searched") -> dict:
     """``plan.stats["axis_roles"]``: the roles, the axes the program splits the batch over
     (the leading dim of each batch leaf as its readers take it: an input split over ``data``
     that every reader gathers is not split), and a ``note`` when a non-batch axis splits it,
-    or none does, while the mesh names batch axes (``searched``: the plan was chosen as
-    predicted fastest, not propagated from the annotations alone)."""
-    why = "as predicted faster" if searched else "as the annotations propagate (search=False)"
+    or none does, while the mesh names batch axes (``made``: how the plan was made, a key of
+    :data:`WHY`)."""
+    why = WHY[made]
     values = {graph.nodes[graph.input_nodes[i]].outs[0]: graph.input_nodes[i] for i in leaves}
     split: set[str] = set()
     read: set[int] = set()

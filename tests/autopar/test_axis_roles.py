@@ -124,6 +124,15 @@ def test_a_propagated_plan_s_note_says_it_was_propagated_not_predicted():
         "or replicates, as the annotations propagate (search=False)")
 
 
+def test_an_exportable_plan_s_note_says_it_was_exported_not_propagated():
+    """exportable=True propagates the fastest compiled candidate's shardings, which the user
+    did not ask for with search=False."""
+    plan = autopar.plan(mlp_train_step, *mlp_args(abstract=True), mesh={"data": 2, "model": 4},
+                        exportable=True, verbose=False)  # the quickstart's, on the cpu profile
+    note = plan.stats["axis_roles"]["note"]
+    assert "search=False" not in note and "(exportable=True)" in note, note
+
+
 def test_batch_axes_keeps_a_small_mlp_data_parallel_and_the_stats_say_where_the_batch_went():
     """At 1e4 tie-break units a read, this step gathered its batch and replicated every
     matmul under ``batch_axes="data"``, while the stats said the batch was split over data."""
