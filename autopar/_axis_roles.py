@@ -209,7 +209,7 @@ def check(graph, strats, choice, leaves: Sequence[int], axis_roles: AxisRoles,
         own = strats[node][choice[node]].out_specs[0]
         split.update(own.dims[0] if v not in read and own.rank else ())
     out = {**axis_roles.to_dict(), "batch_split_over": sorted(split)}
-    others = sorted(a for a in split if a not in axis_roles.batch)
+    others = sorted(a for a in split if a not in axis_roles.batch and sizes[a] > 1)
     names = ", ".join(f"`{a}`" for a in axis_roles.batch)
     asked = "batch_axes says" if axis_roles.explicit else "the axis names say"
     if axis_roles.batch and others:

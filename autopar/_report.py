@@ -33,7 +33,8 @@ def _shape_str(shape) -> str:
 
 
 def mesh_words(plan) -> str:
-    return f"{mesh_text(plan.mesh)} ({plan.mesh.devices.size} devices)"
+    n = plan.mesh.devices.size
+    return f"{mesh_text(plan.mesh)} ({n} device{'s' if n != 1 else ''})"
 
 
 def hardware_words(plan) -> str:

@@ -54,8 +54,16 @@ class LayerFacts:
     sequence: tuple[str, ...]
 
 
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+def _axes(entry, sizes: dict[str, int] | None = None) -> tuple[str, ...]:
+    """The mesh axes of one spec entry (those in ``sizes`` only, when given)."""
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return axes if sizes is None else tuple(a for a in axes if a in sizes)
+
+
+def _split_sizes(plan) -> dict[str, int]:
+    """The plan's mesh axes that split anything (of size 2 or more), by size: the words
+    leave a size-1 axis out, as it splits nothing."""
+    return {a: n for a, n in zip(plan.mesh.axis_names, plan.mesh.devices.shape) if n > 1}
 
 
 def _dim_roles(node, pos, rank) -> list[DimRole] | None:
@@ -166,10 +174,12 @@ def describe(facts: LayerFacts, sizes: dict[str, int], stage_axis: str | None = 
             parts.append(f"row-parallel over {ax(axis)}")
         elif roles == {DimRole.OTHER}:
             parts.append(f"parameters split over {ax(axis)}")
-    if facts.batch and not fsdp >= set(facts.batch):
-        parts.append("batch over " + " x ".join(ax(a) for a in facts.batch))
-    if facts.sequence:
-        parts.append("sequence over " + " x ".join(ax(a) for a in facts.sequence))
+    batch = [a for a in facts.batch if a in sizes]
+    sequence = [a for a in facts.sequence if a in sizes]
+    if batch and not fsdp >= set(batch):
+        parts.append("batch over " + " x ".join(ax(a) for a in batch))
+    if sequence:
+        parts.append("sequence over " + " x ".join(ax(a) for a in sequence))
     return ", ".join(parts) or "replicated"
 
 
@@ -190,7 +200,7 @@ def _layer_words(plan, sizes) -> list[tuple[str, str]]:
 
 def axis_words(plan) -> dict[str, str]:
     """Mesh axis -> what it carries, e.g. ``Megatron TP (block_0..block_11); batch``."""
-    sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
+    sizes = _split_sizes(plan)
     said: dict[str, dict[str, list[str]]] = {a: {} for a in sizes}
     for head, words in _layer_words(plan, sizes):
         for part in words.split(", "):
@@ -205,10 +215,10 @@ def axis_words(plan) -> dict[str, str]:
 def summary_lines(plan) -> list[str]:
     """The plan in words: one line per group of like layers, then the other inputs, the
     optimizer state, and where the plan splits the batch against the axis names."""
-    sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
+    sizes = _split_sizes(plan)
     if plan._details is None:   # loaded from JSON: the shardings, not the program
         specs = [s.spec for s in jax.tree_util.tree_leaves(plan.in_shardings)]
-        split = [sp for sp in specs if any(_axes(e) for e in sp)]
+        split = [sp for sp in specs if any(_axes(e, sizes) for e in sp)]
         axes = [a for a in sizes if any(a in _axes(e) for sp in split for e in sp)]
         return [f"{len(split)} of {len(specs)} inputs split"
                 + (f" over {', '.join(f'{a}({sizes[a]})' for a in axes)}" if axes else "")
@@ -217,7 +227,7 @@ def summary_lines(plan) -> list[str]:
     lines = [f"{head}: {said}" for head, said in _layer_words(plan, sizes)]
     p = plan.pipeline
     if p:
-        lines.append(f"pipeline: {p['stages']} stages over {p['axis']}({sizes[p['axis']]}), "
+        lines.append(f"pipeline: {p['stages']} stages over {p['axis']}({p['stages']}), "
                      f"{p['schedule']}, {p['microbatches']} microbatches")
     lines += _input_lines(plan, sizes)
     lines += _optimizer_lines(plan, sizes)
@@ -233,10 +243,10 @@ def _activation_note(plan, sizes, roles: dict) -> str | None:
     though the inputs hold it on them (``_axis_roles.check`` speaks for the inputs)."""
     batch = roles.get("batch_axes") or []
     facts = layer_facts(plan) if batch else {}
-    others = sorted({a for f in facts.values() for a in f.batch if a not in batch})
+    others = sorted({a for f in facts.values() for a in f.batch if a not in batch and a in sizes})
     if not others:
         return None
-    layers = [name for name, f in facts.items() if any(a not in batch for a in f.batch)]
+    layers = [name for name, f in facts.items() if any(a in others for a in f.batch)]
     on = " x ".join(f"{a}({sizes[a]})" for a in others)
     said = "batch_axes" if roles.get("explicit") else "axis names"
     heads = [g[0] if len(g) == 1 else f"{g[0]}..{g[-1]}" for g in same_layer_groups(layers)]
@@ -262,7 +272,7 @@ def _input_lines(plan, sizes) -> list[str]:
         if name is not None or not aval.shape:
             continue
         lead = "dim 0" if path.startswith("[0]") or aval.shape[0] != batch else "batch"
-        dims = [(d, _axes(e)) for d, e in enumerate(s.spec) if _axes(e)]
+        dims = [(d, _axes(e, sizes)) for d, e in enumerate(s.spec) if _axes(e, sizes)]
         words = ", ".join((lead if d == 0 else f"dim {d}") + " over "
                           + " x ".join(f"{a}({sizes[a]})" for a in axes)
                           for d, axes in dims) or "replicated"
@@ -298,12 +308,12 @@ def _optimizer_lines(plan, sizes) -> list[str]:
     extra: Counter = Counter()
     beyond = 0
     for state, param in pairs.items():
-        more = ({a for e in specs[state] for a in _axes(e)}
-                - {a for e in specs[param] for a in _axes(e)})
+        more = ({a for e in specs[state] for a in _axes(e, sizes)}
+                - {a for e in specs[param] for a in _axes(e, sizes)})
         extra.update(more)
         beyond += bool(more)
     if not beyond:
-        split = any(_axes(e) for state in pairs for e in specs[state])
+        split = any(_axes(e, sizes) for state in pairs for e in specs[state])
         return ["optimizer state: " + ("split as its parameters" if split else
                                        "replicated, as its parameters")]
     axes = " x ".join(f"{a}({sizes[a]})" for a in sizes if a in extra)

@@ -292,9 +292,9 @@ def over_budget_error(graph, strats, groups, mesh, budget_bytes: float, input_la
     error = InfeasiblePlanError(
         f"no sharding plan fits `memory_budget` = {_gib(budget_bytes)} per device{tried}: the "
         f"smallest peak autopar found is {_gib(peak)} per device, dominated by {top} "
-        f"({detail}); a budget of that fits as predicted, and a little less may (the search for "
-        f"the least peak is not exhaustive). Raise `memory_budget`, plan on more devices, or shrink {top} "
-        f"({_ADVICE.get(top, 'smaller or lower-precision arrays')}).{advice}")
+        f"({detail}); a budget of that fits as predicted, and a little less may (the search "
+        f"for the least peak is not exhaustive). Raise `memory_budget`, plan on more devices, "
+        f"or shrink {top} ({_ADVICE.get(top, 'smaller or lower-precision arrays')}).{advice}")
     error.smallest_peak_bytes = peak
     error.peak_breakdown = parts
     return error

@@ -97,6 +97,15 @@ def test_summary_says_megatron_and_batch():
     assert plan.report().split("\n\n")[1].startswith("The plan in words:\n  w1: column-parallel")
 
 
+@pytest.mark.parametrize("mesh", [{"data": 8, "model": 1}, {"data": 1, "model": 8}])
+def test_an_axis_of_size_1_splits_nothing_in_the_words(mesh):
+    """Specs may name a size-1 axis; the words leave it out (it was "column-parallel over
+    model(1)", "batch over data(1) x model(8)")."""
+    plan = autopar.plan(mlp_train_step, *mlp_args(abstract=True), mesh=mesh, hardware="h100")
+    text = plan.summary()
+    assert "(1)" not in text and "(8)" in text, text
+
+
 class _Block(nn.Module):
     @nn.compact
     def __call__(self, x):
