@@ -715,7 +715,8 @@ def _warnings_as_lines(on: bool):
     def show(message, category, filename, lineno, file=None, line=None):
         if not issubclass(category, AutoparWarning):
             return shown(message, category, filename, lineno, file, line)
-        text = f"{category.__name__}: {' '.join(str(message).split())}"
+        said_text = " ".join(str(message).split()).removeprefix("autopar: ")
+        text = f"{category.__name__}: {_with_flags(said_text)}"
         if text not in said:
             said.add(text)
             print(f"autopar: warning: {text}", file=file or sys.stderr)
@@ -766,14 +767,16 @@ def _one_line(e: Exception, debug: bool = False) -> str:
 _FLAGS = ((re.compile(r"`pipeline=None`"), "`--pipeline off`"),
           (re.compile(r"`(?:autopar\.)?Pipeline\((" + "|".join(_PIPELINE_FIELDS)
                       + r")=\\?\"?([\w.+-]+)\\?\"?\)`"), r"`\1=\2` in `--pipeline`"),
-          (re.compile(r"`overlap=False`"), "`--no-overlap`"))
+          (re.compile(r"`overlap=False`"), "`--no-overlap`"),
+          (re.compile(r"`memory_budget`"), "`--memory-budget`"),
+          (re.compile(r"`time_limit_s`"), "`--time-limit`"))
 
 
 def _with_flags(text: str) -> str:
-    """``text`` with each of plan()'s options it suggests followed by its flag:
-    "`pipeline=None` (CLI: `--pipeline off`)"."""
+    """``text`` with each of plan()'s options it suggests followed by its flag, where it is
+    first named: "`pipeline=None` (CLI: `--pipeline off`)"."""
     for pattern, flag in _FLAGS:
-        text = pattern.sub(lambda m, flag=flag: f"{m[0]} (CLI: {m.expand(flag)})", text)
+        text = pattern.sub(lambda m, flag=flag: f"{m[0]} (CLI: {m.expand(flag)})", text, count=1)
     return text
 
 

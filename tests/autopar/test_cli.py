@@ -73,7 +73,7 @@ def test_report_writes_json_and_html(tmp_path):
      "not a positive number of seconds"),
     (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=2,model=4", "--memory-budget",
       "100KiB", "--simulate-devices", "8", "--no-baselines"],
-     "no sharding plan fits `memory_budget` = 100.0 KiB"),
+     "no sharding plan fits `memory_budget` (CLI: `--memory-budget`) = 100.0 KiB"),
     (["report", f"{TARGETS}:gpt_pipelined", "--mesh", "stage=4,data=2", "--pipeline",
       "axis=stage,bogus=1"], "is not auto, off or pipeline fields"),
     (["report", f"{TARGETS}:gpt_pipelined", "--mesh", "stage=4,data=2", "--pipeline",
@@ -236,8 +236,12 @@ def test_autopar_s_warnings_are_one_line_once_on_the_command_line(capsys):
                 warnings.warn("a profile\n  measured elsewhere", HardwareWarning)
             with pytest.warns(UserWarning, match="not autopar's"):  # shown as Python shows it
                 warnings.warn("not autopar's", UserWarning)
+            warnings.warn("autopar: HiGHS stopped: raise `time_limit_s`", HardwareWarning)
     err = capsys.readouterr().err.splitlines()
-    assert err == ["autopar: warning: HardwareWarning: a profile measured elsewhere"]
+    assert err == ["autopar: warning: HardwareWarning: a profile measured elsewhere",
+                   # one "autopar:", and the flag beside the option
+                   "autopar: warning: HardwareWarning: HiGHS stopped: raise `time_limit_s` "
+                   "(CLI: `--time-limit`)"]
 
 
 def test_errors_give_the_flag_beside_each_plan_option_they_suggest():
@@ -245,6 +249,8 @@ def test_errors_give_the_flag_beside_each_plan_option_they_suggest():
     text = cli._with_flags('plan with `pipeline=None`, or `Pipeline(schedule="gpipe")`')
     assert text == ('plan with `pipeline=None` (CLI: `--pipeline off`), or '
                     '`Pipeline(schedule="gpipe")` (CLI: `schedule=gpipe` in `--pipeline`)')
+    text = cli._with_flags("fits `memory_budget` = 1 B. Raise `memory_budget`.")
+    assert text == "fits `memory_budget` (CLI: `--memory-budget`) = 1 B. Raise `memory_budget`."
     text = cli._with_flags("name them: `autopar.Pipeline(batch_argnums=...)`.")
     assert text == ("name them: `autopar.Pipeline(batch_argnums=...)` "
                     "(CLI: `batch_argnums=...` in `--pipeline`).")
