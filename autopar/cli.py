@@ -605,8 +605,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse's parser, whose errors are one line (not the usage block above it), as every
     other failure of the command is; the subcommands' parsers are of this class too."""
 
-    def error(self, message: str):
-        print(f"autopar: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+    def error(self, message: str, prog: str | None = None):
+        print(f"autopar: error: {message} (see `{prog or self.prog} --help`)", file=sys.stderr)
         sys.exit(2)
 
 
@@ -683,7 +683,13 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not argv:  # `autopar` alone: what it can do
+        parser.print_help()
+        return 0
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # name the command's own help, where its flags are
+        parser.error(f"unrecognized arguments: {' '.join(extra)}", f"autopar {args.command}")
     try:
         with _warnings_as_lines(from_command_line and not debug):
             return args.run(args)

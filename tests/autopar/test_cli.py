@@ -63,8 +63,11 @@ def test_report_writes_json_and_html(tmp_path):
     (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=64", "--simulate-devices", "8"],
      "xla_force_host_platform_device_count"),
     (["report", TARGETS, "--mesh", "data=8"], "must look like FILE.py:NAME"),
-    (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=2,model"], "malformed mesh"),
-    (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=two"], "malformed mesh"),
+    (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=2,model"],
+     "malformed mesh `data=2,model` at `model`"),
+    (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=two"],
+     "the size of axis `data` is `two`, not a whole number"),
+    (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=2,data=4"], "give each axis once"),
     (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=8", "--hardware", "h999"],
      "unknown hardware"),
     (["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=8", "--memory-budget", "12x"],
@@ -121,6 +124,17 @@ def test_a_mesh_the_simulated_devices_do_not_fit_names_the_flag_to_change():
     r = _run("report", f"{TARGETS}:gpt_tiny", "--mesh", "data=3", "--simulate-devices", "8")
     assert r.returncode == 2 and "--simulate-devices 3" in r.stderr, r.stderr
     assert "from XLA_FLAGS" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_autopar_alone_shows_its_help_and_a_stray_flag_names_the_command_s(capsys):
+    from autopar import cli
+    assert cli.main([]) == 0
+    assert "report" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        cli.main(["report", f"{TARGETS}:gpt_tiny", "--mesh", "data=8", "--bogus-flag"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.strip() == (
+        "autopar: error: unrecognized arguments: --bogus-flag (see `autopar report --help`)")
 
 
 def test_error_in_the_users_file_is_one_line(tmp_path, capsys):
