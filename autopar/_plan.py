@@ -237,7 +237,7 @@ class Plan:
         def call(method, args):
             leaves, tree = jax.tree_util.tree_flatten(args)
             if tree != in_tree:
-                raise PlanFormatError(_tree_difference(self.in_paths, args))
+                raise ArgumentError(_tree_difference(self.in_paths, args))
             leaves = [_placed(x, s) for x, s in zip(leaves, flat_in)]
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # Auto axes, as planned
                 return method(*leaves)
@@ -250,7 +250,7 @@ class Plan:
     def _guarded_flat_fn(self) -> Callable:
         """The program's flat function, first checking (when jax traces it, so never on a
         call of the shapes planned) that each leaf has its planned shape and dtype: else a
-        PlanFormatError naming the leaf, rather than an error from deep in the program."""
+        ArgumentError naming the leaf, rather than an error from deep in the program."""
         flat_fn, paths = self._flat_fn, self.in_paths
         planned = [(tuple(a.shape), canonical_dtype(a.dtype)) for a in self._arg_avals]
 
@@ -260,7 +260,7 @@ class Plan:
                 got = (tuple(x.shape), canonical_dtype(x.dtype))
                 if got != want:
                     where = paths[i] if i < len(paths) else f"leaf {i}"
-                    raise PlanFormatError(
+                    raise ArgumentError(
                         f"argument {where} is {_typed(*got)}, but the plan was made for "
                         f"{_typed(*want)}: plan again for these arguments "
                         "(autopar.parallelize plans once per signature)")

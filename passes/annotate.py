@@ -92,19 +92,20 @@ def _describe(x) -> str:
     return f"a {type(x).__name__}"
 
 
-def _mismatch(hints, target, path=()) -> tuple[tuple, str] | None:
-    """The first place where a hint tree is not a prefix of ``target``: (key path, why)."""
+def _mismatch(hints, target, path=(), thing: str = "argument") -> tuple[tuple, str] | None:
+    """The first place where a hint tree is not a prefix of ``target``: (key path, why);
+    ``thing``: what the tree holds (an argument, a result)."""
     if _is_hint(hints):
         return None
     if isinstance(target, int):  # an argument leaf (the dummy tree holds 0s)
-        return path, f"the hint is {_describe(hints)} where the argument is one array"
+        return path, f"the hint is {_describe(hints)} where the {thing} is one array"
     if type(hints) is not type(target):
-        return path, f"the hint is {_describe(hints)} where the argument is {_describe(target)}"
+        return path, f"the hint is {_describe(hints)} where the {thing} is {_describe(target)}"
     ours, theirs = _children(hints), _children(target)
     if [k for k, _ in ours] != [k for k, _ in theirs]:
-        return path, f"the hint is {_describe(hints)} where the argument is {_describe(target)}"
+        return path, f"the hint is {_describe(hints)} where the {thing} is {_describe(target)}"
     for (key, h), (_, t) in zip(ours, theirs):
-        found = _mismatch(h, t, path + key)
+        found = _mismatch(h, t, path + key, thing)
         if found:
             return found
     return None
@@ -120,12 +121,17 @@ def flatten_hints(hints, tree, what: str) -> list:
             lambda h, sub: _Repeated(h, len(jax.tree_util.tree_leaves(sub))), hints, dummy,
             is_leaf=_is_hint)
     except (ValueError, TypeError) as e:
-        found = _mismatch(hints, dummy)
-        where = (f" at `{what}{jax.tree_util.keystr(found[0])}`: {found[1]}" if found
-                 else f": {e}")
-        raise ShardingHintError(f"`{what}` does not match the structure it hints{where}. Give "
-                                "a pytree shaped like it (or a prefix of it) of PartitionSpec, "
-                                "NamedSharding or None.") from None
+        thing = "result" if what.startswith("out") else "argument"
+        found = _mismatch(hints, dummy, thing=thing)
+        if found and not found[0]:  # at the root: all the arguments (results) at once
+            where = ": " + (found[1] if isinstance(dummy, int) else
+                            found[1].replace(f"the {thing} is", f"the {thing}s are"))
+        else:
+            where = (f" at `{what}{jax.tree_util.keystr(found[0])}`: {found[1]}" if found
+                     else f": {e}")
+        raise ShardingHintError(f"`{what}` does not match the {thing}s it hints{where}. Give "
+                                f"a pytree shaped like the {thing}s (or a prefix of it) of "
+                                "PartitionSpec, NamedSharding or None.") from None
     out = []
     for repeated in jax.tree_util.tree_leaves(per_leaf):   # a _Repeated is a leaf
         out += [repeated.hint] * repeated.count

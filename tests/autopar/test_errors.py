@@ -68,7 +68,8 @@ def test_unknown_hardware_lists_known_names():
     ((P("model"), None), "names mesh axis `model`"),
     ((P(None, "data"), P("data")), None),  # fine: data divides both
     ((P(("data",)), P(None, None, "data")), "more entries than the rank"),
-    ((None, None, None), "does not match the structure"),
+    ((None, None, None), "`in_shardings` does not match the arguments it hints: the hint is "
+                         "a tuple of 3 where the arguments are a tuple of 2"),
 ])
 def test_bad_hints(hints, match):
     if match is None:
