@@ -27,6 +27,7 @@ from autopar._mesh import as_auto_mesh, axis_sizes, with_mesh_when_asked
 from autopar._multiprocess import process_0_plan
 from autopar import _axis_roles, _inputs, _pipeline, _stage_plan
 from autopar._plan import Plan
+from autopar._progress import clock_start, progress_clock, progress_line
 from autopar._sizes import format_bytes
 from autopar.baselines import (baseline_io_shardings, baseline_kinds, baseline_kwargs,
                                baseline_shardings, structure_of_jaxpr)
@@ -125,23 +126,33 @@ def _remat_option(remat) -> dict | None:
 QUIET_S = 10.0
 
 
+def _on_one_clock(fn):
+    """``fn`` with its progress lines on one clock (:func:`progress_clock`)."""
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        with progress_clock():
+            return fn(*args, **kwargs)
+    return timed
+
+
 def _progress(enabled: bool | None):
-    """Progress lines on stderr, each with the seconds since planning started: always (True),
-    never (False), or (None) from the first line after :data:`QUIET_S` seconds on, after the
-    line before it, so a long plan (a deep unrolled model) says what it is doing and a short
-    one stays quiet."""
+    """Progress lines on stderr, each with the seconds since planning (or the command) started:
+    always (True), never (False), or (None) from the first line after :data:`QUIET_S` seconds
+    of this planning on, after the line before it, so a long plan (a deep unrolled model)
+    says what it is doing and a short one stays quiet."""
     if enabled is False:
         return lambda msg: None
-    start = time.perf_counter()
+    begun = time.perf_counter()
+    start = clock_start() if clock_start() is not None else begun
     state = {"shown": enabled is True, "held": None}
 
     def show(t, msg):
-        print(f"[autopar {t:6.1f}s] {msg}", file=sys.stderr, flush=True)
+        progress_line(msg, t)
 
     def progress(msg):
         t = time.perf_counter() - start
         if not state["shown"]:
-            if t < QUIET_S:
+            if time.perf_counter() - begun < QUIET_S:
                 state["held"] = (t, msg)
                 return
             state["shown"] = True
@@ -153,6 +164,7 @@ def _progress(enabled: bool | None):
     return progress
 
 
+@_on_one_clock
 def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
          in_shardings=None, out_shardings=None, search: bool = True, logical_axis_rules=None,
          time_limit_s: float = 300.0, tie_state: bool = True, axis_level_overrides=None,

@@ -19,6 +19,7 @@ import warnings
 
 from autopar._compat import backends_initialized
 from autopar._mesh import SIMULATE_FLAG, simulate_cpu_devices
+from autopar._progress import progress_clock, progress_line
 from autopar._meshspec import parse_mesh_spec
 from autopar._sizes import parse_bytes
 from autopar.errors import AutoparError, AutoparWarning, CLIError, HardwareWarning
@@ -164,8 +165,7 @@ def cmd_demo(args) -> int:
     baselines = None
     if not args.no_baselines:
         from autopar._compare import predict_baselines
-        print("[autopar] estimating the data-parallel and FSDP baselines", file=sys.stderr,
-              flush=True)
+        progress_line("estimating the data-parallel and FSDP baselines")
         baselines = predict_baselines(big_step, big_state, plan.mesh, hardware=args.hardware)
     _say(plan.report(baselines))
     # 2. The same shardings on a toy GPT that runs here, checked against one device.
@@ -470,10 +470,18 @@ _REMAT = {"auto": True, "off": False, "dots_saveable": "dots_saveable",
           "nothing_saveable": "nothing_saveable"}
 
 
+def _loading(args) -> None:
+    """The first progress line of a command that plans a target: jax's start and the target's
+    own code take seconds before planning says anything."""
+    if not args.quiet:
+        progress_line(f"starting jax and loading {args.target}")
+
+
 def cmd_report(args) -> int:
     mesh = parse_mesh_spec(args.mesh)
     check_outputs((args.json, "--json", "plan.json"), (args.html, "--html", "plan.html"),
                   reads=_reads(args))
+    _loading(args)
     _start_devices(args.simulate_devices, mesh)
     import autopar
     from autopar.cost_model.hardware import get_profile
@@ -488,15 +496,13 @@ def cmd_report(args) -> int:
     if not args.no_baselines:
         from autopar._compare import predict_baselines
         if not args.quiet:
-            print("[autopar] estimating the data-parallel and FSDP baselines", file=sys.stderr,
-                  flush=True)
+            progress_line("estimating the data-parallel and FSDP baselines")
         baselines = predict_baselines(fn, example_args, plan.mesh, hardware=args.hardware)
     _say(plan.report(baselines))
     if args.validate:
         from autopar._validate import validation_table
         if not args.quiet:
-            print("[autopar] compiling the plan to check the prediction", file=sys.stderr,
-                  flush=True)
+            progress_line("compiling the plan to check the prediction")
         _say("\n" + validation_table(plan))
     if args.json:
         write_output(args.json, "--json", plan.to_json())
@@ -514,6 +520,7 @@ def cmd_export(args) -> int:
     mesh = parse_mesh_spec(args.mesh)
     check_outputs((args.out, "--out", "plan_specs.py"), reads=_reads(args))
     module = _module_name(args.out)
+    _loading(args)
     _start_devices(args.simulate_devices, mesh)
     import autopar
     from autopar._report import hardware_words, mesh_words
@@ -524,8 +531,7 @@ def cmd_export(args) -> int:
                         memory_budget=args.memory_budget, time_limit_s=args.time_limit,
                         verbose=not args.quiet, exportable=not args.pinned)
     if not args.quiet:
-        print("[autopar] compiling the plan and plain jax.jit with its shardings to compare",
-              file=sys.stderr, flush=True)
+        progress_line("compiling the plan and plain jax.jit with its shardings to compare")
     with _writing(args.out, "--out"):
         text = plan.to_python(args.out, fn=fn)
     _say(f"autopar plan on mesh {mesh_words(plan)}, {hardware_words(plan)}")
@@ -691,7 +697,7 @@ def main(argv=None) -> int:
     if extra:  # name the command's own help, where its flags are
         parser.error(f"unrecognized arguments: {' '.join(extra)}", f"autopar {args.command}")
     try:
-        with _warnings_as_lines(from_command_line and not debug):
+        with _warnings_as_lines(from_command_line and not debug), progress_clock():
             return args.run(args)
     except KeyboardInterrupt:
         print("autopar: interrupted", file=sys.stderr)

@@ -193,6 +193,24 @@ def test_default_progress_shows_only_once_planning_is_slow(monkeypatch, capsys):
     assert "comparing" in capsys.readouterr().err
 
 
+def test_progress_inside_one_command_counts_from_its_start(monkeypatch, capsys):
+    """A CLI command's lines and its plans' (an exportable plan plans again inside) share the
+    outermost clock, instead of each plan restarting at 0."""
+    from autopar import _api, _progress
+    clock = [100.0]
+    monkeypatch.setattr(_progress.time, "perf_counter", lambda: clock[0])
+    with _progress.progress_clock():
+        clock[0] = 105.0
+        _api._progress(True)("tracing")     # a plan that starts 5 s into the command
+        with _progress.progress_clock():    # an inner plan keeps the command's clock
+            clock[0] = 107.5
+            _api._progress(True)("again")
+            _progress.progress_line("compiling")
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["[autopar    5.0s] tracing", "[autopar    7.5s] again",
+                   "[autopar    7.5s] compiling"]
+
+
 def test_planning_pauses_the_garbage_collector_and_restores_it(monkeypatch):
     """The cyclic collector is off while a plan is made (autopar._gc) and as it was after,
     also when planning fails; a caller's disabled collector stays disabled."""

@@ -385,7 +385,6 @@ CLI_CASES = [
     (lambda t: _report(t, "ok", "--frobnicate"), "--frobnicate"),
     (lambda t: ["report", f"{t}/targets.py:ok"], "--mesh"),
     (lambda t: ["frobnicate"], "frobnicate"),
-    (lambda t: [], "command"),
 ] + [
     (lambda t, m=m: ["report", f"{t}/targets.py:ok", "--mesh", m, "--no-baselines"], "mesh")
     for m in ("data=2,model", "data=two", "=8", "data=0", "data=8,data=8", "データ=8",
@@ -533,7 +532,7 @@ def test_a_missing_default_pipeline_axis_says_it_was_the_default():
         _plan(pipeline=autopar.Pipeline(schedule="gpipe"))
 
 
-@pytest.mark.parametrize("argv", [[], ["report"], ["report", "x.py:f", "--mesh", "data=8",
+@pytest.mark.parametrize("argv", [["report"], ["report", "x.py:f", "--mesh", "data=8",
                                                    "--memory-budget", "40gigs"],
                                   ["report", "x.py:f", "--mesh", "data=8", "--remat", "bogus"]])
 def test_cli_argument_errors_are_one_line(argv, capsys):
