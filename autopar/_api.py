@@ -126,15 +126,6 @@ def _remat_option(remat) -> dict | None:
 QUIET_S = 10.0
 
 
-def _on_one_clock(fn):
-    """``fn`` with its progress lines on one clock (:func:`progress_clock`)."""
-    @functools.wraps(fn)
-    def timed(*args, **kwargs):
-        with progress_clock():
-            return fn(*args, **kwargs)
-    return timed
-
-
 def _progress(enabled: bool | None):
     """Progress lines on stderr, each with the seconds since planning (or the command) started:
     always (True), never (False), or (None) from the first line after :data:`QUIET_S` seconds
@@ -164,7 +155,7 @@ def _progress(enabled: bool | None):
     return progress
 
 
-@_on_one_clock
+@progress_clock()  # its progress lines, and those of the plans it makes, on one clock
 def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
          in_shardings=None, out_shardings=None, search: bool = True, logical_axis_rules=None,
          time_limit_s: float = 300.0, tie_state: bool = True, axis_level_overrides=None,

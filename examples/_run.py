@@ -32,25 +32,12 @@ _SIMULATE_FLAG = "--xla_force_host_platform_device_count"
 SIMULATED_HARDWARE = "h100"
 
 
-def _at_least(low: int):
-    """An argparse type: an int of at least ``low``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
-        if value < low:
-            raise argparse.ArgumentTypeError(f"`{text}` is not an integer of at least {low}")
-        return value
-    return parse
-
-
 def build_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mesh", default="data=2,model=4",
                         help="mesh axes as name=size pairs (default: data=2,model=4)")
-    parser.add_argument("--steps", type=_at_least(0), default=5,
+    parser.add_argument("--steps", type=int, default=5,
                         help="training steps (default: 5; 0: plan only)")
     parser.add_argument("--hardware", default=None,
                         help="hardware profile to plan for: a name (h100, tpu-v5e, ...) or a "
@@ -199,7 +186,10 @@ def main(build: Callable, description: str, argv=None) -> int:
     """Run an example: ``build(size, abstract=False)`` returns ``(train_step, (params,
     opt_state, batch))`` for ``size`` "tiny" or "realistic" (``jax.ShapeDtypeStruct`` leaves
     when ``abstract``); it is called after jax is set up."""
-    args = build_parser(description).parse_args(argv)
+    parser = build_parser(description)
+    args = parser.parse_args(argv)
+    if args.steps < 0:
+        parser.error(f"argument --steps: {args.steps} is not an integer of at least 0")
     from autopar._meshspec import parse_mesh_spec
     from autopar.errors import AutoparError
     try:
