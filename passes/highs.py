@@ -102,10 +102,13 @@ def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: floa
     if (res is not None and cutoff is not None and not callable(cutoff)
             and float(costs @ res.x) > cutoff):
         # Over a given cutoff: an integral relaxation's optimum is the ILP's, so no plan
-        # beats the cutoff, as the MIP would prove; a dive's plan may miss one that does.
-        res = (scipy.optimize.OptimizeResult(x=None, fun=None, status=2,
-                                             message=CUTOFF_MESSAGE)
-               if res.message == RELAXATION_MESSAGE else None)
+        # beats the cutoff, as the MIP would prove; a dive's plan may miss one that does,
+        # which the MIP looks for where it may run (below), as for a dive outside the gap.
+        if res.message == RELAXATION_MESSAGE:
+            res = scipy.optimize.OptimizeResult(x=None, fun=None, status=2,
+                                                message=CUTOFF_MESSAGE)
+        else:
+            res, dived = None, res
     if res is None and dived is not None and not mip_follows:
         # No MIP at this size (see Work): the dive's plan, the same on any machine, unless a
         # given cutoff asks for better.

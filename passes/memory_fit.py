@@ -48,12 +48,14 @@ PENALTY_STEP = 8.0
 #: polished by solves of the memory rows as hard constraints (:func:`_hard_rows`, at most
 #: HARD_ROW_SOLVES, each adding a row for each of up to HARD_ROW_NEW_ROWS stretches of nodes
 #: its plan is over the budget at), each bounded by HARD_ROW_WORK: HiGHS takes much longer
-#: under hard rows, mostly in sub-MIP heuristics at the root (off: the same plans, in half
-#: the time, on the wide MLP's).
+#: under hard rows, mostly at the MIP's root, which no node limit bounds. So the sub-MIP
+#: heuristics are off (the same plans, in half the time, on the wide MLP's), and no MIP
+#: follows the LP relaxation's dive: its plan, or none under the cutoff, is the solve's
+#: answer (docs/solver_notes.md: the MIP took 23 s of a 28 s solve on a toy GPT, for 1.3%).
 PENALTY_CLOSE_ENOUGH = 1e-3
 HARD_ROW_SOLVES = 2
 HARD_ROW_NEW_ROWS = 4
-HARD_ROW_WORK = Work(mip_nodes=200, sub_mips=False)
+HARD_ROW_WORK = Work(mip_nodes=200, sub_mips=False, mip_max_nonzeros=0)
 #: Each solve of the least-peak search (:func:`_smallest_peak`).
 LEAST_PEAK_WORK = Work(mip_nodes=100)
 #: Graphs with these nodes (loops) are not polished: a plan polished to the budget's edge

@@ -112,6 +112,12 @@ def test_above_the_size_limit_a_dive_outside_the_gap_is_the_answer_without_the_m
     # A given cutoff the dive's -2 does not beat: no plan, rather than one over it.
     res, _ = solve_milp(*_ilp(1.5), time_limit_s=10, cutoff=-2.2, work=Work(mip_max_nonzeros=1))
     assert res.x is None and res.message == LARGE_DIVE_MESSAGE and mips == [1]
+    # The same with the dive's plan within the gap (30%): still no MIP at this size (it ran,
+    # unbounded by any work limit at its root, until 2026-11-30).
+    res, _ = solve_milp(*_ilp(1.5), time_limit_s=10, gap=0.3, cutoff=-2.2,
+                        work=Work(mip_max_nonzeros=1))
+    assert res.x is None and res.message == LARGE_DIVE_MESSAGE and mips == [1]
+    assert res.ending is SolveStatus.DIVE
 
 
 def test_no_plan_over_a_given_cutoff_is_returned():
