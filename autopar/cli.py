@@ -781,7 +781,8 @@ _FLAGS = ((re.compile(r"`pipeline=None`"), "`--pipeline off`"),
                       + r")=\\?\"?([\w.+-]+)\\?\"?\)`"), r"`\1=\2` in `--pipeline`"),
           (re.compile(r"`overlap=False`"), "`--no-overlap`"),
           (re.compile(r"`memory_budget`"), "`--memory-budget`"),
-          (re.compile(r"`time_limit_s`"), "`--time-limit`"))
+          (re.compile(r"`time_limit_s`"), "`--time-limit`"),
+          (re.compile(r"`remat=True`"), "`--remat auto`"))
 
 
 def _with_flags(text: str) -> str:

@@ -450,13 +450,17 @@ def _over_budget(plain: _State, searched: bool) -> _State:
     """``plain``, over the budget: InfeasiblePlanError when ``strict_budget``, else it with a
     MemoryBudgetWarning. ``searched``: whether the remat search ran."""
     o, traced = plain.options, plain.traced
+    layers = bool(residual_bytes(traced, RematPolicy.NOTHING))
+    advice = _scan_advice(traced) if o.remat and o.search else ""
+    if layers and not o.remat and o.remat_choice is None:  # the user turned remat off
+        advice += (" Rematerializing layers may make a plan fit: plan with `remat=True` (the "
+                   "default).")
     error = over_budget_error(
         traced.graph, plain.strats, plain.groups, o.mesh_ctx, o.memory_budget_bytes,
         input_labels(traced.in_tree, _replaced_leaves(traced.graph, plain.ties)),
         o.time_limit_s, plain.solution,
         " (rematerializing every layer did not make one fit either)"
-        if searched and residual_bytes(traced, RematPolicy.NOTHING) else "",
-        _scan_advice(traced) if o.remat and o.search else "")
+        if searched and layers else "", advice)
     if o.strict_budget:
         raise error
     warn(f"autopar: {error} The plan below ignores the default budget.", MemoryBudgetWarning)

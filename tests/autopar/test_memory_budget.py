@@ -197,7 +197,7 @@ def test_remat_makes_a_budget_fit_that_no_sharding_does():
     docs/benchmarks.md, "Not yet".)"""
     fn, args = gpt.make_train_step(ACTIVATION_HEAVY)
     mesh = {"data": 8}
-    with pytest.raises(InfeasiblePlanError) as info:
+    with pytest.raises(InfeasiblePlanError, match="plan with `remat=True`") as info:
         autopar.plan(fn, *args, mesh=mesh, hardware="h100", memory_budget=1.0, remat=False)
     budget = 0.9 * info.value.smallest_peak_bytes
     plan = autopar.plan(fn, *args, mesh=mesh, hardware="h100", memory_budget=budget)
