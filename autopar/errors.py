@@ -4,6 +4,7 @@ Every error a user can cause is an :class:`AutoparError` subclass whose message 
 offending argument and says how to fix it. ``assert`` is kept for internal invariants.
 """
 
+import contextlib
 import os
 import sys
 import warnings
@@ -29,9 +30,10 @@ def jax_file(path: str) -> bool:
 
 
 def _skipped(frame) -> bool:
-    """A frame of autopar's or of jax's."""
+    """A frame of autopar's or of jax's, or of contextlib's (a context manager used as a
+    decorator of autopar's functions, such as ``autopar.plan``'s progress clock)."""
     path = frame.f_code.co_filename
-    return autopar_file(path) or jax_file(path)
+    return autopar_file(path) or jax_file(path) or path == contextlib.__file__
 
 
 def warn(message: str, category: type[Warning]) -> None:

@@ -81,10 +81,13 @@ def check_args(args) -> tuple[list, Any]:
 
 def _untraceable(dtype) -> bool:
     """A numpy dtype jax has no type for: objects, strings, bytes, dates, records (bfloat16
-    and the other ml_dtypes are kind "V" too, without fields)."""
+    and the other ml_dtypes are kind "V" too, without fields; jax's float0, the tangent type
+    of integers, is a record jax traces)."""
     try:
         dtype = np.dtype(dtype)
     except TypeError:  # a jax extended dtype (PRNG keys): jax's own
+        return False
+    if dtype == jax.dtypes.float0:
         return False
     return dtype.kind in "OSUMm" or dtype.fields is not None
 

@@ -52,8 +52,11 @@ def test_an_array_jax_cannot_trace_is_named(leaf):
         autopar.plan(lambda w, s: w, jnp.ones(8), leaf, mesh={"data": 8})
 
 
-def test_16_bit_floats_and_keys_are_arrays_jax_traces():
-    """bfloat16 (numpy kind "V", as every ml_dtype) and typed PRNG keys plan."""
+def test_16_bit_floats_keys_and_float0_are_arrays_jax_traces():
+    """bfloat16 (numpy kind "V", as every ml_dtype) and typed PRNG keys plan, and float0 (a
+    record dtype: the tangents of integers, which pipeline stages trace) is not refused."""
+    from autopar.passes.trace import check_args
+    check_args((np.zeros(3, jax.dtypes.float0),))
     plan = autopar.plan(lambda w, k: w * jax.random.uniform(k, w.shape, w.dtype),
                         jnp.ones(8, jnp.bfloat16), jax.random.key(0), mesh={"data": 8})
     assert plan.estimate.step_time_s > 0
