@@ -139,10 +139,10 @@ def solve_milp(c, A, lb, ub, integer, time_limit_s: float, upper=None, gap: floa
     res.setdefault("ending", SolveStatus.OPTIMAL if res.status == 0 else SolveStatus.TIME_LIMIT)
     took = time.perf_counter() - start
     if run.timed_out:
-        warn(f"autopar: HiGHS reached the {time_limit_s:g}s safety-net time limit "
-                      f"before its work limit (after {took:.1f}s): this plan may differ on a "
-                      "faster or less busy machine. Raise `time_limit_s` for a plan that "
-                      "depends only on the program.", SolverFallbackWarning)
+        warn(f"autopar: HiGHS reached the {time_limit_s:g}s safety-net time limit before its "
+             f"work limit (after {took:.1f}s): this plan may differ on a faster or less busy "
+             "machine. Raise `time_limit_s` for a plan that depends only on the program.",
+             SolverFallbackWarning)
     return res, took
 
 
