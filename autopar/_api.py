@@ -134,7 +134,7 @@ def _progress(enabled: bool | None):
     if enabled is False:
         return lambda msg: None
     begun = time.perf_counter()
-    start = clock_start() if clock_start() is not None else begun
+    start = clock_start() or begun
     state = {"shown": enabled is True, "held": None}
 
     def show(t, msg):

@@ -33,6 +33,6 @@ def progress_line(msg: str, seconds: float | None = None) -> None:
     """One progress line on stderr, ``[autopar   1.2s] msg``, at ``seconds`` (default: the
     running clock's, or 0)."""
     if seconds is None:
-        start = _CLOCK.get()
+        start = clock_start()
         seconds = 0.0 if start is None else time.perf_counter() - start
     print(f"[autopar {seconds:6.1f}s] {msg}", file=sys.stderr, flush=True)

@@ -227,7 +227,8 @@ def summary_lines(plan) -> list[str]:
     lines = [f"{head}: {said}" for head, said in _layer_words(plan, sizes)]
     p = plan.pipeline
     if p:
-        lines.append(f"pipeline: {p['stages']} stages over {p['axis']}({p['stages']}), "
+        size = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))[p["axis"]]
+        lines.append(f"pipeline: {p['stages']} stages over {p['axis']}({size}), "
                      f"{p['schedule']}, {p['microbatches']} microbatches")
     lines += _input_lines(plan, sizes)
     lines += _optimizer_lines(plan, sizes)

@@ -99,11 +99,13 @@ def _mismatch(hints, target, path=(), thing: str = "argument") -> tuple[tuple, s
         return None
     if isinstance(target, int):  # an argument leaf (the dummy tree holds 0s)
         return path, f"the hint is {_describe(hints)} where the {thing} is one array"
+    # at the root, the tree is all the arguments (results) at once
+    are = f"the {thing} is" if path else f"the {thing}s are"
     if type(hints) is not type(target):
-        return path, f"the hint is {_describe(hints)} where the {thing} is {_describe(target)}"
+        return path, f"the hint is {_describe(hints)} where {are} {_describe(target)}"
     ours, theirs = _children(hints), _children(target)
     if [k for k, _ in ours] != [k for k, _ in theirs]:
-        return path, f"the hint is {_describe(hints)} where the {thing} is {_describe(target)}"
+        return path, f"the hint is {_describe(hints)} where {are} {_describe(target)}"
     for (key, h), (_, t) in zip(ours, theirs):
         found = _mismatch(h, t, path + key, thing)
         if found:
@@ -123,12 +125,8 @@ def flatten_hints(hints, tree, what: str) -> list:
     except (ValueError, TypeError) as e:
         thing = "result" if what.startswith("out") else "argument"
         found = _mismatch(hints, dummy, thing=thing)
-        if found and not found[0]:  # at the root: all the arguments (results) at once
-            where = ": " + (found[1] if isinstance(dummy, int) else
-                            found[1].replace(f"the {thing} is", f"the {thing}s are"))
-        else:
-            where = (f" at `{what}{jax.tree_util.keystr(found[0])}`: {found[1]}" if found
-                     else f": {e}")
+        where = (f": {e}" if not found else f": {found[1]}" if not found[0]
+                 else f" at `{what}{jax.tree_util.keystr(found[0])}`: {found[1]}")
         raise ShardingHintError(f"`{what}` does not match the {thing}s it hints{where}. Give "
                                 f"a pytree shaped like the {thing}s (or a prefix of it) of "
                                 "PartitionSpec, NamedSharding or None.") from None
