@@ -51,7 +51,7 @@ PENALTY_STEP = 8.0
 #: under hard rows, mostly at the MIP's root, which no node limit bounds. So the sub-MIP
 #: heuristics are off (the same plans, in half the time, on the wide MLP's), and no MIP
 #: follows the LP relaxation's dive: its plan, or none under the cutoff, is the solve's
-#: answer (docs/solver_notes.md: the MIP took 23 s of a 28 s solve on a toy GPT, for 1.3%).
+#: answer (docs/solver_notes.md, "No MIP after a hard-row solve's dive").
 PENALTY_CLOSE_ENOUGH = 1e-3
 HARD_ROW_SOLVES = 2
 HARD_ROW_NEW_ROWS = 4
