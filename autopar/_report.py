@@ -4,6 +4,7 @@ their shapes, the collectives by mesh axis and kind, and what the planner did.""
 from __future__ import annotations
 
 import re
+import textwrap
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -24,6 +25,9 @@ from autopar._sizes import format_bytes, format_flops, format_seconds
 from autopar._summary import summary_lines
 from autopar._validate import validation_table
 from autopar.cost_model.spec import pspec_text
+
+#: The report's line width where it wraps a long list.
+_WIDTH = 100
 
 _fmt_bytes, _fmt_s, fmt_flops = format_bytes, format_seconds, format_flops
 
@@ -265,7 +269,9 @@ def _option_lines(notes: list[dict] | None) -> list[str]:
         if not n["set"]:
             skipped.setdefault(n["why"], []).append(f"{n['name']}={n['value']}")
     for why, names in skipped.items():
-        lines.append(f"  skip {', '.join(names)}: {why}")
+        lines += textwrap.wrap(f"skip {', '.join(names)}: {why}", width=_WIDTH,
+                               initial_indent="  ", subsequent_indent="       ",
+                               break_on_hyphens=False)
     return lines
 
 
