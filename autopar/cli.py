@@ -455,6 +455,23 @@ def _pipeline_option(text: str) -> str | dict:
     return fields
 
 
+def _logical_axis_rules_option(text: str) -> list[tuple[str, str | tuple[str, ...] | None]]:
+    """``--logical-axis-rules``' value as ``plan(logical_axis_rules=...)`` takes it:
+    ``batch=data,mlp=model,embed=none,heads=data+model`` (``none``: replicated; ``a+b``: split
+    over both axes, in that order)."""
+    rules: list[tuple[str, str | tuple[str, ...] | None]] = []
+    for part in text.split(","):
+        name, eq, value = (s.strip() for s in part.partition("="))
+        axes = [a.strip() for a in value.split("+")]
+        if not eq or not name or not all(axes):
+            raise argparse.ArgumentTypeError(
+                f"`{text}` is not logical axis rules like batch=data,mlp=model,embed=none "
+                f"(a logical name, `=`, then a mesh axis, `none`, or axes joined by `+`)")
+        rules.append((name, None if value == "none" else
+                      axes[0] if len(axes) == 1 else tuple(axes)))
+    return rules
+
+
 def _pipeline_setting(option: str | dict):
     """``autopar.plan(pipeline=...)`` for a parsed ``--pipeline``."""
     if option == "auto":
@@ -489,6 +506,7 @@ def cmd_report(args) -> int:
     fn, example_args = _load_target(args.target)
     plan = autopar.plan(fn, *example_args, mesh=mesh, hardware=args.hardware,
                         memory_budget=args.memory_budget, remat=_REMAT[args.remat],
+                        logical_axis_rules=args.logical_axis_rules,
                         time_limit_s=args.time_limit, verbose=not args.quiet,
                         pipeline=_pipeline_setting(args.pipeline),
                         overlap=not args.no_overlap)
@@ -529,6 +547,7 @@ def cmd_export(args) -> int:
     fn, example_args = _load_target(args.target)
     plan = autopar.plan(fn, *example_args, mesh=mesh, hardware=args.hardware,
                         memory_budget=args.memory_budget, time_limit_s=args.time_limit,
+                        logical_axis_rules=args.logical_axis_rules,
                         verbose=not args.quiet, exportable=not args.pinned)
     if not args.quiet:
         progress_line("compiling the plan and plain jax.jit with its shardings to compare")
@@ -600,6 +619,12 @@ def _add_planning_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"a safety net on each ILP solve's wall-clock time (default "
                              f"{_TIME_LIMIT_S:g}; solves are bounded by work, so plans do not "
                              "depend on load)")
+    parser.add_argument("--logical-axis-rules", type=_logical_axis_rules_option,
+                        default=None, metavar="RULES",
+                        help="how flax's logical axis names map to mesh axes, e.g. "
+                             "batch=data,mlp=model,embed=none (none: replicated; data+model: "
+                             "both), as plan(logical_axis_rules=...); default: each box's own "
+                             "rules, else flax's context")
     parser.add_argument("--simulate-devices", type=_count(1), default=0, metavar="N",
                         help="run on N simulated CPU devices (default: the devices present; "
                              "where jax runs on the CPU (no GPU or TPU plugin installed, or "
@@ -782,6 +807,7 @@ _FLAGS = ((re.compile(r"`pipeline=None`"), "`--pipeline off`"),
           (re.compile(r"`overlap=False`"), "`--no-overlap`"),
           (re.compile(r"`memory_budget`"), "`--memory-budget`"),
           (re.compile(r"`time_limit_s`"), "`--time-limit`"),
+          (re.compile(r"`logical_axis_rules=\[[^`]*\]`"), "`--logical-axis-rules batch=data,...`"),
           (re.compile(r"`remat=True`"), "`--remat auto`"))
 
 

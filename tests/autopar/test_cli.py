@@ -1,6 +1,7 @@
 """The CLI, driven as a user drives it: as a subprocess, and in-process (``cli.main``) for the
 inputs it refuses (more in ``test_bad_inputs.py``)."""
 
+import argparse
 import json
 import os
 import re
@@ -280,3 +281,41 @@ def test_the_demo_s_advice_names_the_profile_it_ran_with():
     hint = cli._real_hardware_hint("my_cluster.json", {"data": 4, "model": 2})
     assert "hardware='my_cluster.json'" in hint and "--hardware my_cluster.json" in hint
     assert hint.count("h100") == 1   # only among the built-in profiles
+
+
+def test_logical_axis_rules_flag_parses_as_plan_takes_them():
+    from autopar.cli import _logical_axis_rules_option
+    assert _logical_axis_rules_option("batch=data, mlp=model,embed=none,heads=data+model") == [
+        ("batch", "data"), ("mlp", "model"), ("embed", None), ("heads", ("data", "model"))]
+    for bad in ("embed", "=data", "mlp=", "mlp=data+", "batch=data,"):
+        with pytest.raises(argparse.ArgumentTypeError, match="batch=data,mlp=model"):
+            _logical_axis_rules_option(bad)
+
+
+_BOXED_TARGET = '''
+import flax.linen as nn
+import jax.numpy as jnp
+
+
+def boxed():
+    box = nn.LogicallyPartitioned(jnp.ones((16, 24)), ("embed", "mlp"))
+    return (lambda p, x: jnp.tanh(x @ nn.unbox(p)["w"]).sum()), ({"w": box}, jnp.ones((8, 16)))
+'''
+
+
+def test_logical_axis_rules_flag_maps_a_flax_box_to_mesh_axes(tmp_path):
+    """A box without rules is no hint, and the warning names the flag; with
+    ``--logical-axis-rules`` the box is the hint the plan keeps."""
+    (tmp_path / "boxed_target.py").write_text(_BOXED_TARGET)
+    target = f"{tmp_path / 'boxed_target.py'}:boxed"
+    bare = _run("report", target, "--mesh", "data=4,model=2", "--no-baselines", "--quiet")
+    assert bare.returncode == 0, bare.stderr
+    (warning,) = _said(bare.stderr)
+    assert "UnusedAnnotationWarning" in warning and "`--logical-axis-rules" in warning
+    out = tmp_path / "plan.json"
+    ruled = _run("report", target, "--mesh", "data=4,model=2", "--no-baselines", "--quiet",
+                 "--logical-axis-rules", "embed=none,mlp=model", "--json", str(out))
+    assert ruled.returncode == 0, ruled.stderr
+    assert _said(ruled.stderr) == []
+    specs = {s["path"]: s["spec"] for s in json.loads(out.read_text())["in_shardings"]}
+    assert specs["[0]['w'].value"] == [None, "model"], specs
