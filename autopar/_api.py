@@ -37,9 +37,8 @@ from autopar.passes.estimate import estimate, plan_collectives
 from autopar.cost_model.hardware import axis_levels, get_profile
 from autopar.cost_model.hlo import program_peak_bytes
 from autopar.passes.annotate import flatten_hints, to_spec
-from autopar.passes.attention import parse_strategy as parse_attention
 from autopar.passes.backend_options import as_options, choose
-from autopar.passes.sequence_parallel import attention_labels
+from autopar.passes.sequence_parallel import attention_labels, checked_terms
 from autopar.passes.emit import compiler_option_notes
 from autopar.passes.flax_metadata import check as check_metadata
 from autopar.passes.flax_metadata import merge as merge_hints
@@ -105,9 +104,10 @@ def _baseline_seeds(example_args, jax_mesh, sizes):
     return of
 
 
-def _attention_option(attention):
-    if attention is not None:
-        parse_attention(attention, "attention")
+def _attention_option(attention, mesh):
+    """``attention`` checked: it reads, and the axes it names are the mesh's (refused before
+    planning, so a step with no attention autopar sees is refused alike)."""
+    checked_terms(attention, as_auto_mesh(mesh).axis_names)
     return attention
 
 
@@ -295,7 +295,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                "tie_state": tie_state, "axis_level_overrides": axis_level_overrides,
                "baseline_seeds": baseline_seeds, "remat": remat, "pipeline": pipeline,
                "overlap": overlap, "batch_axes": batch_axes,
-               "attention": _attention_option(attention)}
+               "attention": _attention_option(attention, mesh)}
     if _inputs.flag(exportable, "exportable"):
         return _plan_exportable(fn, example_args, memory_budget, verbose, options)
     choice, forced_remat = _FORCED.get()

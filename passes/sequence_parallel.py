@@ -110,7 +110,7 @@ def attention_strategies(node, graph, mesh: MeshContext) -> list[Strategy]:
     shape = _shape(node, mesh)
     forced = node.params.get("strategy") or mesh.attention
     per_call = bool(node.params.get("strategy"))
-    terms = _terms(forced, mesh.axis_names, per_call)
+    terms = checked_terms(forced, mesh.axis_names, per_call)
     sizes = dict(mesh.axis_sizes)
     dtype = node.in_avals[0][1]
     out = []
@@ -135,7 +135,7 @@ def attention_strategies(node, graph, mesh: MeshContext) -> list[Strategy]:
     return out
 
 
-def _terms(forced: str | None, axis_names, per_call: bool) -> tuple:
+def checked_terms(forced: str | None, axis_names, per_call: bool = False) -> tuple:
     """``forced`` read (:func:`attention.parse_strategy`), its axes checked against the
     mesh's."""
     if forced is None:

@@ -201,6 +201,14 @@ def test_attention_over_named_axes_that_cannot_be_is_refused(attention, match):
                      pipeline=None)
 
 
+def test_an_axis_the_mesh_lacks_is_refused_where_no_attention_is_seen():
+    """The strategy's axes are checked before planning: a step with no attention autopar
+    recognizes is refused alike, not only warned about."""
+    with pytest.raises(autopar.ArgumentError, match="names mesh axis `cp`, which the mesh lacks"):
+        autopar.plan(lambda w, x: jnp.tanh(x @ w).sum(), jnp.ones((16, 16)), jnp.ones((8, 16)),
+                     mesh={"data": 8}, attention="ring(cp)")
+
+
 def test_the_long_context_llama_on_2x4_splits_attention_over_the_whole_mesh():
     """32k tokens, GQA 32/8, batch 2 on (2, 4) (the long-context suite's case, planned from
     shapes): Ulysses over ``model`` in both passes, and ``data`` splitting the attention too,
