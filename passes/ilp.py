@@ -360,8 +360,9 @@ class IlpBuilder:
                 self.cost[self.offset[gu] + i] += cost(a, b)
             return
         if len(set(src)) * len(set(dst)) <= MAX_EXACT_EDGE_PAIRS:
-            self._transport(gu, gw, src, dst, lambda src_classes, dst_classes: np.maximum(
-                0.0, self._cost_matrix_us(src_classes, dst_classes, value) * trip - hidden_us))
+            self._transport(gu, gw, src, dst, lambda src_classes, dst_classes:
+                            self._cost_matrix_us(src_classes, dst_classes, value) * trip,
+                            hidden_us=hidden_us)
             return
         # Too many spec pairs: price the move axis by axis (see the module docstring), scaled
         # so that the reference's pair costs what it costs jointly, less what is hidden.
@@ -375,8 +376,8 @@ class IlpBuilder:
             self._transport(
                 gu, gw, [a.place_of(axis) for a in src], [b.place_of(axis) for b in dst],
                 lambda src_places, dst_places, axis=axis: np.array(
-                    [[scale * self._axis_cost_us(axis, p, q, value, trip) for q in dst_places]
-                     for p in src_places]))
+                    [[self._axis_cost_us(axis, p, q, value, trip) for q in dst_places]
+                     for p in src_places]), scale=scale)
 
     def _reference_pair(self, u, k, w, pos):
         """(u's out spec, w's in spec) in the reference plan (``Hidden.choice``), or None."""
@@ -403,10 +404,10 @@ class IlpBuilder:
         value = self.g.values[self.g.nodes[u].outs[k]]
         credits = self._kept_credits(readers)
         for (a, b), uses in pairs.items():
-            cost = max(0.0, self._cost_us(a, b, value, uses[0][1] * count)
-                       - sum(h for _, _, h in uses) * _US)
-            if cost == 0.0:
+            whole = self._cost_us(a, b, value, uses[0][1] * count)
+            if whole == 0.0:   # not on what is hidden: see _transport
                 continue
+            cost = max(0.0, whole - sum(h for _, _, h in uses) * _US)
             credit = credits.get(b, {})
             if len(uses) == 1 and not credit:
                 for var, coef in uses[0][0].items():
@@ -483,17 +484,22 @@ class IlpBuilder:
             self._edge_cache[key] = self.mesh.axis_reshard_time_s(axis, p, q, value) * _US
         return self._edge_cache[key] * trip
 
-    def _transport(self, gu, gw, src_keys, dst_keys, matrix) -> None:
+    def _transport(self, gu, gw, src_keys, dst_keys, matrix, scale: float = 1.0,
+                   hidden_us: float = 0.0) -> None:
         """Add sum_p,q e[p,q] * R[p, q] where e is the one pair of classes (src_keys of
         group gu's choice, dst_keys of group gw's choice) the two choices fall in, and R is
-        ``matrix(src classes, dst classes)``. Edges with the same groups and keys (copies of a
-        layer boundary, a value read twice) add their costs into one e
-        (:meth:`_flush_transports`)."""
+        ``matrix(src classes, dst classes)`` times ``scale``, less ``hidden_us`` (at least
+        0). Edges with the same groups and keys (copies of a layer boundary, a value read
+        twice) add their costs into one e (:meth:`_flush_transports`). Whether e is made
+        depends on ``matrix`` alone, not on what a reference plan hides (nor does any other
+        variable or row), so the ILP around a reference has the constraints of the ILP
+        without one, and its LP starts from that one's basis (``passes.highs``)."""
         src_classes = list(dict.fromkeys(src_keys))
         dst_classes = list(dict.fromkeys(dst_keys))
-        R = matrix(src_classes, dst_classes)
-        if not R.any():
+        whole = matrix(src_classes, dst_classes)
+        if not whole.any():
             return
+        R = np.maximum(0.0, whole * scale - hidden_us) if scale != 1.0 or hidden_us else whole
         if len(src_classes) == 1 or len(dst_classes) == 1:  # linear in the other side
             for i, b in enumerate(dst_keys):
                 self.cost[self.offset[gw] + i] += R[0, dst_classes.index(b)] if len(

@@ -25,7 +25,7 @@ from autopar.passes.at_rest import MAX_NODES as REST_MAX_NODES, rest_in_update_s
 from autopar.passes.background import Deferred
 from autopar.passes.dedup import Groups
 from autopar.passes.estimate import hidden_comm, plan_makespan
-from autopar.passes.highs import cutoff_of, solve_milp, warm_start
+from autopar.passes.highs import cutoff_of, shared_bases, solve_milp, warm_start
 from autopar.passes.ilp import RINGS, IlpBuilder, choice_of
 from autopar.passes.ir import Graph
 from autopar.passes.memory_budget import BudgetRows, plan_peak
@@ -57,6 +57,13 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
     refitted to the budget and priced with its overlap but not solved again around it (that
     would double the time of a solve that is not proven optimal), competes, and the one of
     the shorter makespan is taken (``Solution.rings_dropped``)."""
+    with shared_bases():   # the ILPs below share the first's constraints
+        return _solve(graph, strats, groups, mesh, time_limit_s, memory_budget_bytes, warm,
+                      progress, preferences)
+
+
+def _solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, time_limit_s: float,
+           memory_budget_bytes: float | None, warm, progress, preferences) -> Solution:
     rows = (None if memory_budget_bytes is None else
             Deferred(BudgetRows, graph, strats, groups, mesh, memory_budget_bytes))
     if rows is not None:

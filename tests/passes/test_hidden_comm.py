@@ -2,6 +2,7 @@
 blamed on its collectives so that the hidden parts add up to its serial time less its makespan,
 and the ILP around a plan prices that plan at its makespan."""
 
+import numpy as np
 import pytest
 
 from autopar.passes import estimate
@@ -94,3 +95,22 @@ def test_kept_makespans_are_the_plans_own(plans):
     kept = estimate._kept_simulation(graph, strats, choice, mesh)
     assert estimate._kept_simulation(graph, copied, choice, mesh) is not kept
     assert estimate._kept_simulation(graph, strats, choice, mesh) is kept
+
+
+def test_the_ilp_around_a_plan_has_the_constraints_of_the_first(plans):
+    """Around a plan only the costs change (less what it hides), not the variables or rows,
+    even where a move is hidden whole: so the LP around it starts from the first LP's optimal
+    basis (``passes.highs``)."""
+    graph, strats, mesh, groups, found = plans
+    full = IlpBuilder(graph, strats, groups, mesh).build()
+    c, A, lb, ub, integer = full.matrices()
+    changed = 0
+    for name, choice in found.items():
+        around = IlpBuilder(graph, strats, groups, mesh, like=full,
+                            hidden=estimate.hidden_comm(graph, strats, choice, mesh)).build()
+        c2, A2, lb2, ub2, integer2 = around.matrices()
+        assert A2.shape == A.shape and (A2 != A).nnz == 0, name
+        assert np.array_equal(lb2, lb) and np.array_equal(ub2, ub), name
+        assert np.array_equal(integer2, integer), name
+        changed += not np.array_equal(c2, c)
+    assert changed, "some plan hides something, which the costs around it credit"

@@ -168,3 +168,46 @@ def test_no_dive_once_the_lp_took_the_whole_limit():
     res, dived = _from_relaxation(run, np.array([1, 1]), {"time_limit": 0.01, "disp": False},
                                   np.array([-1.0, -2.0]), 1e-3)
     assert res is None and dived is None and calls == [None]
+
+
+def _transport_lp(costs):
+    """A 12 x 12 transport LP (each row and column sums to 1) with these costs."""
+    n = 12
+    rows = [[1.0 if k // n == i else 0.0 for k in range(n * n)] for i in range(n)]
+    rows += [[1.0 if k % n == j else 0.0 for k in range(n * n)] for j in range(n)]
+    A = scipy.sparse.csr_matrix(np.array(rows))
+    return costs, A, np.ones(2 * n), np.ones(2 * n)
+
+
+def test_an_lp_of_the_same_constraints_starts_from_the_optimum_of_the_first(monkeypatch):
+    """Within one solve (``highs.shared_bases``), the LP relaxation of an ILP whose constraints
+    an earlier one had (the ILP around a plan, or with rings charged in full: other costs)
+    starts from that one's optimal basis: fewer simplex iterations to the optimum scipy's milp
+    finds from scratch. Outside, or where scipy has no HiGHS bindings, it starts from
+    scratch."""
+    from autopar.passes import highs
+    rng = np.random.default_rng(0)
+    first = rng.random(144)
+    second = first.copy()   # some of its moves credited, as around a plan
+    second[rng.choice(144, 6, replace=False)] *= 0.2
+    options = {"time_limit": 10.0, "disp": False, "presolve": False, "threads": 1}
+
+    def lp(costs):
+        c, A, lb, ub = _transport_lp(costs)
+        return highs._Runner(c, A, lb, ub, None)(np.zeros(144), options)
+    with highs.shared_bases():
+        lp(first)
+        warm = lp(second)
+    lp(first)
+    cold = lp(second)   # outside: nothing kept from the solves before
+    assert 0 < warm.nit < cold.nit
+    c, A, lb, ub = _transport_lp(second)
+    plain = scipy.optimize.milp(c, integrality=np.zeros(144), bounds=scipy.optimize.Bounds(0, 1),
+                                constraints=scipy.optimize.LinearConstraint(A, lb, ub),
+                                options={"presolve": False})
+    np.testing.assert_allclose(warm.x, plain.x, atol=1e-9)
+    np.testing.assert_allclose(cold.x, plain.x, atol=1e-9)
+    monkeypatch.setattr(highs, "_bindings", lambda: None)
+    with highs.shared_bases():
+        fallback = lp(second)
+    np.testing.assert_allclose(fallback.x, plain.x, atol=1e-9)
