@@ -66,7 +66,8 @@ def _linen_hint(box, rules) -> tuple[PartitionSpec | None, str]:
         warn(f"autopar: {where} has no logical_axis_rules to map it to mesh axes; it is not "
              "used as a hint (flax leaves it unconstrained too). Pass "
              "`logical_axis_rules=[(logical, mesh_axis), ...]` to autopar.plan, or give the "
-             "box its rules (`nn.with_logical_partitioning(init, names, rules=...)`).", UnusedAnnotationWarning)
+             "box its rules (`nn.with_logical_partitioning(init, names, rules=...)`).",
+             UnusedAnnotationWarning)
         return None, where
     return nn.logical_to_mesh_axes(names, rules), f"{where} with logical_axis_rules"
 
