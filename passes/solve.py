@@ -64,6 +64,7 @@ def solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, *,
 
 def _solve(graph: Graph, strats, groups: Groups, mesh: MeshContext, time_limit_s: float,
            memory_budget_bytes: float | None, warm, progress, preferences) -> Solution:
+    """:func:`solve`'s work, within its :func:`passes.highs.shared_bases`."""
     rows = (None if memory_budget_bytes is None else
             Deferred(BudgetRows, graph, strats, groups, mesh, memory_budget_bytes))
     if rows is not None:
