@@ -196,14 +196,19 @@ class _Runner:
         return res
 
 
+#: What :func:`_relaxation` uses of scipy's HiGHS bindings.
+_BINDING_NAMES = ("_Highs", "HighsLp", "MatrixFormat", "HighsStatus", "HighsModelStatus")
+
+
 def _bindings():
     """The HiGHS bindings scipy ships (``scipy.optimize._highspy._core``: the HiGHS its milp
-    runs), or None where this scipy has none."""
+    runs), or None where this scipy has none, or not all of :data:`_BINDING_NAMES` (a private
+    module: a scipy that changes it gets its milp's LP, from scratch)."""
     try:
         from scipy.optimize._highspy import _core
     except ImportError:
         return None
-    return _core if hasattr(_core, "_Highs") else None
+    return _core if all(hasattr(_core, name) for name in _BINDING_NAMES) else None
 
 
 #: Within :func:`shared_bases`: constraints key (:func:`_constraints_key`) -> the first optimal
@@ -249,6 +254,14 @@ def _relaxation(run: _Runner, options: dict):
     core = _bindings()
     if core is None:
         return None
+    try:
+        return _solved_relaxation(core, run, options)
+    except (AttributeError, TypeError, ValueError):   # bindings unlike scipy 1.17's and 1.18's
+        return None
+
+
+def _solved_relaxation(core, run: _Runner, options: dict):
+    """:func:`_relaxation` through ``core``, scipy's HiGHS bindings."""
     A = scipy.sparse.csc_matrix(run.A)
     n = A.shape[1]
     upper = np.broadcast_to(np.asarray(1.0 if run.upper is None else run.upper, float), (n,))
@@ -276,7 +289,8 @@ def _relaxation(run: _Runner, options: dict):
         highs.setBasis(basis)
     if highs.run() == core.HighsStatus.kError and "threads" in options:
         # the process's HiGHS thread pool has another count (see solve_milp)
-        return _relaxation(run, {k: v for k, v in options.items() if k != "threads"})
+        return _solved_relaxation(core, run,
+                                  {k: v for k, v in options.items() if k != "threads"})
     status = highs.getModelStatus()
     if status == core.HighsModelStatus.kOptimal:
         if bases is not None:

@@ -211,3 +211,7 @@ def test_an_lp_of_the_same_constraints_starts_from_the_optimum_of_the_first(monk
     with highs.shared_bases():
         fallback = lp(second)
     np.testing.assert_allclose(fallback.x, plain.x, atol=1e-9)
+    monkeypatch.setattr(highs, "_bindings", lambda: object())   # bindings of another shape
+    with highs.shared_bases():
+        fallback = lp(second)
+    np.testing.assert_allclose(fallback.x, plain.x, atol=1e-9)
