@@ -38,7 +38,7 @@ from autopar.cost_model.hardware import axis_levels, get_profile
 from autopar.cost_model.hlo import program_peak_bytes
 from autopar.passes.annotate import flatten_hints, to_spec
 from autopar.passes.backend_options import as_options, choose
-from autopar.passes.sequence_parallel import attention_labels, checked_terms
+from autopar.passes.sequence_parallel import attention_labels
 from autopar.passes.emit import compiler_option_notes
 from autopar.passes.flax_metadata import check as check_metadata
 from autopar.passes.flax_metadata import merge as merge_hints
@@ -102,13 +102,6 @@ def _baseline_seeds(example_args, jax_mesh, sizes):
         return ({k: v for k, v in seeds.items() if v is not None},
                 {k: v for k, v in batch.items() if v is not None})
     return of
-
-
-def _attention_option(attention, mesh):
-    """``attention`` checked: it reads, and the axes it names are the mesh's (refused before
-    planning, so a step with no attention autopar sees is refused alike)."""
-    checked_terms(attention, as_auto_mesh(mesh).axis_names)
-    return attention
 
 
 def _remat_option(remat) -> dict | None:
@@ -286,7 +279,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         out_shardings=out_shardings, search=search, logical_axis_rules=logical_axis_rules,
         time_limit_s=time_limit_s, tie_state=tie_state, axis_level_overrides=axis_level_overrides,
         baseline_seeds=baseline_seeds, remat=remat, check_memory=check_memory, verbose=verbose,
-        pipeline=pipeline, overlap=overlap, batch_axes=batch_axes))
+        pipeline=pipeline, overlap=overlap, batch_axes=batch_axes, attention=attention))
     memory_budget, time_limit_s = checked["memory_budget"], checked["time_limit_s"]
     in_shardings, out_shardings = checked["in_shardings"], checked["out_shardings"]
     options = {"mesh": mesh, "hardware": hardware, "in_shardings": in_shardings,
@@ -295,7 +288,7 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
                "tie_state": tie_state, "axis_level_overrides": axis_level_overrides,
                "baseline_seeds": baseline_seeds, "remat": remat, "pipeline": pipeline,
                "overlap": overlap, "batch_axes": batch_axes,
-               "attention": _attention_option(attention, mesh)}
+               "attention": attention}
     if _inputs.flag(exportable, "exportable"):
         return _plan_exportable(fn, example_args, memory_budget, verbose, options)
     choice, forced_remat = _FORCED.get()

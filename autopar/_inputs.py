@@ -26,6 +26,7 @@ from autopar.cost_model.hardware import get_profile
 from autopar.errors import ArgumentError, ShardingHintError
 from autopar.passes.annotate import check_partition_spec
 from autopar.passes.remat import RematPolicy
+from autopar.passes.sequence_parallel import checked_terms
 
 #: ``plan()``'s options (besides ``fn`` and the example arguments), each with the check of its
 #: value; ``parallelize`` passes on exactly these.
@@ -198,6 +199,9 @@ def options(values: dict) -> dict:
         "logical_axis_rules": _rules,
         "axis_level_overrides": lambda v: _overrides(v, mesh),
         "batch_axes": lambda v: v if v is None else (roles(mesh.axis_names, v), v)[1],
+        # its axes checked before planning: a step with no attention autopar sees is refused
+        # alike
+        "attention": lambda v: (checked_terms(v, mesh.axis_names), v)[1],
         "in_shardings": lambda v: hints(v, mesh, "in_shardings"),
         "out_shardings": lambda v: hints(v, mesh, "out_shardings"),
     }

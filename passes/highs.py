@@ -214,8 +214,7 @@ def _bindings():
 #: Within :func:`shared_bases`: constraints key (:func:`_constraints_key`) -> the first optimal
 #: basis of an LP of those constraints. The ILP around a plan and the ILP with rings charged
 #: in full (``passes.solve``) change the first ILP's costs each its own way, so each starts
-#: nearest from the first's optimum (the 3-D Llama's rings-in-full LP: 3.7 s from it, 8.7
-#: from the solve around the plan).
+#: from the first's optimum, the nearest (``docs/solver_notes.md``).
 _BASES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("autopar_lp_bases",
                                                                    default=None)
 
@@ -246,11 +245,10 @@ def _relaxation(run: _Runner, options: dict):
     """The LP relaxation of ``run``'s ILP by HiGHS through scipy's own bindings, with the
     options scipy's milp would pass (so the same optimum: the rest of the solve is unchanged),
     started, within :func:`shared_bases`, from the optimal basis of an earlier LP of the same
-    constraints and bounds where there is one. The ILP again with other costs (around the
-    plan, or with the rings charged in full, ``passes.solve``) then takes thousands of simplex
-    iterations instead of tens of thousands: on the 3-D Llama of the sharding benchmark,
-    14.5-16.8 s instead of 28.3 and 3.7 instead of 27.0, the same solutions. None where scipy
-    has no such bindings (scipy's milp then solves it, from scratch)."""
+    constraints and bounds where there is one: the ILP again with other costs (around the
+    plan, or with the rings charged in full, ``passes.solve``) then takes far fewer simplex
+    iterations (``docs/solver_notes.md``). None where scipy has no such bindings, or bindings
+    of another shape (scipy's milp then solves it, from scratch)."""
     core = _bindings()
     if core is None:
         return None

@@ -207,6 +207,8 @@ def test_an_axis_the_mesh_lacks_is_refused_where_no_attention_is_seen():
     with pytest.raises(autopar.ArgumentError, match="names mesh axis `cp`, which the mesh lacks"):
         autopar.plan(lambda w, x: jnp.tanh(x @ w).sum(), jnp.ones((16, 16)), jnp.ones((8, 16)),
                      mesh={"data": 8}, attention="ring(cp)")
+    with pytest.raises(autopar.ArgumentError, match="names mesh axis `cp`, which the mesh lacks"):
+        autopar.parallelize(lambda w, x: x @ w, mesh={"data": 8}, attention="ring(cp)")
 
 
 def test_the_long_context_llama_on_2x4_splits_attention_over_the_whole_mesh():
