@@ -21,10 +21,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from autopar._axis_roles import roles
 from autopar._mesh import as_auto_mesh
 from autopar._pipeline import Pipeline
-from autopar._sizes import parse_bytes
-from autopar.cost_model.hardware import get_profile
-from autopar.errors import ArgumentError, ShardingHintError
+from autopar._sizes import format_bytes, parse_bytes
+from autopar.cost_model.hardware import HardwareProfile, LevelKind, get_profile
+from autopar.errors import ArgumentError, MemoryBudgetWarning, ShardingHintError, warn
 from autopar.passes.annotate import check_partition_spec
+from autopar.passes.memory_budget import DEFAULT_MARGIN, default_memory_budget_bytes
 from autopar.passes.remat import RematPolicy
 from autopar.passes.sequence_parallel import checked_terms
 
@@ -208,7 +209,24 @@ def options(values: dict) -> dict:
     for name, check in checks.items():
         if name in values:
             out[name] = check(values[name])
+    if out.get("memory_budget") is not None:
+        budget_within_the_device(out["memory_budget"], get_profile(out.get("hardware")))
     return out
+
+
+def budget_within_the_device(budget: float, profile: HardwareProfile) -> None:
+    """A MemoryBudgetWarning when ``budget`` (bytes) is over one device's memory on
+    ``profile``: a plan that fits it may not fit the device. Not for simulated CPU devices,
+    whose memory is a guessed share of the host's."""
+    capacity = profile.hbm_capacity_bytes
+    simulated = bool(profile.levels) and profile.levels[0].kind is LevelKind.HOST
+    if simulated or budget <= capacity:
+        return
+    warn(f"autopar: the `memory_budget` of {format_bytes(budget)} is over {profile.name}'s "
+         f"memory ({format_bytes(capacity)} a device): a plan that fits it may not fit on the "
+         f"device. Pass at most the device's memory, or leave the budget out (default "
+         f"{format_bytes(default_memory_budget_bytes(profile))}: the memory less "
+         f"{DEFAULT_MARGIN:.0%}).", MemoryBudgetWarning)
 
 
 def example_arguments(fn, example_args: tuple) -> None:

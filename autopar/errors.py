@@ -145,8 +145,9 @@ class SolverFallbackWarning(AutoparWarning):
 
 
 class MemoryBudgetWarning(AutoparWarning):
-    """No plan fits the default memory budget (the profile's HBM capacity minus a margin);
-    the plan returned ignores it."""
+    """No plan fits the default memory budget (the profile's HBM capacity minus a margin),
+    and the plan returned ignores it; or the ``memory_budget`` given is over a device's
+    memory, so a plan that fits it may not fit the device."""
 
 
 class UnsupportedPrimitiveWarning(AutoparWarning):

@@ -264,6 +264,15 @@ def test_autopar_s_warnings_are_one_line_once_on_the_command_line(capsys):
                    "(CLI: `--time-limit`)"]
 
 
+def test_a_budget_over_the_device_s_memory_is_one_warning_line_naming_the_flag():
+    r = _run("report", f"{TARGETS}:gpt_tiny", "--mesh", "data=8", "--hardware", "t4",
+             "--memory-budget", "1TiB", "--no-baselines", "--quiet")
+    assert r.returncode == 0, r.stderr
+    (warning,) = _said(r.stderr)
+    assert warning.startswith("autopar: warning: MemoryBudgetWarning: the `memory_budget` "
+                              "(CLI: `--memory-budget`) of 1.00 TiB is over t4's memory")
+
+
 def test_errors_give_the_flag_beside_each_plan_option_they_suggest():
     from autopar import cli
     text = cli._with_flags('plan with `pipeline=None`, or `Pipeline(schedule="gpipe")`')

@@ -26,6 +26,8 @@ from autopar.errors import MemoryBudgetWarning
 from autopar.passes.trace import trace
 
 MESH = {"data": 2, "model": 4}
+#: A budget no plan here comes near: an h100's whole memory (over it is warned of).
+UNBOUNDED = get_profile("h100").hbm_capacity_bytes
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +98,25 @@ def test_default_budget_is_the_profile_capacity_and_only_warns(wide_mlp):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         autopar.plan(fn, *args, mesh=MESH, hardware="h100")   # 80 GB: fits, no warning
+
+
+def test_a_budget_over_the_device_s_memory_is_planned_under_and_warned_of():
+    """A budget over one device's memory is taken, with a warning naming the device's memory
+    and the default; at most the memory, or on simulated CPU devices (whose memory is a
+    guessed share of the host's), nothing is said."""
+    fn, args = mlp.make_train_step(mlp.TINY, abstract=True)
+    with pytest.warns(MemoryBudgetWarning, match=r"of 1\.00 TiB is over t4's memory "
+                      r"\(14\.9 GiB a device\).*default 13\.4 GiB: the memory less 10%"):
+        plan = autopar.plan(fn, *args, mesh=MESH, hardware="t4", memory_budget="1TiB",
+                            check_memory=False)
+    assert plan.stats["memory_budget_bytes"] == 2**40
+    with pytest.warns(MemoryBudgetWarning, match="over t4's memory"):
+        autopar.parallelize(fn, mesh=MESH, hardware="t4", memory_budget="1TiB")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        autopar.plan(fn, *args, mesh=MESH, hardware="t4", memory_budget="16GB",
+                     check_memory=False)
+        autopar.plan(fn, *args, mesh=MESH, memory_budget="1TiB", check_memory=False)
 
 
 @pytest.mark.parametrize("bad", [-1, 0, "16 gigs", "0GiB", True])
@@ -287,7 +308,7 @@ def test_remat_search_is_no_slower_than_every_layer(monkeypatch, capsys, slack):
     mesh = {"data": 8}
     with pytest.raises(InfeasiblePlanError) as info:
         autopar.plan(fn, *args, mesh=mesh, hardware="h100", memory_budget=1.0, remat=False)
-    unbounded = autopar.plan(fn, *args, mesh=mesh, hardware="h100", memory_budget=1e15,
+    unbounded = autopar.plan(fn, *args, mesh=mesh, hardware="h100", memory_budget=UNBOUNDED,
                              remat="dots_saveable")
     bound = peak_lower_bound_bytes(trace(fn, args).graph, 8, results_held=True)
     assert unbounded.estimate.peak_memory_bytes < bound <= info.value.smallest_peak_bytes
@@ -313,7 +334,7 @@ def test_budget_under_the_lower_bound_goes_straight_to_remat(capsys):
     and rematerializes every layer without planning the program as it is first."""
     fn, args = gpt.make_train_step(REMAT_DEEP, abstract=True)
     bound = peak_lower_bound_bytes(trace(fn, args).graph, 8, results_held=True)
-    unbounded = autopar.plan(fn, *args, mesh={"data": 8}, hardware="h100", memory_budget=1e15,
+    unbounded = autopar.plan(fn, *args, mesh={"data": 8}, hardware="h100", memory_budget=UNBOUNDED,
                              remat="dots_saveable")
     budget = (unbounded.estimate.peak_memory_bytes + bound) / 2
     plan = autopar.plan(fn, *args, mesh={"data": 8}, hardware="h100", memory_budget=budget,
@@ -330,7 +351,7 @@ def test_lower_bound_is_under_every_plans_peak(wide_mlp):
     fn, args, _ = wide_mlp
     bound = peak_lower_bound_bytes(trace(fn, args).graph, 8, results_held=True)
     plans = [autopar.plan(fn, *args, mesh=MESH, hardware="h100"),
-             autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget=1e15)]
+             autopar.plan(fn, *args, mesh=MESH, hardware="h100", memory_budget=UNBOUNDED)]
     assert 0 < bound <= min(p.estimate.peak_memory_bytes for p in plans)
     assert bound <= min(p.estimate.peak_memory_bytes for p in
                         predict_baselines(fn, args, as_auto_mesh(MESH), hardware="h100").values())
