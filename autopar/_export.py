@@ -18,6 +18,7 @@ import sys
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from autopar._mesh import axis_sizes
 from autopar._sizes import format_bytes, format_seconds
 from autopar.cost_model.hlo import HloSummary, analyze
 from autopar.cost_model.spec import pspec_text
@@ -219,7 +220,7 @@ def module_source(plan, module: str = "plan_specs", fn_name: str = "step",
     imports: set[str] = set()
     rules, why = plan_rules(plan)
     specs, as_tree = _specs_code(plan, imports)
-    mesh = {str(a): int(n) for a, n in zip(plan.mesh.axis_names, plan.mesh.devices.shape)}
+    mesh = {str(a): int(n) for a, n in axis_sizes(plan.mesh).items()}
     said = "\nThe plan in words:\n" + "".join(f"  {w}\n" for w in words) if words else ""
     return _TEMPLATE.format(
         fn=fn_name, module=module, opening=_opening(verdict), hardware=plan.hardware, mesh=mesh,

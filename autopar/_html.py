@@ -23,6 +23,7 @@ from autopar._charts import (
 )
 from autopar._charts import mesh_diagram as _mesh_svg
 from autopar._layers import layer_rows, memory_over_program, node_layers, node_phases, peak_buffers
+from autopar._mesh import axis_sizes
 from autopar._report import (
     _option_lines,
     _pipeline_lines,
@@ -244,7 +245,7 @@ def _planner_section(plan) -> list[str]:
 
 
 def _header(plan) -> list[str]:
-    sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
+    sizes = axis_sizes(plan.mesh)
     words = summary_lines(plan)
     out = [f"<h1>autopar plan on mesh {html.escape(mesh_words(plan))}</h1>",
            f"<p>{_code_quotes(hardware_words(plan))}. Predictions are per device.</p>",

@@ -41,7 +41,7 @@ def as_auto_mesh(mesh) -> Mesh:
 
 def mesh_text(mesh: Mesh) -> str:
     """``data=2 x model=4``: a mesh's axes and sizes, major to minor."""
-    return " x ".join(f"{a}={n}" for a, n in zip(mesh.axis_names, mesh.devices.shape))
+    return " x ".join(f"{a}={n}" for a, n in axis_sizes(mesh).items())
 
 
 def mesh_in_context(mesh):
@@ -160,8 +160,9 @@ def on_explicit_axes(x) -> bool:
                                                        for t in sharding.mesh.axis_types)
 
 
-def axis_sizes(mesh: Mesh) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.devices.shape))
+def axis_sizes(mesh: Mesh | AbstractMesh) -> dict[str, int]:
+    """Each axis's size, major to minor (a loaded plan's mesh may have no devices here)."""
+    return dict(mesh.shape)
 
 
 SIMULATE_FLAG = "--xla_force_host_platform_device_count"

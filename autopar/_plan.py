@@ -14,16 +14,16 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from autopar._mesh import (as_auto_mesh, check_axis_name, mesh_text, simulate_hint,
-                           on_explicit_axes)
+from autopar._mesh import (as_auto_mesh, axis_sizes, check_axis_name, mesh_text,
+                           on_explicit_axes, simulate_hint)
 from autopar._layers import flat_donation, memory_over_program
 from autopar._export import plain_jit_check, write_module
 from autopar._html import render_html
 from autopar._sizes import format_bytes, format_seconds
 from autopar._summary import summary_lines
-from autopar.errors import ArgumentError, MeshError, PlanFormatError
+from autopar.errors import ArgumentError, HardwareWarning, MeshError, PlanFormatError, warn
 from autopar.passes.estimate import Estimate
 from autopar.passes.ir import canonical_dtype
 
@@ -83,9 +83,11 @@ def _spec_from_json(entries, axes: tuple, what: str) -> PartitionSpec:
     return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in entries])
 
 
-def _mesh_from_json(record) -> Mesh:
+def _mesh_from_json(record) -> Mesh | AbstractMesh:
     """The saved mesh: the same devices (by id) when the file names them, so a plan made on
-    some of the devices (a sub-mesh) loads back onto them; else every device."""
+    some of the devices (a sub-mesh) loads back onto them; else every device. Where those
+    devices are not in this process, the mesh's axes without devices (an AbstractMesh), with
+    a HardwareWarning: the plan can be read here, not run."""
     if not isinstance(record, dict):
         raise _bad("mesh", record)
     names, sizes = record.get("axis_names"), record.get("axis_sizes")
@@ -95,23 +97,33 @@ def _mesh_from_json(record) -> Mesh:
     for name in names:
         check_axis_name(name)
     ids = record.get("device_ids")
-    if ids is None:
-        return as_auto_mesh(dict(zip(names, sizes)))
-    if not isinstance(ids, list) or not all(map(_is_int, ids)) or len(set(ids)) != len(ids):
+    if ids is not None and (not isinstance(ids, list) or not all(map(_is_int, ids))
+                            or len(set(ids)) != len(ids)):
         raise _bad("mesh.device_ids", ids)
-    if len(ids) != math.prod(sizes):
+    if ids is not None and len(ids) != math.prod(sizes):
         raise PlanFormatError(
             f"the plan's mesh {dict(zip(names, sizes))} has {math.prod(sizes)} devices but "
             f"names {len(ids)} device ids; a plan written by plan.save(path) never holds both; "
             "save the plan again")
     devices = {d.id: d for d in jax.devices()}
-    missing = [i for i in ids if i not in devices]
+    missing = ([i for i in ids if i not in devices] if ids is not None
+               else list(range(len(devices), math.prod(sizes))))
     if missing:
-        raise MeshError(f"the plan's mesh {dict(zip(names, sizes))} runs on devices {ids}, and "
-                        f"device(s) {missing} do not exist here ({len(devices)} devices). "
-                        f"{simulate_hint(len(ids))}")
+        warn(
+            f"autopar: the plan's mesh {dict(zip(names, sizes))} runs on "
+            f"{f'devices {ids}' if ids is not None else f'{math.prod(sizes)} devices'}, and "
+            f"device(s) {missing} do not exist here ({_devices(len(devices))}): it is loaded on "
+            f"its axes without devices (a jax AbstractMesh), to read (report, summary, "
+            f"to_python), not to run. {simulate_hint(math.prod(sizes))}", HardwareWarning)
+        return AbstractMesh(tuple(sizes), tuple(names), axis_types=(AxisType.Auto,) * len(names))
+    if ids is None:
+        return as_auto_mesh(dict(zip(names, sizes)))
     return Mesh(np.array([devices[i] for i in ids], dtype=object).reshape(sizes),
                 tuple(names), axis_types=(AxisType.Auto,) * len(names))
+
+
+def _devices(n: int) -> str:
+    return f"{n} device{'s' if n != 1 else ''}"
 
 
 def _shardings_from_json(records, mesh: Mesh, what: str) -> tuple[list, list[str]]:
@@ -155,9 +167,11 @@ def _plan_from_dict(cls, d: dict) -> Plan:
         raise _bad("stats", stats)
     if not isinstance(donate, list) or not all(_is_int(i) and i >= 0 for i in donate):
         raise _bad("donate_argnums", donate)
+    ids = d["mesh"].get("device_ids")
     return cls(mesh, ins, outs, _estimate_from_json(d.get("estimate")), hardware, in_paths,
                out_paths, fallbacks, stats, donate_argnums=tuple(donate),
-               pipeline=_pipeline_from_json(d.get("pipeline")))
+               pipeline=_pipeline_from_json(d.get("pipeline")),
+               _device_ids=tuple(ids) if isinstance(mesh, AbstractMesh) and ids else None)
 
 
 @dataclass
@@ -165,7 +179,8 @@ class Plan:
     """A sharding plan for one function, mesh and input signature.
 
     Attributes:
-      mesh: the jax Mesh (Auto axes) the plan runs on.
+      mesh: the jax Mesh (Auto axes) the plan runs on (an AbstractMesh in a plan loaded
+        where its devices are not, see :meth:`load`).
       in_shardings / out_shardings: pytrees of NamedSharding shaped like the arguments /
         results. A plan read back with :meth:`load` or :meth:`from_json` holds them flat, one
         per leaf in ``jax.tree.leaves`` order (the JSON keeps no pytree classes):
@@ -207,6 +222,8 @@ class Plan:
     donate_argnums: tuple[int, ...] = ()
     compiler_options: dict = field(default_factory=dict)  # XLA options the program needs
     pipeline: dict | None = None
+    # the saved device ids of a plan loaded where they do not exist (its mesh an AbstractMesh)
+    _device_ids: tuple[int, ...] | None = None
 
     # ----- running
     def _require_program(self):
@@ -374,8 +391,8 @@ class Plan:
         return json.dumps({
             "format_version": FORMAT_VERSION,
             "mesh": {"axis_names": list(self.mesh.axis_names),
-                     "axis_sizes": list(self.mesh.devices.shape),
-                     "device_ids": [int(d.id) for d in self.mesh.devices.flat]},
+                     "axis_sizes": list(axis_sizes(self.mesh).values()),
+                     "device_ids": self._saved_device_ids()},
             "hardware": self.hardware,
             "estimate": self.estimate.to_dict(),
             "in_shardings": shardings(self.in_shardings, self.in_paths),
@@ -385,6 +402,11 @@ class Plan:
             "stats": {k: v for k, v in self.stats.items() if k not in WALL_CLOCK_STATS},
             "pipeline": self.pipeline,
         }, indent=1, default=_json_default)
+
+    def _saved_device_ids(self) -> list[int] | None:
+        if isinstance(self.mesh, AbstractMesh):
+            return None if self._device_ids is None else list(self._device_ids)
+        return [int(d.id) for d in self.mesh.devices.flat]
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -424,7 +446,10 @@ class Plan:
         """The plan :meth:`save` wrote to ``path``; PlanFormatError for any other file. It
         holds the shardings (flat, see the class's attributes) and the estimates, not the
         program: plan the function again (or use ``parallelize(cache_dir=...)``) to run it,
-        or hand its shardings to plain ``jax.jit``."""
+        or hand its shardings to plain ``jax.jit``. Where the plan's devices are not in this
+        process (a laptop reading a cluster's plan), its mesh is a jax ``AbstractMesh`` of
+        the same axes, with a HardwareWarning: it explains itself (:meth:`report`,
+        :meth:`summary`, :meth:`to_python`, :meth:`to_json`) but cannot run here."""
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:

@@ -9,6 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import jax
+from jax.sharding import AbstractMesh
 
 from autopar._layers import (
     OTHER,
@@ -20,7 +21,7 @@ from autopar._layers import (
     node_phases,
     same_layer_groups,
 )
-from autopar._mesh import mesh_text
+from autopar._mesh import axis_sizes, mesh_text
 from autopar._sizes import format_bytes, format_flops, format_seconds
 from autopar._summary import summary_lines
 from autopar._validate import validation_table
@@ -37,8 +38,9 @@ def _shape_str(shape) -> str:
 
 
 def mesh_words(plan) -> str:
-    n = plan.mesh.devices.size
-    return f"{mesh_text(plan.mesh)} ({n} device{'s' if n != 1 else ''})"
+    n = plan.mesh.size
+    absent = ", not in this process" if isinstance(plan.mesh, AbstractMesh) else ""
+    return f"{mesh_text(plan.mesh)} ({n} device{'s' if n != 1 else ''}{absent})"
 
 
 def hardware_words(plan) -> str:
@@ -381,7 +383,7 @@ def _collective_lines(plan) -> list[str]:
     found = collective_groups(plan)
     if not found:
         return ["  none" + (" outside the pipelined stack" if plan.pipeline else "")]
-    sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
+    sizes = axis_sizes(plan.mesh)
     out = []
     for (axes, kind), groups in found.items():
         n = sum(g.count for g in groups)

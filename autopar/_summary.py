@@ -33,6 +33,7 @@ from autopar._layers import (
     same_layer_groups,
     state_of,
 )
+from autopar._mesh import axis_sizes
 
 
 class DimRole(enum.Enum):
@@ -63,7 +64,7 @@ def _axes(entry, sizes: dict[str, int] | None = None) -> tuple[str, ...]:
 def _split_sizes(plan) -> dict[str, int]:
     """The plan's mesh axes that split anything (of size 2 or more), by size: the words
     leave a size-1 axis out, as it splits nothing."""
-    return {a: n for a, n in zip(plan.mesh.axis_names, plan.mesh.devices.shape) if n > 1}
+    return {a: n for a, n in axis_sizes(plan.mesh).items() if n > 1}
 
 
 def _dim_roles(node, pos, rank) -> list[DimRole] | None:
@@ -227,7 +228,7 @@ def summary_lines(plan) -> list[str]:
     lines = [f"{head}: {said}" for head, said in _layer_words(plan, sizes)]
     p = plan.pipeline
     if p:
-        size = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))[p["axis"]]
+        size = axis_sizes(plan.mesh)[p["axis"]]
         lines.append(f"pipeline: {p['stages']} stages over {p['axis']}({size}), "
                      f"{p['schedule']}, {p['microbatches']} microbatches")
     lines += _input_lines(plan, sizes)

@@ -122,7 +122,9 @@ def _carried_hints(plan, args):
 
     import jax
     from jax.sharding import PartitionSpec
-    sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
+
+    from autopar._mesh import axis_sizes
+    sizes = axis_sizes(plan.mesh)
     by_path = dict(zip(plan.in_paths, (s.spec for s in jax.tree_util.tree_leaves(
         plan.in_shardings))))
 
