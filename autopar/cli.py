@@ -534,6 +534,24 @@ def cmd_report(args) -> int:
     return 0
 
 
+# ----- show
+def cmd_show(args) -> int:
+    """Explain a plan saved by ``report --json`` or ``Plan.save``, here or on any machine:
+    where its devices are not, it is read on its mesh's axes alone (``Plan.load``)."""
+    check_outputs((args.html, "--html", "plan.html"), reads=(args.plan,))
+    import autopar
+    from autopar._html import render_html
+    from autopar.errors import HardwareWarning
+    with warnings.catch_warnings():   # read, not run: the report says where its devices are
+        warnings.simplefilter("ignore", HardwareWarning)
+        plan = autopar.Plan.load(args.plan)
+    _say(plan.report())
+    if args.html:
+        write_output(args.html, "--html", render_html(plan))
+        _say(f"\nwrote {args.html}")
+    return 0
+
+
 # ----- export
 def cmd_export(args) -> int:
     """Plan FILE.py:NAME and write the plan as a standalone module for plain ``jax.jit``."""
@@ -678,6 +696,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="no rewrite that hides communication behind compute (collective "
                           "matmul, weight prefetch), as plan(..., overlap=False)")
     rep.set_defaults(run=cmd_report)
+    show = sub.add_parser("show", help="explain a plan saved by report --json or Plan.save, "
+                                       "on any machine")
+    show.add_argument("plan", help="the plan's JSON file")
+    show.add_argument("--html", help="write a self-contained HTML report to this path")
+    show.set_defaults(run=cmd_show)
     exp = sub.add_parser("export", help="plan FILE.py:NAME and write the plan as a Python "
                                         "module (MESH, IN_SPECS, OUT_SPECS) for plain jax.jit")
     _add_planning_arguments(exp)

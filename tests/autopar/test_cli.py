@@ -46,6 +46,27 @@ def test_report_writes_json_and_html(tmp_path):
                          "device_ids": list(range(8))}
 
 
+def test_show_explains_a_saved_plan_where_its_devices_are_not(tmp_path):
+    """`autopar show` reads a plan saved on 8 devices in a process of one (no simulated
+    devices asked), as on a laptop: the report, its mesh said to be elsewhere, and the HTML."""
+    import jax.numpy as jnp
+
+    import autopar
+    path, page = tmp_path / "plan.json", tmp_path / "plan.html"
+    plan = autopar.plan(lambda w, x: jnp.tanh(x @ w).sum(), jnp.ones((16, 16)),
+                        jnp.ones((8, 16)), mesh={"data": 2, "model": 4}, hardware="h100")
+    plan.save(path)
+    r = _run("show", str(path), "--html", str(page))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("autopar plan on mesh data=2 x model=4 (8 devices, not in this "
+                               "process), hardware profile `h100`")
+    assert "Input shardings" in r.stdout and _said(r.stderr) == []
+    assert page.read_text().startswith("<!DOCTYPE html>")
+    bad = _run("show", str(tmp_path / "missing.json"))
+    assert bad.returncode == 2 and _said(bad.stderr) == [
+        f"autopar: error: no plan file at `{tmp_path / 'missing.json'}`"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["report", "nope.py:f", "--mesh", "data=8"], "no file `nope.py`"),
     (["report", f"{TARGETS}:missing", "--mesh", "data=8"],
