@@ -219,9 +219,10 @@ def _collective_section(plan) -> list[str]:
 
 def _planner_section(plan) -> list[str]:
     st = plan.stats
+    solved = st.get("source") != "cached"   # a plan cache's plan solved no ILP here
     facts = [("graph nodes", st.get("nodes")), ("ILP groups", st.get("ilp_groups")),
-             ("ILP variables", st.get("ilp_variables")),
-             ("ILP constraints", st.get("ilp_constraints")),
+             ("ILP variables", st.get("ilp_variables") if solved else None),
+             ("ILP constraints", st.get("ilp_constraints") if solved else None),
              ("solver status", st.get("solver_status")), ("plan taken from", st.get("source")),
              ("ILP objective (its plan's makespan, as the ILP prices it)",
               format_seconds(st["ilp_objective_s"])

@@ -96,9 +96,15 @@ def render_text(plan, baselines: dict | None = None) -> str:
             lines += [f"      attention {label}" for label in r.attention]
     rest, outs = outside_layers(plan, layered)
     width = max([len(p) for p, _ in rest + outs] + [4])
-    lines += ["", "Input shardings (other than parameters and their optimizer state):"]
+    if plan._in_tree is None:   # loaded: which leaves are parameters is not known
+        heads = ("Input shardings (every leaf: a plan loaded from JSON does not know which are "
+                 "parameters):", "Output shardings (every leaf):")
+    else:
+        heads = ("Input shardings (other than parameters and their optimizer state):",
+                 "Output shardings (new parameters and optimizer state keep their inputs'):")
+    lines += ["", heads[0]]
     lines += [f"  {path:<{width}}  {pspec_text(s)}" for path, s in rest] or ["  none"]
-    lines += ["", "Output shardings (new parameters and optimizer state keep their inputs'):"]
+    lines += ["", heads[1]]
     lines += [f"  {path:<{width}}  {pspec_text(s)}" for path, s in outs] or ["  none"]
     if plan._details is not None:
         lines += ["", "Collectives chosen, by mesh axis and kind (per device and step):"]
@@ -155,11 +161,15 @@ def _candidate_lines(stats: dict) -> list[str]:
 def _planner_lines(st: dict) -> list[str]:
     if not st:
         return []
+    said = f"Planner: {st.get('nodes')} nodes, {st.get('ilp_groups')} ILP groups"
+    if st.get("source") == "cached":
+        said += "; the plan cache's plan (no ILP solved)"
+    else:
+        said += (f", {st.get('ilp_variables')} variables, {st.get('ilp_constraints')} "
+                 f"constraints; solver {st.get('solver_status')} (plan from "
+                 f"{st.get('source', '?')})")
     times = ", ".join(f"{k} {v:.2f} s" for k, v in st.get("timings_s", {}).items())
-    return ["", f"Planner: {st.get('nodes')} nodes, {st.get('ilp_groups')} ILP groups, "
-                f"{st.get('ilp_variables')} variables, {st.get('ilp_constraints')} constraints; "
-                f"solver {st.get('solver_status')} (plan from {st.get('source', '?')}); "
-                f"times {times}"]
+    return ["", said + (f"; times {times}" if times else "")]
 
 
 def _pipeline_lines(pipeline: dict | None) -> list[str]:

@@ -208,6 +208,11 @@ def _load_target(target: str):
     if not callable(factory) or inspect.isclass(factory):
         raise CLIError(f"`{name}` in `{where}` is not a function; it should be a zero-argument "
                        f"function returning (fn, example_args_tuple){_defined(module)}")
+    needs = _required(factory)
+    if needs:
+        raise CLIError(f"`{name}` in `{where}` takes {', '.join(f'`{n}`' for n in needs)}, but a "
+                       f"target is called with no arguments: it should be a zero-argument "
+                       f"function returning (fn, example_args_tuple){_defined(module)}")
     with _users_code(f"`{name}()` in `{where}`"):
         made = factory()
     if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])
@@ -221,16 +226,19 @@ def _load_target(target: str):
 def _defined(module) -> str:
     """``; its zero-argument functions: a, b`` (the targets ``module`` may hold), or nothing
     when it has none."""
-    def zero_argument(f) -> bool:
-        try:
-            return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-                       for p in inspect.signature(f).parameters.values())
-        except (TypeError, ValueError):
-            return False
-
     names = sorted(n for n, f in vars(module).items()
-                   if inspect.isfunction(f) and not n.startswith("_") and zero_argument(f))
+                   if inspect.isfunction(f) and not n.startswith("_") and not _required(f))
     return f"; its zero-argument functions: {', '.join(names)}" if names else ""
+
+
+def _required(f) -> list[str]:
+    """The parameters ``f`` cannot be called without (none for a signature it hides)."""
+    try:
+        params = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 def _describe(made) -> str:
@@ -831,6 +839,7 @@ _FLAGS = ((re.compile(r"`pipeline=None`"), "`--pipeline off`"),
                       + r")=\\?\"?([\w.+-]+)\\?\"?\)`"), r"`\1=\2` in `--pipeline`"),
           (re.compile(r"`overlap=False`"), "`--no-overlap`"),
           (re.compile(r"`memory_budget`"), "`--memory-budget`"),
+          (re.compile(r"`hardware=`"), "`--hardware PATH`"),
           (re.compile(r"`time_limit_s`"), "`--time-limit`"),
           (re.compile(r"`logical_axis_rules=\[[^`]*\]`"), "`--logical-axis-rules batch=data,...`"),
           (re.compile(r"`remat=True`"), "`--remat auto`"))

@@ -505,6 +505,11 @@ class HardwareProfile:
             raise ProfileError(
                 f"hardware profile is not valid JSON ({e}); {_REGENERATE_HINT}"
             ) from None
+        if isinstance(doc, dict) and "in_shardings" in doc and "peak_flops_per_s" not in doc:
+            raise ProfileError("this is a saved plan, not a hardware profile: read it with "
+                               "autopar.Plan.load(path) or `autopar show PATH`, and pass a "
+                               "profile written by `autopar profile` (or a built-in name) as "
+                               "the hardware")
         try:
             return _profile_from_doc(cls, doc)
         except ProfileError as e:

@@ -41,6 +41,11 @@ def test_plan_fields_and_json_round_trip(tmp_path):
                               loaded.out_shardings)
     lowered = jax.jit(fn, in_shardings=ins, out_shardings=outs).lower(*args)
     assert lowered.compile() is not None
+    # Its report lists every leaf under headings that say so, and no empty timings.
+    text = loaded.report()
+    assert "Input shardings (every leaf: a plan loaded from JSON" in text
+    (planner,) = [line for line in text.splitlines() if line.startswith("Planner")]
+    assert "times" not in planner and "times" in plan.report()
     # A plan shows itself in one line, whether made or loaded (not its graph and strategies).
     for shown in (repr(plan), str(plan), repr(loaded)):
         assert "\n" not in shown and len(shown) < 200

@@ -349,6 +349,8 @@ def raises():
     def f(x):
         raise ValueError("inside the step")
     return f, (jnp.ones(8),)
+def needs_args(n, scale=2):
+    return (lambda x: (x * scale).sum()), (jnp.ones(n),)
 def returns_text():
     return (lambda x: "text"), (jnp.ones(8),)
 def exits():
@@ -374,6 +376,9 @@ def target(tmp_path_factory):
     (folder / "targets.txt").write_text(TARGET)
     (folder / "exits_on_import.py").write_text("import sys\nsys.exit(5)\n")
     (folder / "a_folder").mkdir()
+    from autopar.cost_model.hardware import get_profile
+    (folder / "profile.json").write_text(get_profile("h100").to_json())
+    (folder / "plan.json").write_text(json.dumps({"format_version": 1, "in_shardings": []}))
     return folder
 
 
@@ -429,6 +434,12 @@ CLI_CASES = [
     (lambda t: _report(t, "ok", "--frobnicate"), "--frobnicate"),
     (lambda t: ["report", f"{t}/targets.py:ok"], "--mesh"),
     (lambda t: ["frobnicate"], "frobnicate"),
+    (lambda t: _report(t, "ok", "--hardware", f"{t}/plan.json"), "a saved plan, not a hardware"),
+    (lambda t: ["show", f"{t}/profile.json"], "`--hardware PATH`"),
+    (lambda t: ["show", f"{t}/none.json"], "no plan file"),
+    (lambda t: ["show", f"{t}/plan.json", "--html", f"{t}/missing/plan.html"], "--html"),
+    (lambda t: ["show"], "plan"),
+    (lambda t: _report(t, "needs_args"), "`needs_args` in "),
 ] + [
     (lambda t, m=m: ["report", f"{t}/targets.py:ok", "--mesh", m, "--no-baselines"], "mesh")
     for m in ("data=2,model", "data=two", "=8", "data=0", "data=8,data=8", "データ=8",

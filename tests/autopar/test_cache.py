@@ -67,6 +67,9 @@ def test_an_intact_entry_is_used(stored, tmp_path):
     step = _step(tmp_path)
     np.testing.assert_allclose(np.asarray(step(W, X)), want, rtol=1e-6)
     assert step.plans_loaded == 1 and step.plan.stats["source"] == "cached"
+    # the report says so, rather than reading as an ILP of no variables
+    (planner,) = [line for line in step.plan.report().splitlines() if line.startswith("Planner")]
+    assert "the plan cache's plan (no ILP solved)" in planner and "variables" not in planner
 
 
 def _all_zeros(doc):
