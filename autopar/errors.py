@@ -109,7 +109,8 @@ class AutoparWarning(UserWarning):
 
 class HardwareWarning(AutoparWarning):
     """The devices are not those asked for: the accelerator has no built-in hardware profile
-    (the nearest one is used), or simulated CPU devices were asked for too late."""
+    (the nearest one is used), simulated CPU devices were asked for too late, or a loaded
+    plan's devices are not in this process (it is read on its mesh's axes alone)."""
 
 
 class ShardingConflictWarning(AutoparWarning):
