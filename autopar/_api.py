@@ -35,7 +35,7 @@ from autopar.errors import (ArgumentError, AttentionWarning, InfeasiblePlanError
                             MemoryBudgetWarning, PipelineError, ReplanWarning, warn)
 from autopar.passes.estimate import estimate, plan_collectives
 from autopar.cost_model.hardware import axis_levels, get_profile
-from autopar.cost_model.hlo import program_peak_bytes
+from autopar.cost_model.hlo import analyze, program_peak_bytes
 from autopar.passes.annotate import flatten_hints, to_spec
 from autopar.passes.backend_options import as_options, choose
 from autopar.passes.sequence_parallel import attention_labels
@@ -327,7 +327,7 @@ def _plan_exportable(fn, example_args, memory_budget, verbose, options) -> Plan:
     profile = get_profile(options["hardware"])
     budget = (memory_budget if memory_budget is not None
               else default_memory_budget_bytes(profile))
-    programs = _judge_plain(fn, example_args, io, profile)
+    programs, compiled = _judge_plain(fn, example_args, io, profile)
     pinned_s, _ = _judged(searched.jit().lower(*abstract(example_args)).compile(), profile,
                          main_dtype(fn, example_args))
     fitting = [name for name, (_, peak) in programs.items() if peak <= budget]
@@ -342,6 +342,7 @@ def _plan_exportable(fn, example_args, memory_budget, verbose, options) -> Plan:
         "chosen": best, "step_s": {name: t for name, (t, _) in programs.items()},
         "pinned_step_s": pinned_s,
         "peak_bytes": {name: peak for name, (_, peak) in programs.items()}}}
+    planned._plain_summary = (fn, analyze(compiled[best]))   # to_python's check reads it
     return planned
 
 
@@ -365,14 +366,14 @@ def _judged(compiled, profile, dtype) -> tuple[float, int]:
     return simulated_step_s(compiled, profile, dtype), program_peak_bytes(compiled)
 
 
-def _judge_plain(fn, example_args, io: dict, profile) -> dict[str, tuple[float, int]]:
-    """name -> (simulated step s, compiled peak bytes per device) of ``fn`` under plain
-    ``jax.jit`` with each (in_shardings, out_shardings) of ``io``, compiled from the
-    arguments' shapes."""
+def _judge_plain(fn, example_args, io: dict, profile) -> tuple[dict, dict]:
+    """(name -> (simulated step s, compiled peak bytes per device), name -> the compiled
+    program) of ``fn`` under plain ``jax.jit`` with each (in_shardings, out_shardings) of
+    ``io``, compiled from the arguments' shapes."""
     dtype, shapes = main_dtype(fn, example_args), abstract(example_args)
-    return {name: _judged(jax.jit(fn, in_shardings=ins, out_shardings=outs).lower(*shapes)
-                         .compile(), profile, dtype)
-            for name, (ins, outs) in io.items()}
+    compiled = {name: jax.jit(fn, in_shardings=ins, out_shardings=outs).lower(*shapes).compile()
+                for name, (ins, outs) in io.items()}
+    return {name: _judged(c, profile, dtype) for name, c in compiled.items()}, compiled
 
 
 #: (choice, remat) a plan cache's entry gives :func:`plan` to take instead of solving;

@@ -280,11 +280,15 @@ def plain_jit_check(plan, fn) -> tuple[bool, str]:
     exported module gives) and compare its collectives with the plan's program: (whether they
     are the same, a sentence saying so). jax propagates shardings from the arguments and
     results; where the plan splits an intermediate otherwise, the programs differ."""
-    flat = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in
-            zip(plan._arg_avals, jax.tree_util.tree_leaves(plan.in_shardings))]
-    abstract = jax.tree_util.tree_unflatten(plan._in_tree, flat)
-    plain = analyze(jax.jit(fn, in_shardings=plan.in_shardings,
-                            out_shardings=plan.out_shardings).lower(*abstract).compile())
+    kept = plan._plain_summary
+    if kept is not None and kept[0] is fn:   # exportable planning compiled it to choose
+        plain = kept[1]
+    else:
+        flat = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in
+                zip(plan._arg_avals, jax.tree_util.tree_leaves(plan.in_shardings))]
+        abstract = jax.tree_util.tree_unflatten(plan._in_tree, flat)
+        plain = analyze(jax.jit(fn, in_shardings=plan.in_shardings,
+                                out_shardings=plan.out_shardings).lower(*abstract).compile())
     planned = analyze(plan.compile())
     if collective_signature(plain) == collective_signature(planned):
         return True, _SAME

@@ -224,6 +224,9 @@ class Plan:
     pipeline: dict | None = None
     # the saved device ids of a plan loaded where they do not exist (its mesh an AbstractMesh)
     _device_ids: tuple[int, ...] | None = None
+    # (fn, the HloSummary of fn under plain jax.jit with this plan's in/out shardings): what
+    # exportable planning compiled to choose them, for to_python's check
+    _plain_summary: Any = None
 
     # ----- running
     def _require_program(self):

@@ -7,6 +7,7 @@ always for a plan made with ``exportable=True`` (what ``autopar export`` makes).
 """
 
 import ast
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -136,6 +137,11 @@ def test_an_exportable_plan_computes_the_single_device_step():
     got, want = plan.jit()(*args), jax.jit(fn)(*args)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-5)
+    # the module's check reads the plain program the choice compiled, as compiling it again
+    # would say; another function is compiled afresh
+    assert plan._plain_summary[0] is fn
+    fresh = plain_jit_check(dataclasses.replace(plan, _plain_summary=None), fn)
+    assert plain_jit_check(plan, fn) == fresh and fresh[0]
 
 
 def test_exportable_refuses_what_plain_jit_cannot_run():
@@ -151,8 +157,10 @@ def test_an_exportable_plan_over_the_budget_is_refused_or_warned(monkeypatch):
     """When no candidate's compiled peak fits: a given budget raises, the default one warns."""
     from autopar import _api
     real = _api._judge_plain
-    monkeypatch.setattr(_api, "_judge_plain", lambda *a: {
-        name: (t, 10**15) for name, (t, _) in real(*a).items()})
+    def over(*a):
+        judged, compiled = real(*a)
+        return {name: (t, 10**15) for name, (t, _) in judged.items()}, compiled
+    monkeypatch.setattr(_api, "_judge_plain", over)
     step, args = mlp_step()
     with pytest.raises(autopar.InfeasiblePlanError, match="no exportable plan fits"):
         autopar.plan(step, *args, mesh=MESH, hardware="h100", memory_budget="70GB",
