@@ -174,7 +174,8 @@ def plan(fn: Callable, *example_args, mesh, hardware=None, memory_budget=None,
         ``"64GB"``. Default: the profile's HBM capacity less 10%. When no sharding fits, layers
         are rematerialized (see ``remat``); when still none fits a given budget,
         ``InfeasiblePlanError`` names the smallest peak found and what dominates it; when none
-        fits the default one, a ``MemoryBudgetWarning`` says so.
+        fits the default one, a ``MemoryBudgetWarning`` says so, as it does for a budget over
+        one device's memory (not on simulated CPU devices, whose memory is a guess).
       in_shardings / out_shardings: hints, a pytree (or prefix) of PartitionSpec, NamedSharding
         or None ("autopar decides") shaped like the arguments / results. A hint is always kept.
       logical_axis_rules: MaxText-style ``[("batch", "data"), ("mlp", "model"), ...]``: how
@@ -334,6 +335,8 @@ def _plan_exportable(fn, example_args, memory_budget, verbose, options) -> Plan:
     if not fitting:
         fitting = _none_fits(programs, budget, memory_budget is not None)
     best = min(fitting, key=lambda name: programs[name][0])  # the searched plan first among equals
+    plain = analyze(compiled[best])   # for to_python's check; the programs are let go
+    del compiled
     ins, outs = io[best]
     planned = _plan_checked(fn, example_args, None, False, verbose,
                             {**options, "in_shardings": ins, "out_shardings": outs,
@@ -342,7 +345,7 @@ def _plan_exportable(fn, example_args, memory_budget, verbose, options) -> Plan:
         "chosen": best, "step_s": {name: t for name, (t, _) in programs.items()},
         "pinned_step_s": pinned_s,
         "peak_bytes": {name: peak for name, (_, peak) in programs.items()}}}
-    planned._plain_summary = (fn, analyze(compiled[best]))   # to_python's check reads it
+    planned._plain_summary = (fn, plain)
     return planned
 
 

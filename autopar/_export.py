@@ -277,8 +277,9 @@ def collective_signature(summary: HloSummary) -> list[tuple]:
 
 def plain_jit_check(plan, fn) -> tuple[bool, str]:
     """Compile ``fn`` with plain ``jax.jit`` and the plan's in/out shardings (what the
-    exported module gives) and compare its collectives with the plan's program: (whether they
-    are the same, a sentence saying so). jax propagates shardings from the arguments and
+    exported module gives; an exportable plan keeps what its choice compiled of the same
+    ``fn``) and compare its collectives with the plan's program: (whether they are the same,
+    a sentence saying so). jax propagates shardings from the arguments and
     results; where the plan splits an intermediate otherwise, the programs differ."""
     kept = plan._plain_summary
     if kept is not None and kept[0] is fn:   # exportable planning compiled it to choose

@@ -282,6 +282,14 @@ def render_html(plan, baselines: dict | None = None, fragment: bool = False) -> 
             body.append("<pre>" + html.escape("\n".join(_remat_lines(plan.stats["remat"])[1:]))
                         + "</pre>")
         body += _collective_section(plan)
+    else:   # loaded from JSON: its shardings are what it holds, every leaf
+        ins, outs = outside_layers(plan, set())
+        body += ["<h2>Shardings</h2>", '<p class="note">Every leaf: a plan loaded from JSON '
+                 "does not know which are parameters.</p>",
+                 _table(["value", "PartitionSpec"],
+                        [[f"input {p}", pspec_text(s)] for p, s in ins]
+                        + [[f"output {p}", pspec_text(s)] for p, s in outs],
+                        left=2, mono=(1,))]
     body += _planner_section(plan)
     div = (f'<div class="{ROOT_CLASS}"><style>{_CSS}</style>' + "\n".join(body) + "</div>")
     if fragment:

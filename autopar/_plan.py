@@ -16,8 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from autopar._mesh import (as_auto_mesh, axis_sizes, check_axis_name, mesh_text,
-                           on_explicit_axes, simulate_hint)
+from autopar._mesh import (axis_sizes, check_axis_name, mesh_text, on_explicit_axes,
+                           simulate_hint)
 from autopar._layers import flat_donation, memory_over_program
 from autopar._export import plain_jit_check, write_module
 from autopar._html import render_html
@@ -105,25 +105,33 @@ def _mesh_from_json(record) -> Mesh | AbstractMesh:
             f"the plan's mesh {dict(zip(names, sizes))} has {math.prod(sizes)} devices but "
             f"names {len(ids)} device ids; a plan written by plan.save(path) never holds both; "
             "save the plan again")
-    devices = {d.id: d for d in jax.devices()}
+    need, here = math.prod(sizes), jax.devices()
+    devices = {d.id: d for d in here}
     missing = ([i for i in ids if i not in devices] if ids is not None
-               else list(range(len(devices), math.prod(sizes))))
+               else [] if need <= len(here) else [None])
     if missing:
-        warn(
-            f"autopar: the plan's mesh {dict(zip(names, sizes))} runs on "
-            f"{f'devices {ids}' if ids is not None else f'{math.prod(sizes)} devices'}, and "
-            f"device(s) {missing} do not exist here ({_devices(len(devices))}): it is loaded on "
-            f"its axes without devices (a jax AbstractMesh), to read (report, summary, "
-            f"to_python), not to run. {simulate_hint(math.prod(sizes))}", HardwareWarning)
+        absent = (f"{len(missing)} of which ({_ids(missing)}) are not in this process "
+                  f"({_devices(len(here))} here)" if ids is not None
+                  else f"and this process has {_devices(len(here))}")
+        warn(f"autopar: the plan's mesh {dict(zip(names, sizes))} runs on {need} devices, "
+             f"{absent}: it is loaded on its axes without devices (a jax AbstractMesh), to "
+             f"read (report, summary, to_python), not to run. {simulate_hint(need)}",
+             HardwareWarning)
         return AbstractMesh(tuple(sizes), tuple(names), axis_types=(AxisType.Auto,) * len(names))
-    if ids is None:
-        return as_auto_mesh(dict(zip(names, sizes)))
-    return Mesh(np.array([devices[i] for i in ids], dtype=object).reshape(sizes),
-                tuple(names), axis_types=(AxisType.Auto,) * len(names))
+    chosen = [devices[i] for i in ids] if ids is not None else here[:need]
+    return Mesh(np.array(chosen, dtype=object).reshape(sizes), tuple(names),
+                axis_types=(AxisType.Auto,) * len(names))
 
 
 def _devices(n: int) -> str:
     return f"{n} device{'s' if n != 1 else ''}"
+
+
+def _ids(ids: list[int], shown: int = 8) -> str:
+    """``ids`` as ``ids 1, 2, 3`` or, past ``shown`` of them, ``ids 1, 2, ... 9 (12 in all)``."""
+    if len(ids) <= shown:
+        return "ids " + ", ".join(map(str, ids))
+    return f"ids {', '.join(map(str, ids[:shown - 1]))}, ... {ids[-1]} ({len(ids)} in all)"
 
 
 def _shardings_from_json(records, mesh: Mesh, what: str) -> tuple[list, list[str]]:
@@ -226,7 +234,7 @@ class Plan:
     _device_ids: tuple[int, ...] | None = None
     # (fn, the HloSummary of fn under plain jax.jit with this plan's in/out shardings): what
     # exportable planning compiled to choose them, for to_python's check
-    _plain_summary: Any = None
+    _plain_summary: Any = field(default=None, compare=False, repr=False)
 
     # ----- running
     def _require_program(self):
@@ -350,8 +358,8 @@ class Plan:
         arguments and results), ``LOGICAL_AXIS_RULES``, ``make_mesh()``,
         ``in_shardings(mesh)`` and ``out_shardings(mesh)``. Returns the text written.
 
-        ``fn``: the planned function. When given, both programs are compiled (nothing runs)
-        and the module says whether plain ``jax.jit`` with these shardings compiles to the
+        ``fn``: the planned function. When given, both programs are compiled (nothing runs;
+        an exportable plan reuses the plain one its choice compiled) and the module says whether plain ``jax.jit`` with these shardings compiles to the
         plan's collectives: jax infers intermediate shardings from the arguments and results,
         so a plan that splits an intermediate otherwise is reproduced only by ``plan.jit()``.
 

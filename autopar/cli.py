@@ -547,6 +547,9 @@ def cmd_show(args) -> int:
     """Explain a plan saved by ``report --json`` or ``Plan.save``, here or on any machine:
     where its devices are not, it is read on its mesh's axes alone (``Plan.load``)."""
     check_outputs((args.html, "--html", "plan.html"), reads=(args.plan,))
+    import jax
+    if not backends_initialized():  # reading a file needs no accelerator (nor to take one)
+        jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
     import autopar
     from autopar._html import render_html
     from autopar.errors import HardwareWarning

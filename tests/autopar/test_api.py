@@ -45,7 +45,8 @@ def test_plan_fields_and_json_round_trip(tmp_path):
     text = loaded.report()
     assert "Input shardings (every leaf: a plan loaded from JSON" in text
     (planner,) = [line for line in text.splitlines() if line.startswith("Planner")]
-    assert "times" not in planner and "times" in plan.report()
+    made = [line for line in plan.report().splitlines() if line.startswith("Planner")]
+    assert "times" not in planner and "; times trace" in made[0]
     # A plan shows itself in one line, whether made or loaded (not its graph and strategies).
     for shown in (repr(plan), str(plan), repr(loaded)):
         assert "\n" not in shown and len(shown) < 200

@@ -299,13 +299,35 @@ def test_a_plan_whose_devices_are_not_here_loads_to_be_read(tmp_path, saved):
     doc = json.loads(json.dumps(saved))
     doc["mesh"]["device_ids"] = list(range(100, 108))
     path = _write(tmp_path, json.loads(json.dumps(doc)))
-    with pytest.warns(autopar.HardwareWarning, match=r"device\(s\) \[100, .*do not exist here "
-                      r"\(8 devices\).*not to run\. To simulate 8 devices"):
+    with pytest.warns(autopar.HardwareWarning, match=r"runs on 8 devices, 8 of which \(ids 100, "
+                      r"101, .*, 107\) are not in this process \(8 devices here\).*not to run\. "
+                      r"To simulate 8 devices"):
         loaded = autopar.Plan.load(path)
     assert isinstance(loaded.mesh, jax.sharding.AbstractMesh)
     assert loaded.in_shardings[0].spec == P("data")
     assert "data=2 x model=4 (8 devices, not in this process)" in loaded.report()
+    assert "<h2>Shardings</h2>" in loaded.to_html() and "input [0]" in loaded.to_html()
     assert json.loads(loaded.to_json()) == doc
+    # its shardings are hints on a mesh of the same axes, and refused on another
+    again = autopar.plan(fn, *ARGS, mesh=MESH, hardware="cpu",
+                         in_shardings=(loaded.in_shardings[0], None))
+    assert again.in_shardings[0].spec == P("data")
+    with pytest.raises(ShardingHintError, match="on a mesh without devices"):
+        autopar.plan(fn, *ARGS, mesh={"data": 8}, in_shardings=(loaded.in_shardings[0], None))
+
+
+def test_a_plan_file_without_device_ids_loads_onto_the_first_devices(tmp_path, saved):
+    doc = json.loads(json.dumps(saved))
+    del doc["mesh"]["device_ids"]
+    doc["mesh"]["axis_sizes"] = [2, 2]   # 4 of the 8 devices
+    loaded = autopar.Plan.load(_write(tmp_path, doc))
+    assert [d.id for d in loaded.mesh.devices.flat] == [0, 1, 2, 3]
+
+
+def test_a_long_list_of_absent_device_ids_is_shortened():
+    from autopar._plan import _ids
+    assert _ids([4, 5]) == "ids 4, 5"
+    assert _ids(list(range(1024))) == "ids 0, 1, 2, 3, 4, 5, 6, ... 1023 (1024 in all)"
 
 
 _LOADS_ALONE = """
@@ -316,6 +338,7 @@ print(repr(plan))
 print(plan.report().splitlines()[0])
 plan.to_python(sys.argv[2])
 print(plan.to_json() == open(sys.argv[1]).read())
+print(type(autopar.Plan.load(sys.argv[3]).mesh).__name__)
 """
 
 
@@ -326,14 +349,20 @@ def test_a_plan_made_on_8_devices_loads_in_a_process_of_one(tmp_path):
     import sys
     path, module = tmp_path / "plan.json", tmp_path / "plan_specs.py"
     autopar.plan(fn, *ARGS, mesh=MESH, hardware="h100").save(path)
+    doc = json.loads(path.read_text())
+    del doc["mesh"]["device_ids"]
+    bare = tmp_path / "bare.json"   # a file naming no device ids
+    bare.write_text(json.dumps(doc))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    run = subprocess.run([sys.executable, "-c", _LOADS_ALONE, str(path), str(module)],
+    run = subprocess.run([sys.executable, "-c", _LOADS_ALONE, str(path), str(module), str(bare)],
                          capture_output=True, text=True, env=env, timeout=300, check=False)
     assert run.returncode == 0, run.stderr
-    assert "HardwareWarning" in run.stderr and "(1 device)" in run.stderr
+    assert "are not in this process (1 device here)" in run.stderr
+    assert "runs on 8 devices, and this process has 1 device:" in run.stderr   # no ids
     lines = run.stdout.splitlines()
     assert lines[0].startswith("Plan(mesh=(data=2 x model=4), hardware='h100'")
-    assert "(8 devices, not in this process)" in lines[1] and lines[-1] == "True"
+    assert "(8 devices, not in this process)" in lines[1]
+    assert lines[-2:] == ["True", "AbstractMesh"]
     assert "MESH = {'data': 2, 'model': 4}" in module.read_text()
 
 
@@ -439,7 +468,7 @@ CLI_CASES = [
     (lambda t: ["show", f"{t}/none.json"], "no plan file"),
     (lambda t: ["show", f"{t}/plan.json", "--html", f"{t}/missing/plan.html"], "--html"),
     (lambda t: ["show"], "plan"),
-    (lambda t: _report(t, "needs_args"), "`needs_args` in "),
+    (lambda t: _report(t, "needs_args"), "takes `n`, but a target is called with no"),
 ] + [
     (lambda t, m=m: ["report", f"{t}/targets.py:ok", "--mesh", m, "--no-baselines"], "mesh")
     for m in ("data=2,model", "data=two", "=8", "data=0", "data=8,data=8", "データ=8",
