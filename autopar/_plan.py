@@ -85,7 +85,7 @@ def _spec_from_json(entries, axes: tuple, what: str) -> PartitionSpec:
 
 def _mesh_from_json(record) -> Mesh | AbstractMesh:
     """The saved mesh: the same devices (by id) when the file names them, so a plan made on
-    some of the devices (a sub-mesh) loads back onto them; else every device. Where those
+    some of the devices (a sub-mesh) loads back onto them; else the first devices. Where those
     devices are not in this process, the mesh's axes without devices (an AbstractMesh), with
     a HardwareWarning: the plan can be read here, not run."""
     if not isinstance(record, dict):
