@@ -359,9 +359,10 @@ class Plan:
         ``in_shardings(mesh)`` and ``out_shardings(mesh)``. Returns the text written.
 
         ``fn``: the planned function. When given, both programs are compiled (nothing runs;
-        an exportable plan reuses the plain one its choice compiled) and the module says whether plain ``jax.jit`` with these shardings compiles to the
-        plan's collectives: jax infers intermediate shardings from the arguments and results,
-        so a plan that splits an intermediate otherwise is reproduced only by ``plan.jit()``.
+        an exportable plan reuses the plain one its choice compiled) and the module says
+        whether plain ``jax.jit`` with these shardings compiles to the plan's collectives: jax
+        infers intermediate shardings from the arguments and results, so a plan that splits an
+        intermediate otherwise is reproduced only by ``plan.jit()``.
 
         Example::
 
