@@ -17,7 +17,7 @@ from autopar import _api, baselines
 from autopar._judge import abstract, main_dtype
 from autopar.baselines import baseline_kinds
 from autopar.baselines import baseline_kwargs as _baseline_kwargs
-from autopar._mesh import as_auto_mesh, axis_sizes, mesh_text, with_mesh_when_asked
+from autopar._mesh import as_auto_mesh, mesh_text, same_axes, with_mesh_when_asked
 from autopar._stack import with_roomy_stack
 from autopar.errors import ArgumentError, ShardingConflictWarning
 from autopar.cost_model.hardware import get_profile
@@ -134,7 +134,7 @@ def compare(fn, args, mesh, *, hardware=None, kinds=None, plan=None, dtype=None,
                             f"{type(args).__name__}: call compare(fn, (params, batch), mesh)")
     jax_mesh = as_auto_mesh(mesh)
     profile = get_profile(hardware)
-    if plan is not None and [*axis_sizes(plan.mesh).items()] != [*axis_sizes(jax_mesh).items()]:
+    if plan is not None and not same_axes(plan.mesh, jax_mesh):
         raise ArgumentError(
             f"`plan` was made for mesh {mesh_text(plan.mesh)} and the baselines would run "
             f"on {mesh_text(jax_mesh)}: pass the plan's mesh, or leave `plan` out to "

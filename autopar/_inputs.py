@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from autopar._axis_roles import roles
-from autopar._mesh import as_auto_mesh, axis_sizes
+from autopar._mesh import as_auto_mesh, axis_sizes, same_axes
 from autopar._pipeline import Pipeline
 from autopar._sizes import format_bytes, parse_bytes
 from autopar.cost_model.hardware import HardwareProfile, LevelKind, get_profile
@@ -130,18 +130,12 @@ def _same_mesh(a: Mesh, b: Mesh) -> bool:
             and [d.id for d in a.devices.flat] == [d.id for d in b.devices.flat])
 
 
-def _same_axes(a, b: Mesh) -> bool:
-    """Whether ``a`` (a Mesh or an AbstractMesh, such as a loaded plan's where its devices are
-    not) has ``b``'s axes and sizes, in order."""
-    return [*axis_sizes(a).items()] == [*axis_sizes(b).items()]
-
-
 def _translated(hint: NamedSharding, mesh: Mesh, where: str) -> PartitionSpec:
     """The PartitionSpec that places data on ``mesh`` exactly as ``hint`` (on its own mesh)
     does; ShardingHintError when there is none to be had by reading its spec on ``mesh``."""
     check_partition_spec(hint.spec, where)
     if isinstance(hint.mesh, AbstractMesh):   # no devices to compare: the axes must match
-        if _same_axes(hint.mesh, mesh):
+        if same_axes(hint.mesh, mesh):
             return hint.spec
         raise ShardingHintError(
             f"hint for `{where}` is a NamedSharding on a mesh without devices "

@@ -165,6 +165,11 @@ def axis_sizes(mesh: Mesh | AbstractMesh) -> dict[str, int]:
     return dict(mesh.shape)
 
 
+def same_axes(a: Mesh | AbstractMesh, b: Mesh | AbstractMesh) -> bool:
+    """Whether ``a`` and ``b`` have the same axes of the same sizes, in the same order."""
+    return [*axis_sizes(a).items()] == [*axis_sizes(b).items()]
+
+
 SIMULATE_FLAG = "--xla_force_host_platform_device_count"
 #: The device counts :func:`simulate_cpu_devices` wrote into XLA_FLAGS itself (not the user).
 _SET_HERE: list[int] = []

@@ -18,7 +18,7 @@ import traceback
 import warnings
 
 from autopar._compat import backends_initialized
-from autopar._mesh import SIMULATE_FLAG, simulate_cpu_devices
+from autopar._mesh import SIMULATE_FLAG, axis_sizes, simulate_cpu_devices
 from autopar._progress import progress_clock, progress_line
 from autopar._meshspec import parse_mesh_spec
 from autopar._sizes import parse_bytes
@@ -122,8 +122,6 @@ def _carried_hints(plan, args):
 
     import jax
     from jax.sharding import PartitionSpec
-
-    from autopar._mesh import axis_sizes
     sizes = axis_sizes(plan.mesh)
     by_path = dict(zip(plan.in_paths, (s.spec for s in jax.tree_util.tree_leaves(
         plan.in_shardings))))
@@ -552,7 +550,6 @@ def cmd_show(args) -> int:
         jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
     import autopar
     from autopar._html import render_html
-    from autopar.errors import HardwareWarning
     with warnings.catch_warnings():   # read, not run: the report says where its devices are
         warnings.simplefilter("ignore", HardwareWarning)
         plan = autopar.Plan.load(args.plan)
