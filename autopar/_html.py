@@ -11,6 +11,7 @@ with their shapes, the collectives by mesh axis and kind, and the planner's fact
 from __future__ import annotations
 
 import html
+import math
 
 from autopar._charts import (
     COMM,
@@ -22,7 +23,8 @@ from autopar._charts import (
     memory_chart,
 )
 from autopar._charts import mesh_diagram as _mesh_svg
-from autopar._layers import layer_rows, memory_over_program, node_layers, node_phases, peak_buffers
+from autopar._layers import (has_layers, layer_rows, memory_over_program, node_layers, node_phases,
+                             peak_buffers)
 from autopar._mesh import axis_sizes
 from autopar._report import (
     _option_lines,
@@ -252,10 +254,9 @@ def _header(plan) -> list[str]:
            f"<p>{_code_quotes(hardware_words(plan))}. Predictions are per device.</p>",
            '<div class="words"><b>The plan in words</b><ul>'
            + "".join(f"<li>{html.escape(w)}</li>" for w in words) + "</ul></div>"]
-    if plan._details is not None:
-        carries = axis_words(plan)
-        ids = [d.id for d in plan.mesh.devices.flat]
-        out += ["<h2>Mesh</h2>", _mesh_svg(sizes, carries, ids)]
+    if has_layers(plan):
+        ids = plan._saved_device_ids() or range(math.prod(sizes.values()))
+        out += ["<h2>Mesh</h2>", _mesh_svg(sizes, axis_words(plan), ids)]
     return out
 
 
@@ -269,7 +270,7 @@ def render_html(plan, baselines: dict | None = None, fragment: bool = False) -> 
     """The report as a self-contained HTML page; ``fragment``: the ``<div>`` alone (with its
     scoped ``<style>``), for a notebook cell."""
     body = _header(plan) + _estimate_section(plan, baselines) + _validation_section(plan)
-    if plan._details is not None:
+    if has_layers(plan):
         rows = layer_rows(plan)
         body += _layer_section(plan, rows)
         if plan.pipeline is not None:
@@ -277,12 +278,13 @@ def render_html(plan, baselines: dict | None = None, fragment: bool = False) -> 
                      "<pre>" + html.escape("\n".join(_pipeline_lines(plan.pipeline)[1:]))
                      + "</pre>", _legend([(COMPUTE, "forward"), (COMM, "backward")]),
                      gantt(plan.pipeline)]
-        body += _memory_section(plan)
+        if plan._details is not None:   # a loaded plan has no program to walk
+            body += _memory_section(plan)
         if plan.stats.get("remat"):
             body.append("<pre>" + html.escape("\n".join(_remat_lines(plan.stats["remat"])[1:]))
                         + "</pre>")
         body += _collective_section(plan)
-    else:   # loaded from JSON: its shardings are what it holds, every leaf
+    else:   # loaded from a file that kept no explanation: its shardings, every leaf
         ins, outs = outside_layers(plan, set())
         body += ["<h2>Shardings</h2>", '<p class="note">Every leaf: a plan loaded from JSON '
                  "does not know which are parameters.</p>",

@@ -340,9 +340,17 @@ def node_phases(graph) -> list[Phase]:
 
 
 # ----- rows
+def has_layers(plan) -> bool:
+    """Whether ``plan`` can say what each layer holds and sends: it has its traced program,
+    or was loaded from a file that kept its explanation (``autopar._explained``)."""
+    return plan._details is not None or plan._explained is not None
+
+
 def layer_rows(plan) -> list[LayerRow]:
     """Rows in the parameters' order (``block_2`` before ``block_10``), then ``loss`` and
-    ``other``."""
+    ``other``; a loaded plan's are those it was saved with."""
+    if plan._details is None:
+        return list(plan._explained.rows)
     graph, strats, choice, comms = plan._details
     sizes = dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape))
     specs = value_specs(graph, strats, choice)

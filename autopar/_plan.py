@@ -18,7 +18,8 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from autopar._mesh import (axis_sizes, check_axis_name, mesh_text, on_explicit_axes,
                            simulate_hint)
-from autopar._layers import flat_donation, memory_over_program
+from autopar._explained import explanation, explanation_from_json, explanation_to_json
+from autopar._layers import flat_donation, has_layers, memory_over_program
 from autopar._export import plain_jit_check, write_module
 from autopar._html import render_html
 from autopar._sizes import format_bytes, format_seconds
@@ -176,10 +177,13 @@ def _plan_from_dict(cls, d: dict) -> Plan:
     if not isinstance(donate, list) or not all(_is_int(i) and i >= 0 for i in donate):
         raise _bad("donate_argnums", donate)
     ids = d["mesh"].get("device_ids")
+    explained = (None if "explained" not in d else
+                 explanation_from_json(d["explained"], in_paths, [s.spec for s in ins]))
     return cls(mesh, ins, outs, _estimate_from_json(d.get("estimate")), hardware, in_paths,
                out_paths, fallbacks, stats, donate_argnums=tuple(donate),
                pipeline=_pipeline_from_json(d.get("pipeline")),
-               _device_ids=tuple(ids) if isinstance(mesh, AbstractMesh) and ids else None)
+               _device_ids=tuple(ids) if isinstance(mesh, AbstractMesh) and ids else None,
+               _explained=explained)
 
 
 @dataclass
@@ -235,6 +239,8 @@ class Plan:
     # (fn, the HloSummary of fn under plain jax.jit with this plan's in/out shardings): what
     # exportable planning compiled to choose them, for to_python's check
     _plain_summary: Any = field(default=None, compare=False, repr=False)
+    # a loaded plan's explanation (_explained.Explained): what its saved report said
+    _explained: Any = field(default=None, compare=False, repr=False)
 
     # ----- running
     def _require_program(self):
@@ -373,7 +379,7 @@ class Plan:
           step = jax.jit(train_step, in_shardings=plan_specs.in_shardings(mesh),
                          out_shardings=plan_specs.out_shardings(mesh))
         """
-        words = summary_lines(self) if self._details is not None else None
+        words = summary_lines(self) if has_layers(self) else None
         if self.pipeline and words is not None:
             words = ["Plain jax.jit runs no pipeline: these shardings keep the stacked layers",
                      f"split over {self.pipeline['axis']}, and XLA runs the step whole, with "
@@ -394,12 +400,14 @@ class Plan:
 
     # ----- saving
     def to_json(self) -> str:
-        """The plan as JSON: its mesh (axis names, sizes, device ids), shardings, estimate and
-        statistics. Wall-clock measurements (:data:`WALL_CLOCK_STATS`) stay out, so the same
-        plan always gives the same text."""
+        """The plan as JSON: its mesh (axis names, sizes, device ids), shardings, estimate,
+        statistics and what its report says of the traced program (``autopar._explained``),
+        so that a loaded plan explains itself as this one does. Wall-clock measurements
+        (:data:`WALL_CLOCK_STATS`) stay out, so the same plan always gives the same text."""
         def shardings(tree, paths):
             return [{"path": p, "spec": _spec_to_json(s.spec)}
                     for p, s in zip(paths, jax.tree_util.tree_leaves(tree))]
+        explained = explanation(self)
         return json.dumps({
             "format_version": FORMAT_VERSION,
             "mesh": {"axis_names": list(self.mesh.axis_names),
@@ -413,6 +421,7 @@ class Plan:
             "fallbacks": self.fallbacks,
             "stats": {k: v for k, v in self.stats.items() if k not in WALL_CLOCK_STATS},
             "pipeline": self.pipeline,
+            **({} if explained is None else {"explained": explanation_to_json(explained)}),
         }, indent=1, default=_json_default)
 
     def _saved_device_ids(self) -> list[int] | None:
@@ -456,8 +465,10 @@ class Plan:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
         """The plan :meth:`save` wrote to ``path``; PlanFormatError for any other file. It
-        holds the shardings (flat, see the class's attributes) and the estimates, not the
-        program: plan the function again (or use ``parallelize(cache_dir=...)``) to run it,
+        holds the shardings (flat, see the class's attributes), the estimates and what the
+        report said of the traced program (the plan in words, per layer, the collectives),
+        not the program: plan the function again (or use ``parallelize(cache_dir=...)``) to
+        run it,
         or hand its shardings to plain ``jax.jit``. Where the plan's devices are not in this
         process (a laptop reading a cluster's plan), its mesh is a jax ``AbstractMesh`` of
         the same axes, with a HardwareWarning: it explains itself (:meth:`report`,

@@ -14,6 +14,7 @@ from jax.sharding import AbstractMesh
 from autopar._layers import (
     OTHER,
     Phase,
+    has_layers,
     input_layers,
     is_region,
     layer_rows,
@@ -81,7 +82,7 @@ def render_text(plan, baselines: dict | None = None) -> str:
     if not plan.pipeline:   # the candidates are priced without the pipeline's stages
         lines += _candidate_lines(plan.stats)
     layered = set()
-    if plan._details is not None:
+    if has_layers(plan):
         rows = layer_rows(plan)
         layered = {p.path for r in rows for p in r.params}
         lines += ["", "Per layer (per device; optimizer state follows its parameter):",
@@ -96,7 +97,7 @@ def render_text(plan, baselines: dict | None = None) -> str:
             lines += [f"      attention {label}" for label in r.attention]
     rest, outs = outside_layers(plan, layered)
     width = max([len(p) for p, _ in rest + outs] + [4])
-    if plan._in_tree is None:   # loaded: which leaves are parameters is not known
+    if not has_layers(plan):   # loaded from a file that kept no explanation
         heads = ("Input shardings (every leaf: a plan loaded from JSON does not know which are "
                  "parameters):", "Output shardings (every leaf):")
     else:
@@ -106,7 +107,7 @@ def render_text(plan, baselines: dict | None = None) -> str:
     lines += [f"  {path:<{width}}  {pspec_text(s)}" for path, s in rest] or ["  none"]
     lines += ["", heads[1]]
     lines += [f"  {path:<{width}}  {pspec_text(s)}" for path, s in outs] or ["  none"]
-    if plan._details is not None:
+    if has_layers(plan):
         lines += ["", "Collectives chosen, by mesh axis and kind (per device and step):"]
         lines += _collective_lines(plan)
         lines += [f"  {line}" for line in pipeline_collective_words(plan)]
@@ -303,6 +304,8 @@ def outside_layers(plan, param_paths: set[str]) -> tuple[list, list]:
     if plan._in_tree is not None:
         names, _ = input_layers(plan._in_tree, [a.shape for a in plan._arg_avals])
         in_layer = {p for p, n in zip(plan.in_paths, names) if n is not None}
+    elif plan._explained is not None:
+        in_layer = set(plan._explained.layer_inputs)
     else:
         in_layer = set(param_paths)
     ins = [(p or "(the whole argument)", s.spec)
@@ -360,7 +363,10 @@ def place_words(where: str, layer: str, phase: Phase, star=None) -> str:
 
 
 def collective_groups(plan) -> dict[tuple[str, str], list[CollectiveGroup]]:
-    """(axes, kind) -> the groups of collectives over those axes of that kind, largest first."""
+    """(axes, kind) -> the groups of collectives over those axes of that kind, largest first;
+    a loaded plan's are those it was saved with."""
+    if plan._details is None:
+        return plan._explained.collectives
     graph, _, _, comms = plan._details
     labels, phases, star = node_layers(plan), node_phases(graph), _starred(_star_names(plan))
     groups: dict[tuple, CollectiveGroup] = {}

@@ -200,7 +200,10 @@ def _layer_words(plan, sizes) -> list[tuple[str, str]]:
 
 
 def axis_words(plan) -> dict[str, str]:
-    """Mesh axis -> what it carries, e.g. ``Megatron TP (block_0..block_11); batch``."""
+    """Mesh axis -> what it carries, e.g. ``Megatron TP (block_0..block_11); batch`` (a
+    loaded plan's: what it was saved with)."""
+    if plan._details is None:
+        return dict(plan._explained.axis_words)
     sizes = _split_sizes(plan)
     said: dict[str, dict[str, list[str]]] = {a: {} for a in sizes}
     for head, words in _layer_words(plan, sizes):
@@ -216,8 +219,10 @@ def axis_words(plan) -> dict[str, str]:
 def summary_lines(plan) -> list[str]:
     """The plan in words: one line per group of like layers, then the other inputs, the
     optimizer state, and where the plan splits the batch against the axis names."""
+    if plan._details is None and plan._explained is not None:   # loaded: as it was saved
+        return list(plan._explained.in_words)
     sizes = _split_sizes(plan)
-    if plan._details is None:   # loaded from JSON: the shardings, not the program
+    if plan._details is None:   # loaded from a file that kept only the shardings
         specs = [s.spec for s in jax.tree_util.tree_leaves(plan.in_shardings)]
         split = [sp for sp in specs if any(_axes(e, sizes) for e in sp)]
         axes = [a for a in sizes if any(a in _axes(e) for sp in split for e in sp)]

@@ -1,6 +1,7 @@
 """The public surface: Plan fields, JSON round trip, and the parallelize decorator."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -41,12 +42,24 @@ def test_plan_fields_and_json_round_trip(tmp_path):
                               loaded.out_shardings)
     lowered = jax.jit(fn, in_shardings=ins, out_shardings=outs).lower(*args)
     assert lowered.compile() is not None
-    # Its report lists every leaf under headings that say so, and no empty timings.
-    text = loaded.report()
-    assert "Input shardings (every leaf: a plan loaded from JSON" in text
-    (planner,) = [line for line in text.splitlines() if line.startswith("Planner")]
-    made = [line for line in plan.report().splitlines() if line.startswith("Planner")]
-    assert "times" not in planner and "; times trace" in made[0]
+    # Its report is the one it was saved with (the plan in words, the per-layer table, the
+    # collectives), but for the planner's wall-clock times, which it leaves out whole.
+    text, made = loaded.report().splitlines(), plan.report().splitlines()
+    assert "Per layer (per device; optimizer state follows its parameter):" in text
+    assert [s for s in text if not s.startswith("Planner")] == [
+        s for s in made if not s.startswith("Planner")]
+    (planner,) = [line for line in text if line.startswith("Planner")]
+    (planned,) = [line for line in made if line.startswith("Planner")]
+    assert "times" not in planner and planned.startswith(planner + "; times trace")
+    assert loaded.summary() == plan.summary()
+    # A file that kept no explanation (saved before it was kept) gives the shardings alone:
+    # every leaf, under headings that say so.
+    doc = json.loads(path.read_text())
+    del doc["explained"]
+    bare = autopar.Plan.from_json(json.dumps(doc))
+    assert "Input shardings (every leaf: a plan loaded from JSON" in bare.report()
+    assert "Per layer" not in bare.report() and "<h2>Shardings</h2>" in bare.to_html()
+    assert bare.to_json() == json.dumps(doc, indent=1)
     # A plan shows itself in one line, whether made or loaded (not its graph and strategies).
     for shown in (repr(plan), str(plan), repr(loaded)):
         assert "\n" not in shown and len(shown) < 200

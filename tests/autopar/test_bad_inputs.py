@@ -216,7 +216,7 @@ VALID = {"pipeline": [None], "hardware": ["x"], "stats": [{}, {"a": 1}],
          "fallbacks": [{}, {"a": 1}], "donate_argnums": [[]], "in_shardings": [[]],
          "out_shardings": [[]]}
 FIELDS = ["mesh", "hardware", "estimate", "in_shardings", "out_shardings", "donate_argnums",
-          "fallbacks", "stats", "pipeline"]
+          "fallbacks", "stats", "pipeline", "explained"]
 #: Deeper edits: a path into the JSON and a bad value there.
 DEEP = [(("mesh", "axis_names"), v)
         for v in ([1], ["データ"], [], ["a", "b"], "data", [None])] + [
@@ -230,7 +230,16 @@ DEEP = [(("mesh", "axis_names"), v)
     (("in_shardings", 0, "path"), v) for v in (None, 3, [])] + [
     (("stats", "timings_s"), v) for v in ("x", 3, [1])] + [
     (("stats", "compiler_options"), v) for v in ("x", [1], [{"a": 1}])] + [
-    (("stats", "remat"), v) for v in ("x", [1], {"layers": 3})]
+    (("stats", "remat"), v) for v in ("x", [1], {"layers": 3})] + [
+    (("explained", "in_words"), v) for v in ("x", [1], None)] + [
+    (("explained", "axis_words"), v) for v in ([], {"data": 1})] + [
+    (("explained", "layer_inputs"), v) for v in ("x", [None])] + [
+    (("explained", "layers", 0, "compute_s"), v) for v in (-1.0, "1", None, True)] + [
+    (("explained", "layers", 0, "params"), v)
+    for v in ("x", [{"path": "not an input", "shape": [1], "local_shape": [1]}])] + [
+    (("explained", "layers", 0, "rewrites"), v) for v in ([], {"a": -1})] + [
+    (("explained", "collectives", 0, "count"), v) for v in (-1, 1.5, None)] + [
+    (("explained", "collectives", 0, "kind"), v) for v in (1, None)]
 
 
 def _write(tmp_path, data) -> str:
@@ -306,7 +315,9 @@ def test_a_plan_whose_devices_are_not_here_loads_to_be_read(tmp_path, saved):
     assert isinstance(loaded.mesh, jax.sharding.AbstractMesh)
     assert loaded.in_shardings[0].spec == P("data")
     assert "data=2 x model=4 (8 devices, not in this process)" in loaded.report()
-    assert "<h2>Shardings</h2>" in loaded.to_html() and "input [0]" in loaded.to_html()
+    assert "Collectives chosen" in loaded.report()   # as saved: it has no program to trace
+    page = loaded.to_html()
+    assert "<h2>Per layer</h2>" in page and "input [0]" in page and "<h2>Mesh</h2>" in page
     assert json.loads(loaded.to_json()) == doc
     # its shardings are hints on a mesh of the same axes, and refused on another
     again = autopar.plan(fn, *ARGS, mesh=MESH, hardware="cpu",

@@ -61,6 +61,11 @@ def test_show_explains_a_saved_plan_where_its_devices_are_not(tmp_path):
     assert r.stdout.startswith("autopar plan on mesh data=2 x model=4 (8 devices, not in this "
                                "process), hardware profile `h100`")
     assert "Input shardings" in r.stdout and _said(r.stderr) == []
+    # the report it was saved with, but for where its devices are and the planner's times
+    shown = r.stdout.split("\n\nwrote")[0].splitlines()
+    made = plan.report().splitlines()
+    assert "Collectives chosen" in r.stdout and len(shown) == len(made)
+    assert [a for a, b in zip(shown, made) if a != b] == [shown[0], shown[-1]]
     assert page.read_text().startswith("<!DOCTYPE html>")
     bad = _run("show", str(tmp_path / "missing.json"))
     assert bad.returncode == 2 and _said(bad.stderr) == [

@@ -67,6 +67,8 @@ def test_pipelined_plan_computes_the_single_device_step(case, mesh, schedule):
     # Saved with the plan, and shown in the report.
     loaded = autopar.Plan.from_json(plan.to_json())
     assert loaded.pipeline == plan.pipeline
+    assert loaded.summary() == plan.summary()   # the stages said, as when it was made
+    assert layer_rows(loaded) == layer_rows(plan)
     assert f"Pipeline over `stage`: {stages} stages" in plan.report()
     assert "on every stage (one SPMD program" in plan.report()
     # the pipelined stack's time is the stacked layer's, not left unattributed

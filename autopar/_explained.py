@@ -1,0 +1,128 @@
+"""What a saved plan keeps of its report that only the traced program can say: the plan in
+words, what each mesh axis carries, the per-layer table and the collectives by place.
+
+:meth:`Plan.to_json <autopar.Plan.to_json>` writes it under ``"explained"`` and
+:meth:`Plan.from_json <autopar.Plan.from_json>` reads it back, so a plan loaded from JSON
+(``Plan.load``, ``autopar show``) explains itself as the plan that was saved. A file without
+it (written before it was kept) still loads, and its report lists the shardings alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar._layers import LayerRow, ParamLeaf, input_layers, layer_rows
+from autopar._report import CollectiveGroup, collective_groups
+from autopar._summary import axis_words, summary_lines
+
+
+@dataclass(frozen=True)
+class Explained:
+    """The parts of a plan's report that need its traced program, as data."""
+    in_words: tuple[str, ...]          # the plan in words (``summary_lines``)
+    axis_words: dict[str, str]         # mesh axis -> what it carries (``axis_words``)
+    rows: tuple[LayerRow, ...]         # the per-layer table (``layer_rows``)
+    layer_inputs: tuple[str, ...]      # the input paths in a layer: parameters, their state
+    collectives: dict[tuple[str, str], list[CollectiveGroup]]   # ``collective_groups``
+
+
+def explanation(plan) -> Explained | None:
+    """``plan``'s explanation: from its traced program, or the one it was loaded with (None
+    for a plan loaded from a file that kept none)."""
+    if plan._details is None:
+        return plan._explained
+    names, _ = input_layers(plan._in_tree, [a.shape for a in plan._arg_avals])
+    return Explained(tuple(summary_lines(plan)), axis_words(plan), tuple(layer_rows(plan)),
+                     tuple(p for p, n in zip(plan.in_paths, names) if n is not None),
+                     collective_groups(plan))
+
+
+def explanation_to_json(e: Explained) -> dict:
+    """``e`` as the JSON :func:`explanation_from_json` reads (a parameter's spec is its
+    input's, so it is not written again)."""
+    return {
+        "in_words": list(e.in_words),
+        "axis_words": dict(e.axis_words),
+        "layers": [{"name": r.name, "state_bytes": int(r.state_bytes),
+                    "compute_s": float(r.compute_s), "comm_s": float(r.comm_s),
+                    "comm_bytes": float(r.comm_bytes), "collectives": int(r.collectives),
+                    "params": [{"path": p.path, "shape": [int(d) for d in p.shape],
+                                "local_shape": [int(d) for d in p.local_shape]} for p in r.params],
+                    "rewrites": dict(r.rewrites), "attention": list(r.attention)}
+                   for r in e.rows],
+        "layer_inputs": list(e.layer_inputs),
+        "collectives": [{"axes": g.axes, "kind": g.kind, "what": g.what, "count": int(g.count),
+                         "wire_bytes": float(g.wire_bytes), "time_s": float(g.time_s)}
+                        for groups in e.collectives.values() for g in groups],
+    }
+
+
+def explanation_from_json(record: dict, in_paths: list[str], in_specs: list) -> Explained:
+    """The :class:`Explained` :func:`explanation_to_json` wrote; ``in_paths`` and
+    ``in_specs`` (the plan's input leaves and their PartitionSpecs) give each parameter its
+    spec. ValueError (or KeyError, TypeError) for a record it did not write."""
+    if not isinstance(record, dict):
+        raise ValueError(f"`explained` is a {type(record).__name__}, not an object")
+    spec_of = dict(zip(in_paths, in_specs))
+    words, carries = record["in_words"], record["axis_words"]
+    if not (_strings(words) and isinstance(carries, dict) and _strings(carries.values())
+            and _strings(record["layer_inputs"])):
+        raise ValueError("`explained` holds a field of the wrong type")
+    rows = tuple(_row(r, spec_of) for r in record["layers"])
+    collectives: dict[tuple[str, str], list[CollectiveGroup]] = {}
+    for g in record["collectives"]:
+        group = CollectiveGroup(_text(g["kind"]), _text(g["axes"]), _text(g["what"]),
+                                _count(g["count"]), _number(g["wire_bytes"]),
+                                _number(g["time_s"]))
+        collectives.setdefault((group.axes, group.kind), []).append(group)
+    return Explained(tuple(words), dict(carries), rows, tuple(record["layer_inputs"]),
+                     collectives)
+
+
+def _row(r: dict, spec_of: dict) -> LayerRow:
+    params = []
+    for p in r["params"]:
+        if p["path"] not in spec_of:
+            raise ValueError(f"layer parameter {str(p['path'])[:80]!r} is not an input")
+        params.append(ParamLeaf(p["path"], _shape(p["shape"]), _shape(p["local_shape"]),
+                                spec_of[p["path"]]))
+    rewrites, attention = r["rewrites"], r["attention"]
+    if not (isinstance(rewrites, dict) and all(map(_is_count, rewrites.values()))
+            and _strings(attention)):
+        raise ValueError("`explained` holds a layer of the wrong type")
+    return LayerRow(_text(r["name"]), _count(r["state_bytes"]), _number(r["compute_s"]),
+                    _number(r["comm_s"]), _number(r["comm_bytes"]), _count(r["collectives"]),
+                    params, dict(rewrites), list(attention))
+
+
+def _strings(values) -> bool:
+    return isinstance(values, (list, type({}.values()))) and all(
+        isinstance(v, str) for v in values)
+
+
+def _text(value) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"`explained` holds {value!r:.40} where a name goes")
+    return value
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _count(value) -> int:
+    if not _is_count(value):
+        raise ValueError(f"`explained` holds {value!r:.40} where a count goes")
+    return value
+
+
+def _number(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"`explained` holds {value!r:.40} where a size or time goes")
+    return value
+
+
+def _shape(value) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"`explained` holds {value!r:.40} where a shape goes")
+    return tuple(_count(d) for d in value)
