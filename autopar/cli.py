@@ -545,6 +545,8 @@ def cmd_show(args) -> int:
     """Explain a plan saved by ``report --json`` or ``Plan.save``, here or on any machine:
     where its devices are not, it is read on its mesh's axes alone (``Plan.load``)."""
     check_outputs((args.html, "--html", "plan.html"), reads=(args.plan,))
+    if args.simulate_devices:   # the devices it was planned on, simulated as when planned
+        _simulate(args.simulate_devices, f"--simulate-devices {args.simulate_devices}")
     import jax
     if not backends_initialized():  # reading a file needs no accelerator (nor to take one)
         jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS") or "cpu")
@@ -708,6 +710,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "on any machine")
     show.add_argument("plan", help="the plan's JSON file")
     show.add_argument("--html", help="write a self-contained HTML report to this path")
+    show.add_argument("--simulate-devices", type=_count(1), default=0, metavar="N",
+                      help="read the plan on N simulated CPU devices, as a plan made with "
+                           "--simulate-devices N was (default: the devices present)")
     show.set_defaults(run=cmd_show)
     exp = sub.add_parser("export", help="plan FILE.py:NAME and write the plan as a Python "
                                         "module (MESH, IN_SPECS, OUT_SPECS) for plain jax.jit")

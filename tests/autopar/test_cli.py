@@ -67,6 +67,10 @@ def test_show_explains_a_saved_plan_where_its_devices_are_not(tmp_path):
     assert "Collectives chosen" in r.stdout and len(shown) == len(made)
     assert [a for a, b in zip(shown, made) if a != b] == [shown[0], shown[-1]]
     assert page.read_text().startswith("<!DOCTYPE html>")
+    # on the simulated devices it was planned on, its first line is the made plan's too
+    here = _run("show", str(path), "--simulate-devices", "8")
+    assert here.returncode == 0, here.stderr
+    assert here.stdout.splitlines()[:-1] == made[:-1]
     bad = _run("show", str(tmp_path / "missing.json"))
     assert bad.returncode == 2 and _said(bad.stderr) == [
         f"autopar: error: no plan file at `{tmp_path / 'missing.json'}`"]
