@@ -795,7 +795,7 @@ class Parallelized:
         donate = tuple(dynamic_pos.index(i) for i in self._donate_argnums if i in dynamic_pos)
         if donate:
             p = p.with_donation(donate)
-        p._require_program()
+        p._require_program("jit")
         return Program(p, p._flat_fn)
 
     def _plan(self, bound, dynamic, static, sig) -> Plan:

@@ -60,17 +60,24 @@ def explanation_to_json(e: Explained) -> dict:
 def explanation_from_json(record: dict, in_paths: list[str], in_specs: list) -> Explained:
     """The :class:`Explained` :func:`explanation_to_json` wrote; ``in_paths`` and
     ``in_specs`` (the plan's input leaves and their PartitionSpecs) give each parameter its
-    spec. ValueError (or KeyError, TypeError) for a record it did not write."""
-    if not isinstance(record, dict):
-        raise ValueError(f"`explained` is a {type(record).__name__}, not an object")
-    spec_of = dict(zip(in_paths, in_specs))
+    spec. ValueError, naming what is wrong, for a record it did not write."""
+    try:
+        return _explained(_object(record, "`explained`"), dict(zip(in_paths, in_specs)))
+    except KeyError as e:
+        raise ValueError(f"`explained` (or an entry of it) lacks its {e.args[0]!r}") from None
+
+
+def _explained(record: dict, spec_of: dict) -> Explained:
     words, carries = record["in_words"], record["axis_words"]
     if not (_strings(words) and isinstance(carries, dict) and _strings(carries.values())
             and _strings(record["layer_inputs"])):
-        raise ValueError("`explained` holds a field of the wrong type")
-    rows = tuple(_row(r, spec_of) for r in record["layers"])
+        raise ValueError("`explained`'s `in_words`, `axis_words` or `layer_inputs` is not "
+                         "text as Plan.save writes it")
+    rows = tuple(_row(_object(r, f"`explained.layers[{i}]`"), spec_of)
+                 for i, r in enumerate(_list(record["layers"], "`explained.layers`")))
     collectives: dict[tuple[str, str], list[CollectiveGroup]] = {}
-    for g in record["collectives"]:
+    for i, g in enumerate(_list(record["collectives"], "`explained.collectives`")):
+        g = _object(g, f"`explained.collectives[{i}]`")
         group = CollectiveGroup(_text(g["kind"]), _text(g["axes"]), _text(g["what"]),
                                 _count(g["count"]), _number(g["wire_bytes"]),
                                 _number(g["time_s"]))
@@ -81,7 +88,8 @@ def explanation_from_json(record: dict, in_paths: list[str], in_specs: list) -> 
 
 def _row(r: dict, spec_of: dict) -> LayerRow:
     params = []
-    for p in r["params"]:
+    for p in _list(r["params"], "a layer's `params`"):
+        p = _object(p, "a layer's parameter")
         if p["path"] not in spec_of:
             raise ValueError(f"layer parameter {str(p['path'])[:80]!r} is not an input")
         params.append(ParamLeaf(p["path"], _shape(p["shape"]), _shape(p["local_shape"]),
@@ -89,10 +97,23 @@ def _row(r: dict, spec_of: dict) -> LayerRow:
     rewrites, attention = r["rewrites"], r["attention"]
     if not (isinstance(rewrites, dict) and all(map(_is_count, rewrites.values()))
             and _strings(attention)):
-        raise ValueError("`explained` holds a layer of the wrong type")
+        raise ValueError(f"`explained`'s layer {str(r['name'])[:40]!r} has `rewrites` or "
+                         "`attention` not as Plan.save writes them")
     return LayerRow(_text(r["name"]), _count(r["state_bytes"]), _number(r["compute_s"]),
                     _number(r["comm_s"]), _number(r["comm_bytes"]), _count(r["collectives"]),
                     params, dict(rewrites), list(attention))
+
+
+def _object(value, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} is a {type(value).__name__}, not an object")
+    return value
+
+
+def _list(value, what: str) -> list:
+    if not isinstance(value, list):
+        raise ValueError(f"{what} is a {type(value).__name__}, not a list")
+    return value
 
 
 def _strings(values) -> bool:

@@ -27,6 +27,7 @@ from autopar._layers import (has_layers, layer_rows, memory_over_program, node_l
                              peak_buffers)
 from autopar._mesh import axis_sizes
 from autopar._report import (
+    baseline_estimates,
     _option_lines,
     _pipeline_lines,
     _remat_lines,
@@ -103,16 +104,16 @@ def _legend(items: list[tuple[str, str]]) -> str:
 
 
 def _estimate_section(plan, baselines) -> list[str]:
-    rows = [("autopar", plan)] + list((baselines or {}).items())
-    out = ["<h2>Estimate per device" + (" beside hand-written baselines" if baselines else "")
+    shown = baseline_estimates(plan, baselines)
+    rows = [("autopar", plan.estimate)] + list(shown.items())
+    out = ["<h2>Estimate per device" + (" beside hand-written baselines" if shown else "")
            + "</h2>",
            _table(["plan", "step time", "compute", "communication", "flops", "wire bytes",
                    "peak memory"],
-                  [[name, format_seconds(p.estimate.step_time_s),
-                    format_seconds(p.estimate.compute_time_s),
-                    format_seconds(p.estimate.comm_time_s), format_flops(p.estimate.flops),
-                    format_bytes(p.estimate.comm_bytes),
-                    format_bytes(p.estimate.peak_memory_bytes)] for name, p in rows],
+                  [[name, format_seconds(e.step_time_s), format_seconds(e.compute_time_s),
+                    format_seconds(e.comm_time_s), format_flops(e.flops),
+                    format_bytes(e.comm_bytes), format_bytes(e.peak_memory_bytes)]
+                   for name, e in rows],
                   row_classes=["chosen"] + [""] * (len(rows) - 1))]
     searched = pipeline_search(plan)
     if searched:
@@ -135,6 +136,9 @@ def _estimate_section(plan, baselines) -> list[str]:
 
 def _validation_section(plan) -> list[str]:
     v = plan.stats.get("validation")
+    if not v and plan._flat_fn is None:   # loaded: nothing here can compile it
+        return ["<h2>Validation</h2>", '<p class="note">Not run before the plan was saved: '
+                "<code>autopar report --validate --json</code> keeps its results.</p>"]
     if not v:
         return ["<h2>Validation</h2>", '<p class="note">Not run: <code>plan.validate()</code> '
                 "or <code>autopar report --validate</code> compiles the plan and puts this "
@@ -278,8 +282,11 @@ def render_html(plan, baselines: dict | None = None, fragment: bool = False) -> 
                      "<pre>" + html.escape("\n".join(_pipeline_lines(plan.pipeline)[1:]))
                      + "</pre>", _legend([(COMPUTE, "forward"), (COMM, "backward")]),
                      gantt(plan.pipeline)]
-        if plan._details is not None:   # a loaded plan has no program to walk
+        if plan._details is not None:
             body += _memory_section(plan)
+        else:   # loaded: the chart walks the program, which a saved plan does not keep
+            body += ["<h2>Memory over the program</h2>", '<p class="note">Not kept in a saved '
+                     "plan: plan the function again to see it.</p>"]
         if plan.stats.get("remat"):
             body.append("<pre>" + html.escape("\n".join(_remat_lines(plan.stats["remat"])[1:]))
                         + "</pre>")

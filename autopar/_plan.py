@@ -243,14 +243,15 @@ class Plan:
     _explained: Any = field(default=None, compare=False, repr=False)
 
     # ----- running
-    def _require_program(self):
+    def _require_program(self, method: str):
         if self._flat_fn is None:
             raise PlanFormatError(
-                "this plan was loaded from JSON and holds shardings and estimates only, not the "
-                "program, its shardings flat (one per argument leaf, in plan.in_paths). "
-                "Re-plan with autopar.plan(fn, *args, mesh=...), or write plan.to_python(path) "
-                "and run fn with jax.jit(fn, in_shardings=module.in_shardings(mesh, "
-                "like=args), out_shardings=module.out_shardings(mesh, like=results)).")
+                f"plan.{method}() needs the planned program, and this plan was loaded from JSON: "
+                "it holds the shardings (flat, one per argument leaf, in plan.in_paths), the "
+                "estimates and the report, not the program. Plan again with autopar.plan(fn, "
+                "*args, mesh=...), or write plan.to_python(path) and run fn with jax.jit(fn, "
+                "in_shardings=module.in_shardings(mesh, like=args), out_shardings="
+                "module.out_shardings(mesh, like=jax.eval_shape(fn, *args))).")
 
     def jit(self, donate_argnums=None) -> Callable:
         """A callable with the planned function's signature that runs the parallel program.
@@ -258,7 +259,7 @@ class Plan:
         ``donate_argnums`` (as in ``jax.jit``) defaults to the plan's own. Arguments committed
         to other devices or shardings (another program's results) are copied into the
         planned shardings first; ``jax.jit`` itself would refuse them."""
-        self._require_program()
+        self._require_program("jit")
         if donate_argnums is None:
             donate_argnums = self.donate_argnums
         flat_in = jax.tree_util.tree_leaves(self.in_shardings)
@@ -304,7 +305,7 @@ class Plan:
     def with_donation(self, donate_argnums) -> Plan:
         """This plan, its program reusing the buffers of arguments ``donate_argnums`` for the
         results (params and optimizer state in a train step); the memory estimate follows."""
-        self._require_program()
+        self._require_program("with_donation")
         argnums = tuple(sorted({donate_argnums} if isinstance(donate_argnums, int)
                                else set(donate_argnums)))
         donating = dataclasses.replace(self, donate_argnums=argnums)
@@ -315,7 +316,7 @@ class Plan:
 
     def compile(self):
         """The jax.stages.Compiled program, compiled from abstract arguments (nothing runs)."""
-        self._require_program()
+        self._require_program("compile")
         flat_in = jax.tree_util.tree_leaves(self.in_shardings)
         abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
                     for a, s in zip(self._arg_avals, flat_in)]
@@ -394,7 +395,7 @@ class Plan:
         """Compile the plan and put its prediction beside the compiled HLO: wire bytes, flops
         and peak memory as (predicted, compiled), per-kind collective counts and bytes, and the
         collective kinds XLA inserted that the plan did not predict."""
-        self._require_program()
+        self._require_program("validate")
         from autopar._validate import validate
         return validate(self)
 

@@ -3,6 +3,7 @@ their shapes, the collectives by mesh axis and kind, and what the planner did.""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import textwrap
 from collections import defaultdict
@@ -27,6 +28,7 @@ from autopar._sizes import format_bytes, format_flops, format_seconds
 from autopar._summary import summary_lines
 from autopar._validate import validation_table
 from autopar.cost_model.spec import pspec_text
+from autopar.passes.estimate import Estimate
 
 #: The report's line width where it wraps a long list.
 _WIDTH = 100
@@ -46,6 +48,9 @@ def mesh_words(plan) -> str:
 
 def hardware_words(plan) -> str:
     """The profile the costs came from, and whether it was the default."""
+    if plan.stats.get("hardware_default") and plan._flat_fn is None:   # loaded
+        return (f"hardware profile `{plan.hardware}` (the default of the backend it was "
+                "planned on)")
     if plan.stats.get("hardware_default"):
         return (f"hardware profile `{plan.hardware}` (the default, this backend's; pass "
                 "hardware=... or --hardware to plan for another)")
@@ -131,13 +136,31 @@ def _param_lines(params) -> list[str]:
             for p, s in zip(params, shapes)]
 
 
-def _baseline_lines(plan, baselines) -> list[str]:
+def baseline_estimates(plan, baselines: dict | None) -> dict[str, Estimate]:
+    """{name: Estimate} of the baselines shown beside ``plan``: those given ({name: Plan}),
+    else those saved with it (``stats["baselines"]``, which ``autopar report --json``
+    writes: :func:`with_baselines`)."""
+    if baselines:
+        return {name: p.estimate for name, p in baselines.items()}
+    return {name: Estimate(**d) for name, d in (plan.stats.get("baselines") or {}).items()}
+
+
+def with_baselines(plan, baselines: dict | None):
+    """``plan`` with the estimates of ``baselines`` ({name: Plan}) in its statistics, so that
+    the plan it saves shows them beside it when loaded (:func:`baseline_estimates`)."""
     if not baselines:
+        return plan
+    kept = {name: p.estimate.to_dict() for name, p in baselines.items()}
+    return dataclasses.replace(plan, stats={**plan.stats, "baselines": kept})
+
+
+def _baseline_lines(plan, baselines) -> list[str]:
+    shown = baseline_estimates(plan, baselines)
+    if not shown:
         return []
     lines = ["", "Beside hand-written baselines (autopar's prediction of each jax.jit program):",
              f"  {'plan':<16}{'step time':>12}{'compute':>12}{'comm':>12}{'peak memory':>14}"]
-    for name, p in [("autopar", plan)] + list(baselines.items()):
-        b = p.estimate
+    for name, b in [("autopar", plan.estimate)] + list(shown.items()):
         lines.append(f"  {name:<16}{_fmt_s(b.step_time_s):>12}{_fmt_s(b.compute_time_s):>12}"
                      f"{_fmt_s(b.comm_time_s):>12}{_fmt_bytes(b.peak_memory_bytes):>14}")
     return lines

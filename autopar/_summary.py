@@ -228,8 +228,8 @@ def summary_lines(plan) -> list[str]:
         axes = [a for a in sizes if any(a in _axes(e) for sp in split for e in sp)]
         return [f"{len(split)} of {len(specs)} inputs split"
                 + (f" over {', '.join(f'{a}({sizes[a]})' for a in axes)}" if axes else "")
-                + " (a plan loaded from JSON holds its shardings, not its program: plan "
-                "again for the plan in words)"]
+                + " (this file, saved before autopar kept a plan's explanation, holds its "
+                "shardings alone: plan again for the plan in words)"]
     lines = [f"{head}: {said}" for head, said in _layer_words(plan, sizes)]
     p = plan.pipeline
     if p:

@@ -1,4 +1,4 @@
-"""The `autopar` command line: demo, report, export, profile.
+"""The `autopar` command line: demo, report, show, export, profile.
 
 Errors print one line and exit non-zero; ``--debug`` shows the traceback.
 """
@@ -530,8 +530,9 @@ def cmd_report(args) -> int:
         if not args.quiet:
             progress_line("compiling the plan to check the prediction")
         _say("\n" + validation_table(plan))
-    if args.json:
-        write_output(args.json, "--json", plan.to_json())
+    if args.json:   # with its baselines' estimates, which `autopar show` shows beside it
+        from autopar._report import with_baselines
+        write_output(args.json, "--json", with_baselines(plan, baselines).to_json())
         _say(f"\nwrote {args.json}")
     if args.html:
         from autopar._html import render_html
@@ -677,14 +678,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show Python tracebacks (accepted anywhere on the line)")
     parser.add_argument("--version", action="version", version=f"autopar {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="plan and run the bundled GPT example on 8 simulated "
-                                       "CPU devices")
+    demo = _command(sub, "demo", "plan and run the bundled GPT example on 8 simulated "
+                                 "CPU devices")
     demo.add_argument("--hardware", default="h100",
                       help="hardware profile to plan for (default: h100)")
     demo.add_argument("--no-baselines", action="store_true",
                       help="skip estimating the data-parallel and FSDP baselines")
     demo.set_defaults(run=cmd_demo)
-    rep = sub.add_parser("report", help="plan FILE.py:NAME and explain the plan")
+    rep = _command(sub, "report", "plan FILE.py:NAME and explain the plan")
     _add_planning_arguments(rep)
     rep.add_argument("--json", help="write the plan as JSON to this path")
     rep.add_argument("--html", help="write a self-contained HTML report to this path")
@@ -706,16 +707,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="no rewrite that hides communication behind compute (collective "
                           "matmul, weight prefetch), as plan(..., overlap=False)")
     rep.set_defaults(run=cmd_report)
-    show = sub.add_parser("show", help="explain a plan saved by report --json or Plan.save, "
-                                       "on any machine")
+    show = _command(sub, "show", "explain a plan saved by report --json or Plan.save, "
+                                 "on any machine (as it was made, its baselines too)")
     show.add_argument("plan", help="the plan's JSON file")
     show.add_argument("--html", help="write a self-contained HTML report to this path")
     show.add_argument("--simulate-devices", type=_count(1), default=0, metavar="N",
                       help="read the plan on N simulated CPU devices, as a plan made with "
                            "--simulate-devices N was (default: the devices present)")
     show.set_defaults(run=cmd_show)
-    exp = sub.add_parser("export", help="plan FILE.py:NAME and write the plan as a Python "
-                                        "module (MESH, IN_SPECS, OUT_SPECS) for plain jax.jit")
+    exp = _command(sub, "export", "plan FILE.py:NAME and write the plan as a Python "
+                                  "module (MESH, IN_SPECS, OUT_SPECS) for plain jax.jit")
     _add_planning_arguments(exp)
     exp.add_argument("--out", required=True, help="the .py file to write")
     exp.add_argument("--pinned", action="store_true",
@@ -723,8 +724,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "does not reproduce (default: a plan plain jax.jit runs as planned, "
                           "as plan(..., exportable=True) makes)")
     exp.set_defaults(run=cmd_export)
-    prof = sub.add_parser("profile", help="measure this machine's matmuls, memory and "
-                                          "collectives and write a hardware profile JSON")
+    prof = _command(sub, "profile", "measure this machine's matmuls, memory and "
+                                    "collectives and write a hardware profile JSON")
     prof.add_argument("--mesh", required=True, help="e.g. data=2,model=4 (the axes to measure)")
     prof.add_argument("--out", required=True, help="the profile JSON to write")
     prof.add_argument("--base", default=None,
@@ -740,6 +741,11 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--quiet", action="store_true", help="no progress lines")
     prof.set_defaults(run=cmd_profile)
     return parser
+
+
+def _command(sub, name: str, said: str) -> argparse.ArgumentParser:
+    """The subcommand ``name``: ``said`` in ``autopar --help``'s list, and first in its own."""
+    return sub.add_parser(name, help=said, description=f"{said[0].upper()}{said[1:]}.")
 
 
 def main(argv=None) -> int:

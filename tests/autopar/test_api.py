@@ -43,11 +43,14 @@ def test_plan_fields_and_json_round_trip(tmp_path):
     lowered = jax.jit(fn, in_shardings=ins, out_shardings=outs).lower(*args)
     assert lowered.compile() is not None
     # Its report is the one it was saved with (the plan in words, the per-layer table, the
-    # collectives), but for the planner's wall-clock times, which it leaves out whole.
+    # collectives), but for the planner's wall-clock times, which it leaves out whole, and
+    # its first line, which no longer offers to plan for other hardware.
     text, made = loaded.report().splitlines(), plan.report().splitlines()
     assert "Per layer (per device; optimizer state follows its parameter):" in text
-    assert [s for s in text if not s.startswith("Planner")] == [
-        s for s in made if not s.startswith("Planner")]
+    assert text[0] == ("autopar plan on mesh data=8 (8 devices), hardware profile "
+                       f"`{plan.hardware}` (the default of the backend it was planned on)")
+    assert [s for s in text[1:] if not s.startswith("Planner")] == [
+        s for s in made[1:] if not s.startswith("Planner")]
     (planner,) = [line for line in text if line.startswith("Planner")]
     (planned,) = [line for line in made if line.startswith("Planner")]
     assert "times" not in planner and planned.startswith(planner + "; times trace")

@@ -275,6 +275,18 @@ def test_load_of_a_broken_inner_field(tmp_path, saved, where, value):
     assert isinstance(info.value, (PlanFormatError, MeshError))
 
 
+@pytest.mark.parametrize("edit, said", [
+    (lambda e: e.pop("layers"), "`explained` (or an entry of it) lacks its 'layers'"),
+    (lambda e: e["layers"].__setitem__(0, "x"), "`explained.layers[0]` is a str, not an object"),
+    (lambda e: e.__setitem__("collectives", {}), "`explained.collectives` is a dict, not a list"),
+])
+def test_a_broken_explanation_is_named(tmp_path, saved, edit, said):
+    doc = json.loads(json.dumps(saved))
+    edit(doc["explained"])
+    with pytest.raises(PlanFormatError, match=re.escape(said)):
+        autopar.Plan.load(_write(tmp_path, doc))
+
+
 def test_load_of_a_mesh_whose_sizes_disagree_with_its_devices_says_so(tmp_path, saved):
     doc = json.loads(json.dumps(saved))
     doc["mesh"]["axis_sizes"] = [4, 4]
@@ -318,6 +330,9 @@ def test_a_plan_whose_devices_are_not_here_loads_to_be_read(tmp_path, saved):
     assert "Collectives chosen" in loaded.report()   # as saved: it has no program to trace
     page = loaded.to_html()
     assert "<h2>Per layer</h2>" in page and "input [0]" in page and "<h2>Mesh</h2>" in page
+    # what it cannot show, it says it does not keep, and points at no call it cannot make
+    assert "Not kept in a saved plan" in page and "Not run before the plan was saved" in page
+    assert "plan.validate()" not in page
     assert json.loads(loaded.to_json()) == doc
     # its shardings are hints on a mesh of the same axes, and refused on another
     again = autopar.plan(fn, *ARGS, mesh=MESH, hardware="cpu",

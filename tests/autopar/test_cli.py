@@ -44,6 +44,14 @@ def test_report_writes_json_and_html(tmp_path):
     assert d["stats"]["validation"]["by_kind"]
     assert d["mesh"] == {"axis_names": ["data", "model"], "axis_sizes": [2, 4],
                          "device_ids": list(range(8))}
+    # the baselines it compared with are saved with it, and shown beside it when loaded
+    import autopar
+    assert set(d["stats"]["baselines"]) == {"dp", "fsdp"}
+    loaded = autopar.Plan.load(out)
+    shown = loaded.report()
+    said = r.stdout[r.stdout.index("Beside hand-written baselines"):].split("\n\n")[0]
+    assert said in shown and "XLA's all-reduce combiner" in shown   # --validate's too
+    assert "fsdp" in loaded.to_html()
 
 
 def test_show_explains_a_saved_plan_where_its_devices_are_not(tmp_path):

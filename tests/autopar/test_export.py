@@ -354,8 +354,10 @@ def test_a_loaded_plan_says_how_to_run_it_and_its_module_does(tmp_path):
     plan = autopar.plan(step, *args, mesh=MESH, hardware="h100")
     plan.save(tmp_path / "plan.json")
     loaded = autopar.Plan.load(tmp_path / "plan.json")
-    with pytest.raises(PlanFormatError, match="to_python"):
-        loaded.jit()
+    for method in (loaded.jit, loaded.compile, loaded.validate):
+        with pytest.raises(PlanFormatError, match=rf"plan\.{method.__name__}\(\) needs the "
+                           r"planned program.*to_python.*like=jax\.eval_shape\(fn, \*args\)"):
+            method()
     loaded.to_python(tmp_path / "loaded_specs.py")
     specs = _load(str(tmp_path / "loaded_specs.py"))
     mesh = specs.make_mesh()
