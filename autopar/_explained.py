@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar._layers import LayerRow, ParamLeaf, input_layers, layer_rows
+from autopar._layers import LayerRow, ParamLeaf, input_layers, layer_rows, local_shape
 from autopar._report import CollectiveGroup, collective_groups
 from autopar._summary import axis_words, summary_lines
 
@@ -57,23 +57,26 @@ def explanation_to_json(e: Explained) -> dict:
     }
 
 
-def explanation_from_json(record: dict, in_paths: list[str], in_specs: list) -> Explained:
+def explanation_from_json(record: dict, in_paths: list[str], in_specs: list,
+                          axis_sizes: dict[str, int]) -> Explained:
     """The :class:`Explained` :func:`explanation_to_json` wrote; ``in_paths`` and
     ``in_specs`` (the plan's input leaves and their PartitionSpecs) give each parameter its
-    spec. ValueError, naming what is wrong, for a record it did not write."""
+    spec, which must split its shape into its per-device shape on a mesh of ``axis_sizes``.
+    ValueError, naming what is wrong, for a record it did not write."""
     try:
-        return _explained(_object(record, "`explained`"), dict(zip(in_paths, in_specs)))
+        return _explained(_object(record, "`explained`"), dict(zip(in_paths, in_specs)),
+                          axis_sizes)
     except KeyError as e:
         raise ValueError(f"`explained` (or an entry of it) lacks its {e.args[0]!r}") from None
 
 
-def _explained(record: dict, spec_of: dict) -> Explained:
+def _explained(record: dict, spec_of: dict, sizes: dict[str, int]) -> Explained:
     words, carries = record["in_words"], record["axis_words"]
     if not (_strings(words) and isinstance(carries, dict) and _strings(carries.values())
             and _strings(record["layer_inputs"])):
         raise ValueError("`explained`'s `in_words`, `axis_words` or `layer_inputs` is not "
                          "text as Plan.save writes it")
-    rows = tuple(_row(_object(r, f"`explained.layers[{i}]`"), spec_of)
+    rows = tuple(_row(_object(r, f"`explained.layers[{i}]`"), spec_of, sizes)
                  for i, r in enumerate(_list(record["layers"], "`explained.layers`")))
     collectives: dict[tuple[str, str], list[CollectiveGroup]] = {}
     for i, g in enumerate(_list(record["collectives"], "`explained.collectives`")):
@@ -86,14 +89,20 @@ def _explained(record: dict, spec_of: dict) -> Explained:
                      collectives)
 
 
-def _row(r: dict, spec_of: dict) -> LayerRow:
+def _row(r: dict, spec_of: dict, sizes: dict[str, int]) -> LayerRow:
     params = []
     for p in _list(r["params"], "a layer's `params`"):
         p = _object(p, "a layer's parameter")
-        if p["path"] not in spec_of:
-            raise ValueError(f"layer parameter {str(p['path'])[:80]!r} is not an input")
-        params.append(ParamLeaf(p["path"], _shape(p["shape"]), _shape(p["local_shape"]),
-                                spec_of[p["path"]]))
+        path = p["path"]
+        if path not in spec_of:
+            raise ValueError(f"layer parameter {str(path)[:80]!r} is not an input")
+        leaf = ParamLeaf(path, _shape(p["shape"]), _shape(p["local_shape"]), spec_of[path])
+        if (len(leaf.spec) > len(leaf.shape)
+                or local_shape(leaf.shape, leaf.spec, sizes) != leaf.local_shape):
+            raise ValueError(f"parameter {path[:80]!r} of shape {list(leaf.shape)} is not split "
+                             f"by its spec {leaf.spec} into its per-device shape "
+                             f"{list(leaf.local_shape)}")
+        params.append(leaf)
     rewrites, attention = r["rewrites"], r["attention"]
     if not (isinstance(rewrites, dict) and all(map(_is_count, rewrites.values()))
             and _strings(attention)):

@@ -178,7 +178,8 @@ def _plan_from_dict(cls, d: dict) -> Plan:
         raise _bad("donate_argnums", donate)
     ids = d["mesh"].get("device_ids")
     explained = (None if "explained" not in d else
-                 explanation_from_json(d["explained"], in_paths, [s.spec for s in ins]))
+                 explanation_from_json(d["explained"], in_paths, [s.spec for s in ins],
+                                       axis_sizes(mesh)))
     return cls(mesh, ins, outs, _estimate_from_json(d.get("estimate")), hardware, in_paths,
                out_paths, fallbacks, stats, donate_argnums=tuple(donate),
                pipeline=_pipeline_from_json(d.get("pipeline")),

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,13 @@ def test_plan_fields_and_json_round_trip(tmp_path):
     (planned,) = [line for line in made if line.startswith("Planner")]
     assert "times" not in planner and planned.startswith(planner + "; times trace")
     assert loaded.summary() == plan.summary()
+    # A per-layer table whose shapes its specs do not give (a hand-edited file) is refused.
+    doc = json.loads(path.read_text())
+    param = next(p for r in doc["explained"]["layers"] for p in r["params"])
+    param["local_shape"] = [0] * len(param["shape"])
+    with pytest.raises(autopar.PlanFormatError, match=f"parameter {re.escape(repr(param['path']))}"
+                       " of shape .* is not split by its spec"):
+        autopar.Plan.from_json(json.dumps(doc))
     # A file that kept no explanation (saved before it was kept) gives the shardings alone:
     # every leaf, under headings that say so.
     doc = json.loads(path.read_text())
