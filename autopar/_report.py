@@ -41,8 +41,15 @@ def _shape_str(shape) -> str:
 
 
 def mesh_words(plan) -> str:
+    """``data=2 x model=4 (8 devices)``, and how many are not in this process (a loaded plan's
+    mesh without devices)."""
     n = plan.mesh.size
-    absent = ", not in this process" if isinstance(plan.mesh, AbstractMesh) else ""
+    absent = ""
+    if isinstance(plan.mesh, AbstractMesh):
+        here = {d.id for d in jax.devices()}
+        missing = sum(i not in here for i in plan._device_ids) if plan._device_ids else n
+        absent = (", not in this process" if missing == n
+                  else f", {missing} of them not in this process")
     return f"{mesh_text(plan.mesh)} ({n} device{'s' if n != 1 else ''}{absent})"
 
 

@@ -387,9 +387,15 @@ def test_a_plan_made_on_8_devices_loads_in_a_process_of_one(tmp_path):
     assert "runs on 8 devices, and this process has 1 device:" in run.stderr   # no ids
     lines = run.stdout.splitlines()
     assert lines[0].startswith("Plan(mesh=(data=2 x model=4), hardware='h100'")
-    assert "(8 devices, not in this process)" in lines[1]
+    assert "(8 devices, 7 of them not in this process)" in lines[1]   # device 0 is here
     assert lines[-2:] == ["True", "AbstractMesh"]
     assert "MESH = {'data': 2, 'model': 4}" in module.read_text()
+    # where some of its devices are here, the report says how many are not
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    run = subprocess.run([sys.executable, "-c", _LOADS_ALONE, str(path), str(module), str(bare)],
+                         capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr
+    assert "(8 devices, 4 of them not in this process)" in run.stdout.splitlines()[1]
 
 
 # ----- the CLI, in-process

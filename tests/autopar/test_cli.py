@@ -66,8 +66,8 @@ def test_show_explains_a_saved_plan_where_its_devices_are_not(tmp_path):
     plan.save(path)
     r = _run("show", str(path), "--html", str(page))
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("autopar plan on mesh data=2 x model=4 (8 devices, not in this "
-                               "process), hardware profile `h100`")
+    assert r.stdout.startswith("autopar plan on mesh data=2 x model=4 (8 devices, 7 of them not "
+                               "in this process), hardware profile `h100`")
     assert "Input shardings" in r.stdout and _said(r.stderr) == []
     # the report it was saved with, but for where its devices are and the planner's times
     shown = r.stdout.split("\n\nwrote")[0].splitlines()
