@@ -27,11 +27,11 @@ from autopar._layers import (has_layers, layer_rows, memory_over_program, node_l
                              peak_buffers)
 from autopar._mesh import axis_sizes
 from autopar._report import (
-    baseline_estimates,
     _option_lines,
     _pipeline_lines,
     _remat_lines,
     _shape_str,
+    baseline_estimates,
     candidates,
     collective_groups,
     pipeline_collective_words,
