@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
 from autopar import _api, baselines
 from autopar._judge import abstract, main_dtype
@@ -19,7 +20,7 @@ from autopar.baselines import baseline_kinds
 from autopar.baselines import baseline_kwargs as _baseline_kwargs
 from autopar._mesh import as_auto_mesh, mesh_text, same_axes, with_mesh_when_asked
 from autopar._stack import with_roomy_stack
-from autopar.errors import ArgumentError, ShardingConflictWarning
+from autopar.errors import ArgumentError, ShardingConflictWarning, UnknownHardwareError
 from autopar.cost_model.hardware import get_profile
 from autopar.cost_model.hlo import HloSummary, analyze
 from autopar.cost_model.reference import reference_step_time_s
@@ -104,6 +105,55 @@ def predict_baselines(fn, args, mesh, *, hardware=None, kinds=("dp", "fsdp"), se
     return out
 
 
+def _kinds(kinds) -> tuple[str, ...] | None:
+    """``compare``'s ``kinds``, checked before anything is planned or compiled."""
+    if kinds is None:
+        return None
+    if isinstance(kinds, str):
+        raise ArgumentError(f"`kinds` is the string {kinds!r}: pass a tuple of baseline names, "
+                            f"e.g. kinds=({kinds!r},)")
+    context = {k.value for k in baselines.ContextBaseline}
+    for kind in kinds:
+        if kind not in context:
+            try:
+                baselines.parse_kind(kind)
+            except ArgumentError:
+                choices = [m.value for m in baselines.Baseline] + sorted(context)
+                raise ArgumentError(f"unknown baseline kind {kind!r} in `kinds`; valid choices "
+                                    f"are {', '.join(map(repr, choices))}") from None
+    return tuple(kinds)
+
+
+def _check_plan(plan, args, mesh) -> None:
+    """An ArgumentError unless ``plan`` was made on ``mesh``'s axes for arguments of
+    ``args``'s shapes and dtypes (a loaded plan, which has none, is refused when compiled)."""
+    if not same_axes(plan.mesh, mesh):
+        raise ArgumentError(
+            f"`plan` was made for mesh {mesh_text(plan.mesh)} and the baselines would run "
+            f"on {mesh_text(mesh)}: pass the plan's mesh, or leave `plan` out to plan on "
+            "this one")
+    if not plan._arg_avals:
+        return
+    given = [(tuple(a.shape), jnp.dtype(a.dtype)) for a in jax.tree_util.tree_leaves(
+        abstract(args))]
+    planned = [(tuple(a.shape), jnp.dtype(a.dtype)) for a in plan._arg_avals]
+    if given != planned:
+        where = next((i for i, (g, p) in enumerate(zip(given, planned)) if g != p),
+                     min(len(given), len(planned)))
+        said = (f"argument leaf {plan.in_paths[where]} is {_aval_text(planned[where])} in the "
+                f"plan and {_aval_text(given[where])} here" if where < min(len(given),
+                                                                            len(planned))
+                else f"the plan has {len(planned)} argument leaves and `args` {len(given)}")
+        raise ArgumentError(f"`plan` was made for other arguments than `args` ({said}): pass "
+                            "the arguments it was planned for, or leave `plan` out to plan for "
+                            "these")
+
+
+def _aval_text(aval) -> str:
+    shape, dtype = aval
+    return f"{dtype.name}{list(shape)}"
+
+
 @with_roomy_stack
 def compare(fn, args, mesh, *, hardware=None, kinds=None, plan=None, dtype=None,
             **plan_kwargs):
@@ -114,12 +164,14 @@ def compare(fn, args, mesh, *, hardware=None, kinds=None, plan=None, dtype=None,
       fn: the function to plan, as for :func:`autopar.plan`.
       args: its example arguments, as a tuple (arrays or ``jax.ShapeDtypeStruct`` leaves).
       mesh: a ``jax.sharding.Mesh``, or axis name -> size.
-      hardware: as :func:`autopar.plan`'s (default: this backend's profile).
+      hardware: as :func:`autopar.plan`'s (default: the profile ``plan`` was made for, else
+        this backend's).
       kinds: the baselines to compile, by name (``"dp"``, ``"fsdp"``, ``"megatron"``, ...,
         and the context-parallel ``"ulysses"`` and ``"ring"``, over every device, for a train
         step ``fn(params, opt_state, batch) -> (params, opt_state, loss)``); None: every
         baseline that applies to ``fn`` on ``mesh`` (not the context-parallel ones).
-      plan: a plan of ``fn`` on ``mesh`` already made; None: plans it here.
+      plan: a plan of ``fn`` on ``mesh`` for arguments shaped as ``args``, already made;
+        None: plans it here.
       dtype: the compute dtype whose peak rate prices the flops, the same for every program;
         None prices them at the program's own dtypes (its most common floating dtype), so a
         float32 model is not priced as if it ran in bfloat16.
@@ -127,22 +179,30 @@ def compare(fn, args, mesh, *, hardware=None, kinds=None, plan=None, dtype=None,
 
     Returns:
       (plan, {name: Measured}, planning_time_s): "autopar" and each baseline's compiled
-      program, measured (step time, wire bytes, flops, peak memory, simulated timeline).
+      program, measured (step time, wire bytes, flops, peak memory, simulated timeline);
+      ``planning_time_s`` is 0 for a ``plan`` given.
     """
     if not isinstance(args, tuple):
         raise ArgumentError(f"`args` must be the tuple of example arguments, got "
                             f"{type(args).__name__}: call compare(fn, (params, batch), mesh)")
     jax_mesh = as_auto_mesh(mesh)
-    profile = get_profile(hardware)
-    if plan is not None and not same_axes(plan.mesh, jax_mesh):
-        raise ArgumentError(
-            f"`plan` was made for mesh {mesh_text(plan.mesh)} and the baselines would run "
-            f"on {mesh_text(jax_mesh)}: pass the plan's mesh, or leave `plan` out to "
-            "plan on this one")
-    start = time.perf_counter()
+    kinds = _kinds(kinds)
+    if plan is not None:
+        _check_plan(plan, args, jax_mesh)
+    if plan is not None and hardware is None:   # price it on the profile it was planned for
+        try:
+            profile = get_profile(plan.hardware)
+        except UnknownHardwareError:
+            raise ArgumentError(f"`plan` was made for hardware profile `{plan.hardware}`, "
+                                "which is not a bundled profile's name: pass that profile "
+                                "as `hardware=`") from None
+    else:
+        profile = get_profile(hardware)
+    planning_s = 0.0
     if plan is None:
+        start = time.perf_counter()
         plan = _api.plan(fn, *args, mesh=jax_mesh, hardware=profile, **plan_kwargs)
-    planning_s = time.perf_counter() - start
+        planning_s = time.perf_counter() - start
 
     def baselines_measured():
         priced_at = main_dtype(fn, args) if dtype is None else dtype

@@ -84,7 +84,9 @@ _WRAPPER_KEYS = ("value", "raw_value")
 _SUFFIX = re.compile(r"_\d+$")
 
 
-def _parse_kind(kind: Baseline | str) -> Baseline:
+def parse_kind(kind: Baseline | str) -> Baseline:
+    """The :class:`Baseline` named by ``kind`` (its value or name, any case), or an
+    ArgumentError listing them."""
     if isinstance(kind, Baseline):
         return kind
     if isinstance(kind, str):
@@ -263,7 +265,7 @@ def baseline_shardings(
     its traced program says which weights are column- or row-parallel (see the module
     docstring). Returns a pytree of :class:`PartitionSpec` with the structure of ``args``.
     """
-    kind = _parse_kind(kind)
+    kind = parse_kind(kind)
     if not isinstance(args, (tuple, list)) or len(args) < 1:
         raise ArgumentError(
             "args must be a tuple (params, [opt_state, ...,] batch) of example arguments; "

@@ -181,6 +181,22 @@ def test_a_bare_partition_spec_constraint_names_the_plans_mesh():
     # a plan compared on another mesh than its own is refused
     with pytest.raises(autopar.ArgumentError, match="pass the plan's mesh"):
         autopar.compare(f, (w, x), {"data": 8}, plan=plan, kinds=("dp",))
+    # and so is one made for other arguments, and a kind that is none, before any compile
+    with pytest.raises(autopar.ArgumentError, match=r"made for other arguments than `args` "
+                       r"\(argument leaf \[1\] is float32\[8, 16\] in the plan and "
+                       r"float32\[4, 16\] here\)"):
+        autopar.compare(f, (w, x[:4]), mesh, plan=plan, kinds=("dp",))
+    with pytest.raises(autopar.ArgumentError, match=r"`kinds` is the string 'dp'"):
+        autopar.compare(f, (w, x), mesh, plan=plan, kinds="dp")
+    with pytest.raises(autopar.ArgumentError, match=r"unknown baseline kind 'nope' .*'ring', "
+                       r"'ulysses'"):
+        autopar.compare(f, (w, x), mesh, plan=plan, kinds=("nope",))
+    # a plan given is priced on the profile it was made for, and took no planning here
+    h100 = autopar.plan(f, w, x, mesh=mesh, hardware="h100")
+    _, priced, took = autopar.compare(f, (w, x), mesh, plan=h100, kinds=("dp",))
+    _, asked, _ = autopar.compare(f, (w, x), mesh, plan=h100, kinds=("dp",), hardware="h100")
+    assert took == 0.0 and priced["dp"].step_time_s == asked["dp"].step_time_s
+    assert priced["dp"].step_time_s != measured["dp"].step_time_s   # default profile: cpu
 
 
 def test_validate_flags_collectives_the_plan_did_not_predict(monkeypatch):
