@@ -2,10 +2,10 @@
 
 A restart should not solve the ILP again. An entry holds the solved strategy index of every
 node of the planned program and the layers it rematerializes. Its key covers everything the
-plan was solved under: the function (module, name and source), the mesh and its devices, the
-hardware profile, the input signature and the shardings typed into it, the static arguments,
-every planning option (hints, memory budget, remat, time limit, ...), and the versions of
-autopar (its sources too) and jax. Loading re-traces the function and re-emits the program
+plan was solved under: the function (module, name, source, and the values it closes over and
+its defaults), the mesh and its devices, the hardware profile, the input signature and the
+shardings typed into it, the static arguments, every planning option (hints, memory budget,
+remat, time limit, ...), and the versions of autopar (its sources too) and jax. Loading re-traces the function and re-emits the program
 with the stored choice, which skips the solve (the slow part).
 
 An entry is used only when it is this key's (its ``solved_under`` digest), it is intact (its
@@ -78,6 +78,36 @@ def _source_of(fn) -> str:
         return compiled or repr(target)
 
 
+def _captured(fn) -> str:
+    """What ``fn`` closes over and its default arguments, as text: two closures of one source
+    (``make_train_step(config)`` called with two configs) key apart. Arrays are named by shape
+    and dtype, not read (a closure over the parameters would copy them to the host); a value
+    whose text cannot be made counts as its type."""
+    target = inspect.unwrap(fn)
+    values = [getattr(target, "__defaults__", None), getattr(target, "__kwdefaults__", None)]
+    for cell in getattr(target, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:   # a cell not yet filled
+            values.append(None)
+    out = []
+    for value in values:
+        try:
+            out.append(repr(jax.tree_util.tree_map(_array_named, value)))
+        except Exception:  # noqa: BLE001 (any object's repr may fail; the key must not)
+            out.append(type(value).__qualname__)
+    return repr(out)
+
+
+def _array_named(leaf):
+    """An array leaf as its shape and dtype, a set in sorted order (its text would follow the
+    process's hash seed), anything else as it is."""
+    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"array{tuple(shape)}:{dtype}"
+    return sorted(map(repr, leaf)) if isinstance(leaf, (set, frozenset)) else leaf
+
+
 @functools.lru_cache(maxsize=1)
 def _autopar_version() -> str:
     """The installed version and a hash of autopar's own sources (a source checkout keeps its
@@ -139,7 +169,8 @@ class PlanCache:
     def _material(fn, mesh, hardware, signature, static, options, args) -> str:
         mesh_desc = _mesh_of(mesh) if hasattr(mesh, "devices") else mesh
         material = repr((getattr(fn, "__module__", ""), getattr(fn, "__qualname__", ""),
-                         _source_of(fn), mesh_desc, repr(hardware), repr(signature),
+                         _source_of(fn), _captured(fn), mesh_desc, repr(hardware),
+                         repr(signature),
                          _typed_shardings(args), repr(static),
                          sorted((k, repr(v)) for k, v in options.items()),
                          _autopar_version(), jax.__version__, FORMAT_VERSION))

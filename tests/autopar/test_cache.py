@@ -190,3 +190,24 @@ def _key(**options):
 def test_the_key_covers_what_the_plan_was_solved_under(change):
     assert _key() == _key()
     assert _key(**change) != _key()
+
+
+def _factory(scale):
+    def step(w, x):
+        return w * scale, x @ w
+    return step
+
+
+def test_the_key_covers_what_the_function_closes_over():
+    """Two closures of one source (a factory's train step made with two configs) key apart,
+    so each keeps its own entry; made alike, they share it. Arrays key by shape and dtype
+    (nothing is read from them), and a set by its members, whatever the hash seed."""
+    def key(fn):
+        return PlanCache.key(PlanCache.__new__(PlanCache), fn, as_auto_mesh(MESH), "h100",
+                             "signature", (), {})
+    assert key(_factory(1.0)) == key(_factory(1.0)) != key(_factory(2.0))
+    assert key(_factory(jnp.ones((4, 4)))) == key(_factory(jnp.zeros((4, 4))))
+    assert key(_factory(jnp.ones((4, 4)))) != key(_factory(jnp.ones((4, 2))))
+    from autopar._cache import _captured
+    assert "array(4, 4):float32" in _captured(_factory(jnp.ones((4, 4))))
+    assert _captured(_factory({"b", "a", "c"})) == _captured(_factory({"c", "b", "a"}))
