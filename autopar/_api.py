@@ -887,10 +887,11 @@ def parallelize(fn: Callable | None = None, *, mesh, static_argnums=(), static_a
         plan records them (``plan.donate_argnums``, among the non-static arguments) and its
         peak memory estimate counts the reuse.
       cache_dir: a folder for an on-disk plan cache, so that a restarted program does not
-        solve again. An entry is used only for the same function (its source), arguments,
-        mesh, hardware, options and versions of autopar and jax; a corrupted or stale entry
-        is ignored with a ``StalePlanCacheWarning``, and a folder that cannot be written
-        gives an ``UnusableCacheDirWarning`` (the plan is not cached).
+        solve again. An entry is used only for the same function (its source and what it
+        closes over), arguments, mesh, hardware, options and versions of autopar and jax; a
+        corrupted or stale entry is ignored with a ``StalePlanCacheWarning``, and a folder
+        that cannot be written gives an ``UnusableCacheDirWarning`` (the plan is not
+        cached).
       plan_kwargs: those of :func:`plan` (``hardware``, ``in_shardings``, ...) but
         ``exportable``, applied to the non-static arguments.
 
