@@ -779,6 +779,13 @@ class Parallelized:
         """Plan ``fn`` for this signature and jit its program."""
         fn, n_args = self._fn, len(args)
         dynamic_pos = [i for i in range(n_args) if i not in self._static_argnums]
+        hints = self._kwargs.get("in_shardings")
+        if isinstance(hints, tuple) and len(hints) == n_args > len(dynamic_pos):
+            static = ", ".join(str(i) for i in range(n_args) if i not in dynamic_pos)
+            raise ArgumentError(
+                f"`in_shardings` has {n_args} entries, one per argument, but hints the "
+                f"{len(dynamic_pos)} non-static arguments only (static argument {static} is "
+                "not counted): leave the static arguments' entries out")
 
         def bound(*dyn):
             leaves = split.merge(jax.tree_util.tree_leaves(dyn))

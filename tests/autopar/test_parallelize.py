@@ -101,6 +101,18 @@ def test_donated_arguments_are_consumed():
         autopar.parallelize(lambda a: a, mesh={"data": 8}, static_argnums=0, donate_argnums=0)
 
 
+def test_hints_given_for_static_arguments_too_say_they_are_not_counted():
+    step = autopar.parallelize(lambda x, w, n: (x @ w) * n, mesh={"data": 8}, static_argnums=2,
+                               in_shardings=(PartitionSpec("data"), None, None))
+    with pytest.raises(ArgumentError, match=r"`in_shardings` has 3 entries, one per argument, "
+                       r"but hints the 2 non-static arguments only \(static argument 2 is not "
+                       r"counted\): leave the static arguments' entries out"):
+        step(jnp.ones((8, 4)), jnp.ones((4, 4)), 2)
+    again = autopar.parallelize(lambda x, w, n: (x @ w) * n, mesh={"data": 8}, static_argnums=2,
+                                in_shardings=(PartitionSpec("data"), None))
+    np.testing.assert_allclose(again(jnp.ones((8, 4)), jnp.ones((4, 4)), 2), 8.0)
+
+
 def test_only_arguments_not_yet_in_place_are_put_there(monkeypatch):
     """Each call puts on the planned shardings only what is not there yet: host arrays, and
     arrays placed otherwise. The previous step's results are passed as they are (putting a
