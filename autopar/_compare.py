@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +44,7 @@ class Measured:
     wire_bytes: float
     flops: float
     peak_memory_bytes: int
-    summary: HloSummary
+    summary: HloSummary = field(repr=False)   # every collective's HLO: kilobytes of text
     makespan_s: float         # the simulated timeline's step time
     exposed_comm_s: float     # the communication no compute hides, on the timeline
 
