@@ -1,5 +1,6 @@
 """What a saved plan keeps of its report that only the traced program can say: the plan in
-words, what each mesh axis carries, the per-layer table and the collectives by place.
+words, what each mesh axis carries, the per-layer table, the collectives by place and the
+memory over the program (its chart at most :data:`MEMORY_POINTS` wide).
 
 :meth:`Plan.to_json <autopar.Plan.to_json>` writes it under ``"explained"`` and
 :meth:`Plan.from_json <autopar.Plan.from_json>` reads it back, so a plan loaded from JSON
@@ -11,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar._layers import LayerRow, ParamLeaf, input_layers, layer_rows, local_shape
-from autopar._report import CollectiveGroup, collective_groups
+from autopar._layers import LayerRow, ParamLeaf, Phase, input_layers, layer_rows, local_shape
+from autopar._report import CollectiveGroup, MemoryView, collective_groups, memory_view
 from autopar._summary import axis_words, summary_lines
 
 
@@ -24,6 +25,12 @@ class Explained:
     rows: tuple[LayerRow, ...]         # the per-layer table (``layer_rows``)
     layer_inputs: tuple[str, ...]      # the input paths in a layer: parameters, their state
     collectives: dict[tuple[str, str], list[CollectiveGroup]]   # ``collective_groups``
+    memory: MemoryView                 # the memory over the program (``memory_view``)
+
+
+#: The most points of the memory chart a saved plan keeps: each is the largest of a run of the
+#: program's operations (so its peak stays), in the phase of the run's first.
+MEMORY_POINTS = 512
 
 
 def explanation(plan) -> Explained | None:
@@ -34,7 +41,7 @@ def explanation(plan) -> Explained | None:
     names, _ = input_layers(plan._in_tree, [a.shape for a in plan._arg_avals])
     return Explained(tuple(summary_lines(plan)), axis_words(plan), tuple(layer_rows(plan)),
                      tuple(p for p, n in zip(plan.in_paths, names) if n is not None),
-                     collective_groups(plan))
+                     collective_groups(plan), memory_view(plan))
 
 
 def explanation_to_json(e: Explained) -> dict:
@@ -54,7 +61,24 @@ def explanation_to_json(e: Explained) -> dict:
         "collectives": [{"axes": g.axes, "kind": g.kind, "what": g.what, "count": int(g.count),
                          "wire_bytes": float(g.wire_bytes), "time_s": float(g.time_s)}
                         for groups in e.collectives.values() for g in groups],
+        "memory": _memory_to_json(e.memory),
     }
+
+
+def _memory_to_json(m: MemoryView) -> dict:
+    """``m`` with its chart pooled to at most :data:`MEMORY_POINTS` points, its phases as runs
+    of (phase, points)."""
+    run = -(-len(m.live) // MEMORY_POINTS) or 1
+    live = [max(m.live[i:i + run]) for i in range(0, len(m.live), run)]
+    runs: list[list] = []
+    for phase in m.phases[::run]:
+        if runs and runs[-1][0] == phase.value:
+            runs[-1][1] += 1
+        else:
+            runs.append([phase.value, 1])
+    return {"held": int(m.held), "live": [int(b) for b in live], "phases": runs,
+            "peak_at": m.peak_at // run, "peak_op": int(m.peak_op),
+            "buffers": [[int(n), shape, what] for n, shape, what in m.buffers]}
 
 
 def explanation_from_json(record: dict, in_paths: list[str], in_specs: list,
@@ -86,7 +110,22 @@ def _explained(record: dict, spec_of: dict, sizes: dict[str, int]) -> Explained:
                                 _number(g["time_s"]))
         collectives.setdefault((group.axes, group.kind), []).append(group)
     return Explained(tuple(words), dict(carries), rows, tuple(record["layer_inputs"]),
-                     collectives)
+                     collectives, _memory(_object(record["memory"], "`explained.memory`")))
+
+
+def _memory(m: dict) -> MemoryView:
+    live = tuple(_count(b) for b in _list(m["live"], "`explained.memory.live`"))
+    phases: list[Phase] = []
+    for run in _list(m["phases"], "`explained.memory.phases`"):
+        if not (isinstance(run, list) and len(run) == 2):
+            raise ValueError(f"`explained.memory.phases` holds {run!r:.40}, not [phase, count]")
+        phases += [Phase(run[0])] * _count(run[1])
+    if len(phases) != len(live) or not 0 <= _count(m["peak_at"]) < max(len(live), 1):
+        raise ValueError("`explained.memory` has phases or a peak its chart does not")
+    buffers = tuple((_count(n), _text(shape), _text(what))
+                    for n, shape, what in _list(m["buffers"], "`explained.memory.buffers`"))
+    return MemoryView(_count(m["held"]), live, tuple(phases), m["peak_at"],
+                      _count(m["peak_op"]), buffers)
 
 
 def _row(r: dict, spec_of: dict, sizes: dict[str, int]) -> LayerRow:

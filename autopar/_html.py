@@ -23,10 +23,10 @@ from autopar._charts import (
     memory_chart,
 )
 from autopar._charts import mesh_diagram as _mesh_svg
-from autopar._layers import (has_layers, layer_rows, memory_over_program, node_layers, node_phases,
-                             peak_buffers)
+from autopar._layers import has_layers, layer_rows
 from autopar._mesh import axis_sizes
 from autopar._report import (
+    MemoryView,
     _option_lines,
     _pipeline_lines,
     _remat_lines,
@@ -37,9 +37,9 @@ from autopar._report import (
     pipeline_collective_words,
     pipeline_search,
     hardware_words,
+    memory_view,
     mesh_words,
     outside_layers,
-    place_words,
 )
 from autopar._sizes import format_bytes, format_flops, format_seconds
 from autopar.cost_model.spec import pspec_text
@@ -153,27 +153,16 @@ def _validation_section(plan) -> list[str]:
                    row_classes=flags, text=(4,))]
 
 
-def _memory_section(plan) -> list[str]:
-    held, live = memory_over_program(plan)
-    graph = plan._details[0]
-    phases = node_phases(graph)
-    at, buffers = peak_buffers(plan)
-    labels = node_layers(plan)
-    rows = []
-    for b in buffers:
-        if b.node is None:
-            rows.append([format_bytes(b.nbytes), _shape_str(b.shape), f"argument {b.path}"])
-        else:
-            node = graph.nodes[b.node]
-            where = place_words(node.where, labels[node.id], phases[node.id])
-            rows.append([format_bytes(b.nbytes), "-" if b.what else _shape_str(b.shape),
-                         b.what or f"{node.prim} in {where}"])
+def _memory_section(view: MemoryView) -> list[str]:
     return ["<h2>Memory over the program</h2>",
             _legend([(PHASE_COLORS[p], p) for p in ("forward", "backward", "optimizer")]
                      + [("#999", "held for the whole call (arguments, results)")]),
-            memory_chart(held, list(live), phases, at),
-            f"<p>The largest buffers live at the predicted peak (operation {at}):</p>",
-            _table(["per device", "global shape", "what"], rows, left=0, mono=(2,))]
+            memory_chart(view.held, list(view.live), view.phases, view.peak_at),
+            "<p>The largest buffers live at the predicted peak (operation "
+            f"{view.peak_op}):</p>",
+            _table(["per device", "global shape", "what"],
+                   [[format_bytes(n), shape, what] for n, shape, what in view.buffers],
+                   left=0, mono=(2,))]
 
 
 
@@ -282,11 +271,7 @@ def render_html(plan, baselines: dict | None = None, fragment: bool = False) -> 
                      "<pre>" + html.escape("\n".join(_pipeline_lines(plan.pipeline)[1:]))
                      + "</pre>", _legend([(COMPUTE, "forward"), (COMM, "backward")]),
                      gantt(plan.pipeline)]
-        if plan._details is not None:
-            body += _memory_section(plan)
-        else:   # loaded: the chart walks the program, which a saved plan does not keep
-            body += ["<h2>Memory over the program</h2>", '<p class="note">Not kept in a saved '
-                     "plan: plan the function again to see it.</p>"]
+        body += _memory_section(memory_view(plan))
         if plan.stats.get("remat"):
             body.append("<pre>" + html.escape("\n".join(_remat_lines(plan.stats["remat"])[1:]))
                         + "</pre>")

@@ -19,8 +19,10 @@ from autopar._layers import (
     input_layers,
     is_region,
     layer_rows,
+    memory_over_program,
     node_layers,
     node_phases,
+    peak_buffers,
     same_layer_groups,
 )
 from autopar._mesh import axis_sizes, mesh_text
@@ -345,6 +347,42 @@ def outside_layers(plan, param_paths: set[str]) -> tuple[list, list]:
             for p, s in zip(plan.out_paths, jax.tree_util.tree_leaves(plan.out_shardings))
             if p not in in_layer]
     return ins, outs
+
+
+# ----- memory
+@dataclass(frozen=True)
+class MemoryView:
+    """The memory over the program as the report draws it, per device: the bytes held for the
+    whole call, the other live bytes at each point of the program and its phase, the point of
+    the predicted peak (``peak_at``, and ``peak_op``, the operation it is), and the largest
+    buffers live there as (bytes, global shape, what)."""
+    held: int
+    live: tuple[int, ...]
+    phases: tuple[Phase, ...]
+    peak_at: int
+    peak_op: int
+    buffers: tuple[tuple[int, str, str], ...]
+
+
+def memory_view(plan) -> MemoryView | None:
+    """``plan``'s :class:`MemoryView`: from its traced program, or as it was saved (None for a
+    loaded plan from a file that kept no explanation)."""
+    if plan._details is None:
+        return None if plan._explained is None else plan._explained.memory
+    held, live = memory_over_program(plan)
+    graph = plan._details[0]
+    phases, labels = node_phases(graph), node_layers(plan)
+    at, buffers = peak_buffers(plan)
+    rows = []
+    for b in buffers:
+        if b.node is None:
+            rows.append((b.nbytes, _shape_str(b.shape), f"argument {b.path}"))
+        else:
+            node = graph.nodes[b.node]
+            where = place_words(node.where, labels[node.id], phases[node.id])
+            rows.append((b.nbytes, "-" if b.what else _shape_str(b.shape),
+                         b.what or f"{node.prim} in {where}"))
+    return MemoryView(held, tuple(live), tuple(phases), at, at, tuple(rows))
 
 
 # ----- collectives

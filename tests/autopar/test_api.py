@@ -56,6 +56,16 @@ def test_plan_fields_and_json_round_trip(tmp_path):
     (planned,) = [line for line in made if line.startswith("Planner")]
     assert "times" not in planner and planned.startswith(planner + "; times trace")
     assert loaded.summary() == plan.summary()
+    # its HTML page's memory chart is pooled to at most 512 points (this step has more
+    # operations), and keeps the peak and the buffers live there
+    def memory(page):
+        section = page.split("<h2>Memory over the program</h2>")[1].split("<h2>")[0]
+        return section.split("</svg>")
+    (made_chart, made_rest), (chart, rest) = memory(plan.to_html()), memory(loaded.to_html())
+    assert rest == made_rest and "The largest buffers live at the predicted peak" in rest
+    assert chart.count(",") < made_chart.count(",")
+    peak = made_chart.split("peak ")[1].split("<")[0]
+    assert f"peak {peak}<" in chart
     # A per-layer table whose shapes its specs do not give (a hand-edited file) is refused.
     doc = json.loads(path.read_text())
     param = next(p for r in doc["explained"]["layers"] for p in r["params"])

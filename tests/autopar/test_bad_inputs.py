@@ -239,7 +239,11 @@ DEEP = [(("mesh", "axis_names"), v)
     for v in ("x", [{"path": "not an input", "shape": [1], "local_shape": [1]}])] + [
     (("explained", "layers", 0, "rewrites"), v) for v in ([], {"a": -1})] + [
     (("explained", "collectives", 0, "count"), v) for v in (-1, 1.5, None)] + [
-    (("explained", "collectives", 0, "kind"), v) for v in (1, None)]
+    (("explained", "collectives", 0, "kind"), v) for v in (1, None)] + [
+    (("explained", "memory", "phases"), v) for v in ([["nope", 1]], [["forward"]], [])] + [
+    (("explained", "memory", "peak_at"), v) for v in (10**9, -1, None)] + [
+    (("explained", "memory", "live"), v) for v in ("x", [-1])] + [
+    (("explained", "memory", "buffers"), v) for v in ([[1, 2]], [[1, 2, 3]], "x")]
 
 
 def _write(tmp_path, data) -> str:
@@ -330,9 +334,9 @@ def test_a_plan_whose_devices_are_not_here_loads_to_be_read(tmp_path, saved):
     assert "Collectives chosen" in loaded.report()   # as saved: it has no program to trace
     page = loaded.to_html()
     assert "<h2>Per layer</h2>" in page and "input [0]" in page and "<h2>Mesh</h2>" in page
-    # what it cannot show, it says it does not keep, and points at no call it cannot make
-    assert "Not kept in a saved plan" in page and "Not run before the plan was saved" in page
-    assert "plan.validate()" not in page
+    # its memory chart as saved; and it points at no call it cannot make
+    assert "<h2>Memory over the program</h2>" in page and "peak" in page
+    assert "Not run before the plan was saved" in page and "plan.validate()" not in page
     assert json.loads(loaded.to_json()) == doc
     # its shardings are hints on a mesh of the same axes, and refused on another
     again = autopar.plan(fn, *ARGS, mesh=MESH, hardware="cpu",
