@@ -114,7 +114,9 @@ def _explained(record: dict, spec_of: dict, sizes: dict[str, int]) -> Explained:
 
 
 def _memory(m: dict) -> MemoryView:
-    live = tuple(_count(b) for b in _list(m["live"], "`explained.memory.live`"))
+    # live bytes are counted beside those held for the whole call, and the memory model's
+    # accounting takes some below zero (a pipelined plan's, by 32 KiB)
+    live = tuple(_integer(b) for b in _list(m["live"], "`explained.memory.live`"))
     phases: list[Phase] = []
     for run in _list(m["phases"], "`explained.memory.phases`"):
         if not (isinstance(run, list) and len(run) == 2):
@@ -177,6 +179,12 @@ def _text(value) -> str:
 
 def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _integer(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"`explained` holds {value!r:.40} where a number of bytes goes")
+    return value
 
 
 def _count(value) -> int:

@@ -242,7 +242,7 @@ DEEP = [(("mesh", "axis_names"), v)
     (("explained", "collectives", 0, "kind"), v) for v in (1, None)] + [
     (("explained", "memory", "phases"), v) for v in ([["nope", 1]], [["forward"]], [])] + [
     (("explained", "memory", "peak_at"), v) for v in (10**9, -1, None)] + [
-    (("explained", "memory", "live"), v) for v in ("x", [-1])] + [
+    (("explained", "memory", "live"), v) for v in ("x", [1.5], [True])] + [
     (("explained", "memory", "buffers"), v) for v in ([[1, 2]], [[1, 2, 3]], "x")]
 
 
