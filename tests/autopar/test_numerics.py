@@ -1,5 +1,6 @@
 """Every plan computes what the single-device function computes: outputs and updated
-parameters of each example model's train step, on the 1-D, 2-D and 3-D meshes."""
+parameters of each example model's train step, on the 1-D, 2-D and 3-D meshes. Each plan also
+saves and reads back as it is (``_saved_and_read``)."""
 
 import warnings
 
@@ -27,7 +28,20 @@ def _check(fn, args, mesh, **kw):
     assert len(got) == len(expected)
     for a, b in zip(got, expected):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-5)
+    _saved_and_read(plan)
     return plan
+
+
+def _saved_and_read(plan):
+    """The plan read back from its JSON writes the same JSON, and its report is the made one's
+    but for the planner's times (a plan of any model, mesh and solver ending saves whole)."""
+    text = plan.to_json()
+    loaded = autopar.Plan.from_json(text)
+    assert loaded.to_json() == text
+
+    def shown(p):
+        return [line for line in p.report().splitlines()[1:] if not line.startswith("Planner")]
+    assert shown(loaded) == shown(plan)
 
 
 def _batch_hint(args, axis):
