@@ -688,6 +688,13 @@ class Parallelized:
         self._replan_warned = False
         self._positions = _keyword_positions(fn)
 
+    def __repr__(self) -> str:
+        mesh = self._kwargs.get("mesh")
+        sizes = mesh if isinstance(mesh, dict) else getattr(mesh, "shape", None)
+        shown = " x ".join(f"{a}={n}" for a, n in dict(sizes).items()) if sizes else repr(mesh)
+        return (f"autopar.parallelize({self.__name__}, mesh={shown}): {self.plans_made} "
+                f"plan(s) made, {self.plans_loaded} loaded from the plan cache")
+
     def _split(self, args, kwargs):
         if not kwargs and not self._static_argnums:
             return (), (), args

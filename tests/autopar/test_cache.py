@@ -67,6 +67,8 @@ def test_an_intact_entry_is_used(stored, tmp_path):
     step = _step(tmp_path)
     np.testing.assert_allclose(np.asarray(step(W, X)), want, rtol=1e-6)
     assert step.plans_loaded == 1 and step.plan.stats["source"] == "cached"
+    assert repr(step) == ("autopar.parallelize(update, mesh=data=2 x model=4): 0 plan(s) made, "
+                          "1 loaded from the plan cache")
     # the report says so, rather than reading as an ILP of no variables
     (planner,) = [line for line in step.plan.report().splitlines() if line.startswith("Planner")]
     assert "the plan cache's plan (no ILP solved)" in planner and "variables" not in planner
