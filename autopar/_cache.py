@@ -5,8 +5,9 @@ node of the planned program and the layers it rematerializes. Its key covers eve
 plan was solved under: the function (module, name, source, and the values it closes over and
 its defaults), the mesh and its devices, the hardware profile, the input signature and the
 shardings typed into it, the static arguments, every planning option (hints, memory budget,
-remat, time limit, ...), and the versions of autopar (its sources too) and jax. Loading re-traces the function and re-emits the program
-with the stored choice, which skips the solve (the slow part).
+remat, time limit, ...), and the versions of autopar (its sources too) and jax. Loading
+re-traces the function and re-emits the program with the stored choice, which skips the solve
+(the slow part).
 
 An entry is used only when it is this key's (its ``solved_under`` digest), it is intact (its
 checksum), its program is this one (the graph fingerprint) and its choice gives the plan it
