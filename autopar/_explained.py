@@ -96,7 +96,7 @@ def explanation_from_json(record: dict, in_paths: list[str], in_specs: list,
 
 def _explained(record: dict, spec_of: dict, sizes: dict[str, int]) -> Explained:
     words, carries = record["in_words"], record["axis_words"]
-    if not (_strings(words) and isinstance(carries, dict) and _strings(carries.values())
+    if not (_strings(words) and isinstance(carries, dict) and _strings(list(carries.values()))
             and _strings(record["layer_inputs"])):
         raise ValueError("`explained`'s `in_words`, `axis_words` or `layer_inputs` is not "
                          "text as Plan.save writes it")
@@ -167,8 +167,7 @@ def _list(value, what: str) -> list:
 
 
 def _strings(values) -> bool:
-    return isinstance(values, (list, type({}.values()))) and all(
-        isinstance(v, str) for v in values)
+    return isinstance(values, list) and all(isinstance(v, str) for v in values)
 
 
 def _text(value) -> str:
@@ -177,12 +176,16 @@ def _text(value) -> str:
     return value
 
 
+def _is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return _is_integer(value) and value >= 0
 
 
 def _integer(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not _is_integer(value):
         raise ValueError(f"`explained` holds {value!r:.40} where a number of bytes goes")
     return value
 

@@ -213,3 +213,5 @@ def test_the_key_covers_what_the_function_closes_over():
     from autopar._cache import _captured
     assert "array(4, 4):float32" in _captured(_factory(jnp.ones((4, 4))))
     assert _captured(_factory({"b", "a", "c"})) == _captured(_factory({"c", "b", "a"}))
+    said = _captured(_factory({"c", "b", "a"}))   # its members in sorted order
+    assert said.index("a") < said.index("b") < said.index("c")
